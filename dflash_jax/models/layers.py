@@ -1,0 +1,110 @@
+"""Building blocks shared by the targets and the drafter.
+
+Every parameter carries logical axis names (`embed`, `vocab`, `q_heads`, `kv_heads`, `mlp`, `head_dim`, ...);
+`dflash_jax.sharding.LOGICAL_RULES` maps them onto the (data, fsdp, tensor) mesh in one table.
+Linear kernels are stored [in, out] (JAX layout); Hugging Face stores [out, in].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+INIT_STD = 0.02  # HF Qwen `initializer_range`
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel, no bias. `axes` names the (in, out) kernel dimensions."""
+
+    def __init__(self, in_features: int, out_features: int, *, axes: tuple[str, str], rngs: nnx.Rngs,
+                 param_dtype=jnp.float32):
+        init = jax.random.normal(rngs.params(), (in_features, out_features), param_dtype) * INIT_STD
+        self.kernel = nnx.Param(init, sharding_names=axes)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        return jnp.dot(x.astype(kernel.dtype), kernel)
+
+
+class Embed(nnx.Module):
+    """Token embedding table [vocab, embed]; `attend` is the tied LM head."""
+
+    def __init__(self, vocab_size: int, features: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        init = jax.random.normal(rngs.params(), (vocab_size, features), param_dtype) * INIT_STD
+        self.embedding = nnx.Param(init, sharding_names=("vocab", "embed"))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        table = self.embedding[...]
+        return jnp.dot(x.astype(table.dtype), table.T)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis.
+
+    zero_centered=False is Qwen3's `w * x̂` with x̂ cast to the input dtype before the multiply
+    (transformers `Qwen3RMSNorm`); zero_centered=True is Qwen3.5's `(1 + w) * x̂` computed in fp32 and cast
+    once (transformers `Qwen3_5RMSNorm`). Weights start at 1 (plain) or 0 (zero-centred): both mean identity.
+    """
+
+    def __init__(self, features: int, *, eps: float, zero_centered: bool = False, axis_name: str = "embed",
+                 param_dtype=jnp.float32):
+        init = jnp.zeros if zero_centered else jnp.ones
+        self.weight = nnx.Param(init((features,), param_dtype), sharding_names=(axis_name,))
+        self.eps = eps
+        self.zero_centered = zero_centered
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        weight = self.weight[...]
+        if self.zero_centered:
+            return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+        return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.gate_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), rngs=rngs,
+                                param_dtype=param_dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), rngs=rngs,
+                              param_dtype=param_dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, axes=("mlp", "embed"), rngs=rngs,
+                                param_dtype=param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inverse_frequencies(rotary_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
+    """inv_freq[i] = theta^(-2i/rotary_dim), i < rotary_dim/2 (transformers `_compute_default_rope_parameters`).
+
+    Only the default rope type is supported; anything else is refused rather than silently mistrained.
+    """
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (only 'default'); got {scaling!r}")
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
+    return (1.0 / theta**exponents).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE on the first 2*len(inv_freq) features of the last axis (the rest pass through).
+
+    x: [..., T, heads, head_dim]; positions: [..., T]. cos/sin are computed in fp32 and cast to x.dtype, as
+    transformers does.
+    """
+    rotary_dim = 2 * inv_freq.shape[0]
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, rotary_dim/2]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # broadcast over heads
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated_half = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([rot * cos + rotated_half * sin, rest], axis=-1)

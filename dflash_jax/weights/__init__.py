@@ -1,0 +1,1 @@
+"""Reading and writing checkpoints: Hugging Face safetensors directories and name mappings."""

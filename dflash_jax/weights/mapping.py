@@ -1,0 +1,103 @@
+"""Data-driven loading of Hugging Face tensors into an NNX model.
+
+A model family declares a table of `WeightRule`s (HF name pattern -> NNX state path, plus a small per-tensor
+fix-up such as a transpose). `load_weights` walks the table, stacks per-layer tensors along the leading
+`layers` axis, checks every shape against the model's abstract state, and reports missing and unexpected
+tensors by name. Tensors are read one at a time and moved to their device sharding immediately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.weights.safetensors_dir import CheckpointError, CheckpointReader
+
+
+def transpose(x: np.ndarray) -> np.ndarray:
+    """PyTorch Linear [out, in] -> JAX kernel [in, out]."""
+    return x.T
+
+
+def identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRule:
+    """One HF tensor (or one per layer, stacked) -> one NNX variable.
+
+    hf_name may contain `{layer}`; then `layers` lists the HF layer indices whose tensors are stacked, in
+    order, along the leading axis of the NNX variable.
+    """
+
+    hf_name: str
+    path: tuple[str, ...]
+    fixup: Callable[[np.ndarray], np.ndarray] = identity
+    layers: Sequence[int] | None = None
+
+    def names(self) -> list[str]:
+        if self.layers is None:
+            return [self.hf_name]
+        return [self.hf_name.format(layer=i) for i in self.layers]
+
+
+def load_weights(abstract_model: nnx.Module, reader: CheckpointReader, rules: Sequence[WeightRule], *,
+                 ignore_prefixes: Sequence[str] = (), shardings: nnx.State | None = None) -> nnx.Module:
+    """Fill `abstract_model` (from `nnx.eval_shape`) with the checkpoint's tensors and return the real model.
+
+    Each tensor is cast to the dtype of the variable it fills (the model's `param_dtype` choices).
+
+    Raises CheckpointError naming missing tensors, unexpected tensors and shape mismatches.
+    """
+    graphdef, abstract_state = nnx.split(abstract_model)
+    flat_abstract = dict(nnx.to_flat_state(abstract_state))
+    flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+
+    wanted = {name for rule in rules for name in rule.names()}
+    missing = sorted(name for name in wanted if name not in reader)
+    unexpected = sorted(name for name in reader.names()
+                        if name not in wanted and not name.startswith(tuple(ignore_prefixes)))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors ({len(missing)}): {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
+        raise CheckpointError(f"{reader.dir}: " + "; ".join(parts))
+
+    covered = set()
+    for rule in rules:
+        if rule.path not in flat_abstract:
+            raise KeyError(f"weight table names {'.'.join(rule.path)}, which the model does not have")
+        variable = flat_abstract[rule.path]
+        expected = tuple(variable.shape)
+        pieces = []
+        for name in rule.names():
+            piece = rule.fixup(reader.read(name))
+            per_layer = expected[1:] if rule.layers is not None else expected
+            if tuple(piece.shape) != per_layer:
+                raise CheckpointError(f"{reader.dir}: tensor {name} has shape {tuple(reader.shape(name))}, "
+                                      f"expected {_hf_shape(per_layer, rule.fixup)} for this config")
+            pieces.append(np.asarray(piece, dtype=np.float32) if piece.dtype != np.float32 else piece)
+        value = np.stack(pieces) if rule.layers is not None else pieces[0]
+        array = jnp.asarray(value, dtype=variable.dtype)
+        if rule.path in flat_shardings:
+            array = jax.device_put(array, flat_shardings[rule.path].get_value())
+        variable.set_value(array)
+        covered.add(rule.path)
+
+    uncovered = sorted(".".join(map(str, path)) for path in flat_abstract if path not in covered)
+    if uncovered:
+        raise KeyError(f"weight table leaves model variables unset: {', '.join(uncovered)}")
+    return nnx.merge(graphdef, abstract_state)
+
+
+def _hf_shape(per_layer_shape: tuple[int, ...], fixup) -> tuple[int, ...]:
+    """The shape the HF tensor should have, for error messages (undo the transpose fix-up)."""
+    return tuple(reversed(per_layer_shape)) if fixup is transpose else per_layer_shape
