@@ -1,0 +1,36 @@
+"""The frozen target model: its output type and loading by Hugging Face `model_type`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from dflash_jax.weights.safetensors_dir import CheckpointError, read_config
+
+
+class TargetOutput(NamedTuple):
+    hidden: jax.Array  # [B, T, H] last decoder layer output after the final norm (input of lm_head)
+    features: jax.Array  # [B, T, n, H] residual stream after each requested decoder layer, in request order
+
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
+
+
+def load_target(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None):
+    """Load a Hugging Face target checkpoint directory into its NNX model; returns (model, config).
+
+    With a mesh, every weight is placed on its sharding (from the logical-axis rule table) as it is read.
+    """
+    model_type = read_config(checkpoint_dir).get("model_type")
+    if model_type == "qwen3":
+        from dflash_jax.weights.hf_qwen3 import load_qwen3
+        return load_qwen3(checkpoint_dir, param_dtype=param_dtype, mesh=mesh)
+    if model_type in ("qwen3_5", "qwen3_5_text"):
+        from dflash_jax.weights.hf_qwen3_5 import load_qwen3_5
+        return load_qwen3_5(checkpoint_dir, param_dtype=param_dtype, mesh=mesh)
+    raise CheckpointError(f"{Path(checkpoint_dir) / 'config.json'}: unsupported model_type {model_type!r}; "
+                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
