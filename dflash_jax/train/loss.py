@@ -1,0 +1,115 @@
+"""Labels, the position-weighted hard cross-entropy and its metrics (SPEC §6), computed in chunks.
+
+Nothing here materialises [rows, V] logits for all rows at once: the target's greedy labels are an argmax
+walked over vocabulary chunks, and the drafter's LM head + cross-entropy walk row chunks under
+`jax.checkpoint`, so the backward pass recomputes one chunk's logits at a time.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def position_weights(block_size: int, gamma: float) -> np.ndarray:
+    """w_0 = 0 and w_k = exp(-(k-1)/gamma) for k >= 1 (DFlash position decay; SPEC §6)."""
+    if gamma <= 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    k = np.arange(block_size, dtype=np.float64)
+    return np.where(k >= 1, np.exp(-(k - 1) / gamma), 0.0).astype(np.float32)
+
+
+def greedy_labels(hidden: jax.Array, lm_head_kernel: jax.Array, vocab_chunk: int) -> jax.Array:
+    """argmax_v (hidden @ lm_head_kernel)[..., v], walking the vocabulary in chunks of `vocab_chunk`.
+
+    hidden: [..., H] (the target's final-normed hidden states); lm_head_kernel: [H, V]. Ties resolve to the
+    lowest id, as a plain argmax does. Peak memory is [..., vocab_chunk] logits.
+    """
+    hidden = jax.lax.stop_gradient(hidden)
+    kernel = jax.lax.stop_gradient(lm_head_kernel)
+    vocab = kernel.shape[1]
+    chunk = min(vocab_chunk, vocab)
+    num_full = vocab // chunk
+
+    def best_in(logits: jax.Array, offset, best_value, best_index):
+        local_index = jnp.argmax(logits, axis=-1)
+        local_value = jnp.take_along_axis(logits, local_index[..., None], axis=-1)[..., 0]
+        better = local_value > best_value  # strict: an earlier chunk keeps ties
+        return (jnp.where(better, local_value, best_value),
+                jnp.where(better, local_index.astype(jnp.int32) + offset, best_index))
+
+    def logits_of(start, size):
+        block = jax.lax.dynamic_slice_in_dim(kernel, start, size, axis=1)
+        return jnp.dot(hidden, block.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+    def body(carry, i):
+        offset = i * chunk
+        return best_in(logits_of(offset, chunk), offset, *carry), None
+
+    init = (jnp.full(hidden.shape[:-1], -jnp.inf, jnp.float32), jnp.zeros(hidden.shape[:-1], jnp.int32))
+    (best_value, best_index), _ = jax.lax.scan(body, init, jnp.arange(num_full, dtype=jnp.int32))
+    remainder = vocab - num_full * chunk
+    if remainder:
+        offset = num_full * chunk
+        best_value, best_index = best_in(logits_of(offset, remainder), offset, best_value, best_index)
+    return best_index
+
+
+def chunked_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: jax.Array, row_chunk: int
+                          ) -> tuple[jax.Array, jax.Array]:
+    """Per-row cross-entropy and correctness of argmax for logits = hidden @ lm_head_kernel.
+
+    hidden: [R, H]; labels: [R]. Rows are walked in chunks of `row_chunk` (R is padded up to a multiple);
+    each chunk's [row_chunk, V] logits exist only inside a rematerialised scan step. Returns (ce [R] fp32,
+    correct [R] bool).
+    """
+    rows, width = hidden.shape
+    chunk = min(row_chunk, rows)
+    padded = -(-rows // chunk) * chunk
+    hidden_chunks = jnp.pad(hidden, ((0, padded - rows), (0, 0))).reshape(padded // chunk, chunk, width)
+    label_chunks = jnp.pad(labels, (0, padded - rows)).reshape(padded // chunk, chunk)
+
+    @jax.checkpoint
+    def one_chunk(h, y):
+        logits = jnp.dot(h, lm_head_kernel.astype(h.dtype), preferred_element_type=jnp.float32)
+        label_logit = jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]
+        ce = jax.nn.logsumexp(logits, axis=-1) - label_logit
+        correct = jnp.argmax(logits, axis=-1) == y
+        return ce, correct
+
+    def body(_, chunk_inputs):
+        return None, one_chunk(*chunk_inputs)
+
+    _, (ce, correct) = jax.lax.scan(body, None, (hidden_chunks, label_chunks))
+    return ce.reshape(padded)[:rows], correct.reshape(padded)[:rows]
+
+
+class LossOutput(NamedTuple):
+    loss: jax.Array  # scalar: Σ w_k·CE·m / Σ m
+    slot_correct: jax.Array  # [B] number of trained slots at position k whose argmax equals the label
+    slot_count: jax.Array  # [B] number of trained slots at position k
+
+
+def dflash_loss(ce: jax.Array, correct: jax.Array, slot_mask: jax.Array, weights: jax.Array) -> LossOutput:
+    """SPEC §6 loss over trained slots. ce, correct, slot_mask: [batch, N, B]; weights: [B] with w_0 = 0.
+
+    The normaliser is the number of trained slots (speculators' convention), not the weight sum.
+    """
+    mask = slot_mask.astype(jnp.float32)
+    loss = jnp.sum(ce * weights * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    slot_correct = jnp.sum(correct.astype(jnp.float32) * mask, axis=(0, 1))
+    slot_count = jnp.sum(mask, axis=(0, 1))
+    return LossOutput(loss, slot_correct, slot_count)
+
+
+def acceptance_metrics(slot_correct: np.ndarray, slot_count: np.ndarray) -> dict[str, float]:
+    """Per-slot accuracy acc_k (k >= 1), EAL = Σ_k Π_{i<=k} acc_i and τ_est = 1 + EAL (SPEC §6)."""
+    slot_correct, slot_count = np.asarray(slot_correct, np.float64), np.asarray(slot_count, np.float64)
+    accuracy = np.where(slot_count > 0, slot_correct / np.maximum(slot_count, 1.0), 0.0)[1:]
+    eal = float(np.sum(np.cumprod(accuracy)))
+    metrics = {f"acc_{k}": float(a) for k, a in enumerate(accuracy, start=1)}
+    metrics.update(eal=eal, tau_est=1.0 + eal)
+    return metrics
