@@ -1,0 +1,41 @@
+"""Training data: JSONL records -> tokens + loss mask -> packed, phase-shifted rows -> batches; anchor grid."""
+
+from dflash_jax.data.anchors import (
+    anchor_positions,
+    anchor_utilisation,
+    anchor_validity,
+    block_positions,
+    block_segment_ids,
+    block_token_ids,
+    slot_mask,
+)
+from dflash_jax.data.corpus import Corpus
+from dflash_jax.data.loader import BatchLoader
+from dflash_jax.data.packing import Cursor, PackedRow, RowPacker, place_row, row_capacity, row_phase
+from dflash_jax.data.records import ChatRecord, CompletionRecord, DataError, parse_record
+from dflash_jax.data.tokenize import Document, check_chat_tokenizer, tokenize_record
+
+__all__ = [
+    "BatchLoader",
+    "ChatRecord",
+    "CompletionRecord",
+    "Corpus",
+    "Cursor",
+    "DataError",
+    "Document",
+    "PackedRow",
+    "RowPacker",
+    "anchor_positions",
+    "anchor_utilisation",
+    "anchor_validity",
+    "block_positions",
+    "block_segment_ids",
+    "block_token_ids",
+    "check_chat_tokenizer",
+    "parse_record",
+    "place_row",
+    "row_capacity",
+    "row_phase",
+    "slot_mask",
+    "tokenize_record",
+]

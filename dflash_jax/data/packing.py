@@ -1,0 +1,122 @@
+"""Greedy packing of documents into rows, and placing a row's content at its anchor-grid phase (SPEC §4).
+
+A row of T tokens holds content of at most `capacity = T - (S - 1)` tokens, so that shifting it right by any
+phase p in [0, S) still fits. Documents are never split across rows when they fit in one: a document that
+does not fit in the open row starts the next row. A document longer than `capacity` is cut into
+capacity-sized pieces (cut points at multiples of `capacity` from the document's start), each starting a
+row; positions continue across pieces so RoPE sees the document's true positions.
+
+Every row remembers the `Cursor` of its first piece, which is all a resumed loader needs to rebuild the
+same rows: packing is deterministic given the document stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflash_jax.data.tokenize import Document
+
+ROW_KEYS = ("input_ids", "positions", "segment_ids", "loss_mask")
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A point in the document stream: document `document` of epoch `epoch`'s order, from token `token_offset`
+    (non-zero only inside a split document, always a multiple of the row capacity)."""
+
+    epoch: int
+    document: int
+    token_offset: int = 0
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    """Unpadded row content, each array int32 of the same length <= capacity. Segment ids start at 1."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    loss_mask: np.ndarray
+    start: Cursor
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def row_capacity(seq_len: int, anchor_stride: int) -> int:
+    """Content tokens per row: room for a left shift of up to `anchor_stride - 1` padding tokens."""
+    if anchor_stride < 1 or seq_len < anchor_stride:
+        raise ValueError(f"need 1 <= anchor_stride <= seq_len, got anchor_stride={anchor_stride} seq_len={seq_len}")
+    return seq_len - (anchor_stride - 1)
+
+
+class RowPacker:
+    """Accumulates document pieces into an open row; `add` returns the rows it completed."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ids, positions, loss_mask)
+        self._open_length = 0
+        self._open_start: Cursor | None = None
+
+    @property
+    def open_start(self) -> Cursor | None:
+        """Cursor of the open (incomplete) row's first piece, None when the open row is empty."""
+        return self._open_start
+
+    def add(self, document: Document, cursor: Cursor) -> list[PackedRow]:
+        """Add `document` (already sliced from `cursor.token_offset`) and return the rows completed by it."""
+        if len(document) == 0:
+            raise ValueError(f"empty document at {cursor}")
+        completed = []
+        for piece_start in range(0, len(document), self.capacity):
+            piece = slice(piece_start, piece_start + self.capacity)
+            ids = document.input_ids[piece]
+            if self._open_length + len(ids) > self.capacity:
+                completed.append(self._close())
+            if self._open_start is None:
+                self._open_start = Cursor(cursor.epoch, cursor.document, cursor.token_offset + piece_start)
+            first_position = cursor.token_offset + piece_start
+            positions = np.arange(first_position, first_position + len(ids), dtype=np.int32)
+            self._pieces.append((ids, positions, document.loss_mask[piece]))
+            self._open_length += len(ids)
+        return completed
+
+    def flush(self) -> PackedRow | None:
+        """Close and return the open row, if it has any content (end of a finite stream)."""
+        return self._close() if self._pieces else None
+
+    def _close(self) -> PackedRow:
+        segment_ids = [np.full(len(ids), segment, np.int32) for segment, (ids, _, _) in enumerate(self._pieces, 1)]
+        row = PackedRow(
+            input_ids=np.concatenate([ids for ids, _, _ in self._pieces]).astype(np.int32),
+            positions=np.concatenate([positions for _, positions, _ in self._pieces]),
+            segment_ids=np.concatenate(segment_ids),
+            loss_mask=np.concatenate([mask for _, _, mask in self._pieces]).astype(np.int32),
+            start=self._open_start,
+        )
+        self._pieces, self._open_length, self._open_start = [], 0, None
+        return row
+
+
+def row_phase(seed: int, row_index: int, anchor_stride: int) -> int:
+    """Phase of global row `row_index`: uniform in [0, S), a pure function of (seed, row index) for exact resume."""
+    # The constant separates this random stream from the shuffle's (seed, epoch) stream.
+    return int(np.random.default_rng([seed, 0x9A5E, row_index]).integers(anchor_stride))
+
+
+def place_row(row: PackedRow | None, seq_len: int, phase: int, pad_id: int) -> dict[str, np.ndarray]:
+    """A [T] int32 array per key with the content starting at `phase`; None gives an all-padding row.
+
+    Padding: input_ids = pad_id, positions 0, segment_ids 0 (real documents are 1, 2, ...), loss_mask 0.
+    """
+    placed = {key: np.zeros(seq_len, np.int32) for key in ROW_KEYS}
+    placed["input_ids"][:] = pad_id
+    if row is not None:
+        if phase + len(row) > seq_len:
+            raise ValueError(f"row of {len(row)} tokens at phase {phase} does not fit in seq_len {seq_len}")
+        for key in ROW_KEYS:
+            placed[key][phase : phase + len(row)] = getattr(row, key)
+    return placed
