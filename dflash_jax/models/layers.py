@@ -21,7 +21,7 @@ class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, axes: tuple[str, str], rngs: nnx.Rngs,
                  param_dtype=jnp.float32):
         init = jax.random.normal(rngs.params(), (in_features, out_features), param_dtype) * INIT_STD
-        self.kernel = nnx.Param(init, sharding_names=axes)
+        self.kernel = nnx.Param(init, out_sharding=axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
@@ -33,7 +33,7 @@ class Embed(nnx.Module):
 
     def __init__(self, vocab_size: int, features: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         init = jax.random.normal(rngs.params(), (vocab_size, features), param_dtype) * INIT_STD
-        self.embedding = nnx.Param(init, sharding_names=("vocab", "embed"))
+        self.embedding = nnx.Param(init, out_sharding=("vocab", "embed"))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], ids, axis=0)
@@ -54,7 +54,7 @@ class RMSNorm(nnx.Module):
     def __init__(self, features: int, *, eps: float, zero_centered: bool = False, axis_name: str = "embed",
                  param_dtype=jnp.float32):
         init = jnp.zeros if zero_centered else jnp.ones
-        self.weight = nnx.Param(init((features,), param_dtype), sharding_names=(axis_name,))
+        self.weight = nnx.Param(init((features,), param_dtype), out_sharding=(axis_name,))
         self.eps = eps
         self.zero_centered = zero_centered
 

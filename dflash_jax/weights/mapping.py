@@ -12,7 +12,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -84,12 +83,12 @@ def load_weights(abstract_model: nnx.Module, reader: CheckpointReader, rules: Se
             if tuple(piece.shape) != per_layer:
                 raise CheckpointError(f"{reader.dir}: tensor {name} has shape {tuple(reader.shape(name))}, "
                                       f"expected {_hf_shape(per_layer, rule.fixup)} for this config")
-            pieces.append(np.asarray(piece, dtype=np.float32) if piece.dtype != np.float32 else piece)
+            pieces.append(np.asarray(piece, dtype=np.dtype(variable.dtype)))  # cast on the host, not via fp32
         value = np.stack(pieces) if rule.layers is not None else pieces[0]
-        array = jnp.asarray(value, dtype=variable.dtype)
-        if rule.path in flat_shardings:
-            array = jax.device_put(array, flat_shardings[rule.path].get_value())
-        variable.set_value(array)
+        # Host memory goes straight to each device's shard: staging the whole (stacked) tensor on one device
+        # first would need it to fit there, which a large target's stacked MLP kernels do not.
+        sharding = flat_shardings[rule.path].get_value() if rule.path in flat_shardings else None
+        variable.set_value(jax.device_put(value, sharding))
         covered.add(rule.path)
 
     uncovered = sorted(".".join(map(str, path)) for path in flat_abstract if path not in covered)

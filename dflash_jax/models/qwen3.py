@@ -1,0 +1,205 @@
+"""Qwen3 dense target (transformers `models/qwen3/modeling_qwen3.py`) in Flax NNX.
+
+Decoder layers are stacked along a leading `layers` axis and run with `nnx.scan`, so compile time does not
+grow with depth. Requested feature layers are captured inside the scan into a small [n, B, T, H] buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
+from dflash_jax.models.target import TargetOutput
+from dflash_jax.ops.attention import causal_segment_mask, grouped_attention
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping | None = dataclasses.field(default=None, hash=False)  # None = default RoPE
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+
+    def __post_init__(self):
+        for name in (*_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Qwen3 config field {name!r} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"Qwen3 config field {name!r} must be a positive number, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"Qwen3 config field 'num_attention_heads' ({self.num_attention_heads}) must be a "
+                             f"multiple of 'num_key_value_heads' ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"Qwen3 config field 'head_dim' must be even for RoPE, got {self.head_dim}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"Qwen3 config field 'tie_word_embeddings' must be a bool, "
+                             f"got {self.tie_word_embeddings!r}")
+        rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)  # refuses unsupported types
+
+    @classmethod
+    def from_hf(cls, config: Mapping) -> Qwen3Config:
+        """From a Hugging Face config.json dict. Absent optional fields take transformers' `Qwen3Config`
+        defaults (notably head_dim=128 and rope_theta=1e4, as transformers itself does)."""
+        missing = [name for name in _REQUIRED if config.get(name) is None]
+        if missing:
+            raise ValueError(f"Qwen3 config is missing required field(s): {', '.join(missing)}")
+        # Features this port does not implement are refused rather than silently mis-modelled.
+        if config.get("use_sliding_window"):
+            raise ValueError("Qwen3 config field 'use_sliding_window' is true; sliding-window targets are not "
+                             "supported")
+        if config.get("attention_bias"):
+            raise ValueError("Qwen3 config field 'attention_bias' is true; Qwen3 attention has no biases")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"Qwen3 config field 'hidden_act' must be 'silu', got {config['hidden_act']!r}")
+        # transformers v5 nests RoPE settings in `rope_parameters`; older files have top-level keys.
+        rope = config.get("rope_parameters")
+        if rope is not None:
+            if not isinstance(rope, Mapping):
+                raise ValueError(f"Qwen3 config field 'rope_parameters' must be an object, got {rope!r}")
+            theta = rope.get("rope_theta", 10000.0)
+            scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+        else:
+            theta, scaling = config.get("rope_theta", 10000.0), config.get("rope_scaling")
+        if scaling is not None and dict(scaling) in ({}, {"rope_type": "default"}, {"type": "default"}):
+            scaling = None
+        heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"], num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or 128, rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=theta, rope_scaling=scaling,
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            max_position_embeddings=config.get("max_position_embeddings", 32768))
+
+
+class Attention(nnx.Module):
+    """Qwen3Attention: per-head RMSNorm on q and k before RoPE, GQA, scale head_dim^-0.5, no biases."""
+
+    def __init__(self, config: Qwen3Config, *, param_dtype, rngs: nnx.Rngs):
+        hidden, dim = config.hidden_size, config.head_dim
+        self.q_heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, dim
+        self.q_proj = Linear(hidden, self.q_heads * dim, axes=("embed", "q_heads"), rngs=rngs,
+                             param_dtype=param_dtype)
+        self.k_proj = Linear(hidden, self.kv_heads * dim, axes=("embed", "kv_heads"), rngs=rngs,
+                             param_dtype=param_dtype)
+        self.v_proj = Linear(hidden, self.kv_heads * dim, axes=("embed", "kv_heads"), rngs=rngs,
+                             param_dtype=param_dtype)
+        self.o_proj = Linear(self.q_heads * dim, hidden, axes=("q_heads", "embed"), rngs=rngs,
+                             param_dtype=param_dtype)
+        self.q_norm = RMSNorm(dim, eps=config.rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
+        self.k_norm = RMSNorm(dim, eps=config.rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
+
+    def __call__(self, x, positions, visible, inv_freq):
+        batch, length, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(batch, length, self.q_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out = grouped_attention(q, k, v, visible, self.head_dim**-0.5)
+        return self.o_proj(out.reshape(batch, length, self.q_heads * self.head_dim))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: x += attn(norm(x)); x += mlp(norm(x))."""
+
+    def __init__(self, config: Qwen3Config, *, param_dtype, rngs: nnx.Rngs):
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
+        self.self_attn = Attention(config, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
+        self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, x, positions, visible, inv_freq):
+        x = x + self.self_attn(self.input_layernorm(x), positions, visible, inv_freq)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3(nnx.Module):
+    """Qwen3ForCausalLM. `layers` holds all decoder layers stacked on a leading `layers` axis."""
+
+    def __init__(self, config: Qwen3Config, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, param_dtype=param_dtype)
+
+        @nnx.split_rngs(splits=config.num_hidden_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_layers(layer_rngs):
+            return DecoderLayer(config, param_dtype=param_dtype, rngs=layer_rngs)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("embed", "vocab"), rngs=rngs,
+                                  param_dtype=param_dtype)
+
+    def embed(self, ids: jax.Array) -> jax.Array:
+        return self.embed_tokens(ids)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """LM head on final-normed hidden states ([..., H] -> [..., V])."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.attend(hidden)
+        return self.lm_head(hidden)
+
+    def lm_head_kernel(self) -> jax.Array:
+        """The LM head as an [H, V] matrix (the transposed embedding table when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                 feature_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+        """input_ids, positions, segment_ids: [B, T] (positions restart in each packed document).
+
+        features[:, :, i] is the residual stream right after decoder layer feature_layer_ids[i]
+        (transformers `hidden_states[id + 1]`, except that HF's last entry is already final-normed).
+        """
+        num_layers = self.config.num_hidden_layers
+        for layer_id in feature_layer_ids:
+            if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) \
+                    or not 0 <= layer_id < num_layers:
+                raise ValueError(f"feature_layer_ids {tuple(feature_layer_ids)!r}: every id must be an integer "
+                                 f"in [0, {num_layers - 1}] for this {num_layers}-layer target")
+        # Layer l writes its output into slot[l] of the buffer; layers nobody asked for write to a spare
+        # last slot, so each step is one in-place dynamic update instead of a select over the whole buffer.
+        wanted = sorted(set(int(i) for i in feature_layer_ids))
+        slot = np.full((num_layers,), len(wanted), np.int32)
+        slot[wanted] = np.arange(len(wanted), dtype=np.int32)
+
+        x = self.embed(input_ids)
+        visible = causal_segment_mask(segment_ids)  # built once, shared by every layer
+        inv_freq = rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
+        buffer = jnp.zeros((len(wanted) + 1, *x.shape), x.dtype)
+
+        # Tree mode: the layers are a plain pytree here, so this also works when a caller's `jax.jit`
+        # closes over the model (graph mode refuses variables from an outer trace).
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, graph=False)
+        def run_layer(carry, layer, layer_slot):
+            hidden, features = carry
+            hidden = layer(hidden, positions, visible, inv_freq)
+            return hidden, jax.lax.dynamic_update_index_in_dim(features, hidden, layer_slot, axis=0)
+
+        x, buffer = run_layer((x, buffer), self.layers, jnp.asarray(slot))
+        order = np.asarray([wanted.index(int(i)) for i in feature_layer_ids], np.int32)
+        features = jnp.moveaxis(buffer[order], 0, 2)  # [B, T, n, H], in request order
+        return TargetOutput(hidden=self.norm(x), features=features)
