@@ -16,16 +16,21 @@ INIT_STD = 0.02  # HF Qwen `initializer_range`
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel, no bias. `axes` names the (in, out) kernel dimensions."""
+    """y = x @ kernel, no bias. `axes` names the (in, out) kernel dimensions.
+
+    dtype is the compute dtype (e.g. bf16 over fp32 master weights); None computes in the kernel's dtype.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, axes: tuple[str, str], rngs: nnx.Rngs,
-                 param_dtype=jnp.float32):
+                 param_dtype=jnp.float32, dtype=None):
         init = jax.random.normal(rngs.params(), (in_features, out_features), param_dtype) * INIT_STD
         self.kernel = nnx.Param(init, out_sharding=axes)
+        self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
-        return jnp.dot(x.astype(kernel.dtype), kernel)
+        dtype = kernel.dtype if self.dtype is None else self.dtype
+        return jnp.dot(x.astype(dtype), kernel.astype(dtype))
 
 
 class Embed(nnx.Module):
@@ -70,13 +75,14 @@ class RMSNorm(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
+                 dtype=None):
         self.gate_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), rngs=rngs,
-                                param_dtype=param_dtype)
+                                param_dtype=param_dtype, dtype=dtype)
         self.up_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), rngs=rngs,
-                              param_dtype=param_dtype)
+                              param_dtype=param_dtype, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, axes=("mlp", "embed"), rngs=rngs,
-                                param_dtype=param_dtype)
+                                param_dtype=param_dtype, dtype=dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,270 @@
+"""The DFlash drafter (SPEC §3): Qwen3 decoder layers whose keys/values also cover the fused target context.
+
+ctx = hidden_norm(fc(concat of the n target feature layers)) is computed once and feeds every layer's own
+k_proj/v_proj (never input_layernorm). Queries are the block tokens only; the mask is SPEC §5. The drafter
+owns no embedding or LM head: the caller embeds block ids and applies lm_head with the frozen target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.models.layers import MLP, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
+from dflash_jax.ops.dflash_attention import dflash_attention
+from dflash_jax.ops.mask import AnchorGrid
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_IMPLS = {"xla": dflash_attention}
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
+    """SPEC §2: round(1 + i*(L-4)/(n-1)) for i < n (Python round, half to even), or (L//2,) when n = 1."""
+    if n < 1:
+        raise ValueError(f"the number of feature layers must be >= 1, got {n}")
+    if n == 1:
+        return (num_target_layers // 2,)
+    return tuple(round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    """Architecture of a drafter: everything the z-lab export's config.json records (SPEC §10)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None
+    layer_types: tuple[str, ...]
+    sliding_window: int | None = None
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    mask_token_id: int
+    vocab_size: int
+    max_position_embeddings: int
+
+    def __post_init__(self):
+        # JSON configs give lists; keep tuples so the config stays immutable and comparable.
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "num_target_layers", "vocab_size",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DrafterConfig.{name} must be a positive int, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"DrafterConfig.{name} must be a positive number, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"DrafterConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of DrafterConfig.num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"DrafterConfig.head_dim must be even for rotate-half RoPE, got {self.head_dim}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"DrafterConfig.layer_types has {len(self.layer_types)} entries, expected "
+                             f"num_hidden_layers = {self.num_hidden_layers}")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"DrafterConfig.layer_types has unknown types {unknown}; allowed: {LAYER_TYPES}")
+        if "sliding_attention" in self.layer_types and (
+                not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"DrafterConfig.sliding_window must be a positive int when layer_types has a "
+                             f"sliding_attention layer, got {self.sliding_window!r}")
+        if self.block_size < 2:
+            raise ValueError(f"DrafterConfig.block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("DrafterConfig.target_layer_ids must name at least one target layer")
+        out_of_range = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if out_of_range:
+            raise ValueError(f"DrafterConfig.target_layer_ids {list(self.target_layer_ids)} has ids "
+                             f"{out_of_range} outside [0, num_target_layers-1 = {self.num_target_layers - 1}]")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"DrafterConfig.mask_token_id ({self.mask_token_id}) must lie in "
+                             f"[0, vocab_size = {self.vocab_size})")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ValueError(f"DrafterConfig.rope_scaling must be None or a dict, got {self.rope_scaling!r}")
+
+    def __hash__(self):
+        # rope_scaling is a dict; hash the whole config through a canonical JSON form (NNX graph defs that
+        # hold the config must be hashable for jit caching).
+        return hash(json.dumps(dataclasses.asdict(self), sort_keys=True))
+
+    def window(self, layer_index: int) -> int | None:
+        """The attention window of a layer: W for sliding_attention, None (full attention) otherwise."""
+        return self.sliding_window if self.layer_types[layer_index] == "sliding_attention" else None
+
+
+class DrafterAttention(nnx.Module):
+    """Block queries; keys/values over [ctx | block]; q_norm/k_norm before RoPE; the §5 mask."""
+
+    def __init__(self, config: DrafterConfig, window: int | None, *, rngs: nnx.Rngs, param_dtype, dtype,
+                 attention_impl: str, query_chunk_blocks: int):
+        hidden, head_dim = config.hidden_size, config.head_dim
+        q_width, kv_width = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        linear = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.q_proj = Linear(hidden, q_width, axes=("embed", "q_heads"), **linear)
+        self.k_proj = Linear(hidden, kv_width, axes=("embed", "kv_heads"), **linear)
+        self.v_proj = Linear(hidden, kv_width, axes=("embed", "kv_heads"), **linear)
+        self.o_proj = Linear(q_width, hidden, axes=("q_heads", "embed"), **linear)
+        self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
+        self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim
+        self.window = window
+        self.attention_impl = attention_impl
+        self.query_chunk_blocks = query_chunk_blocks
+
+    def _heads(self, x: jax.Array, num_heads: int) -> jax.Array:
+        return x.reshape(*x.shape[:2], num_heads, self.head_dim)
+
+    def __call__(self, h, ctx, context_positions, block_positions, context_segment_ids, anchor_segment_ids,
+                 grid: AnchorGrid, inv_freq: np.ndarray) -> jax.Array:
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.num_heads)), block_positions, inv_freq)
+        # k_norm applies to the context keys too (§3); RoPE at context positions for ctx, block positions
+        # for the block.
+        k_ctx = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.num_kv_heads)), context_positions,
+                           inv_freq)
+        k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(h), self.num_kv_heads)), block_positions,
+                           inv_freq)
+        v_ctx = self._heads(self.v_proj(ctx), self.num_kv_heads)
+        v_blk = self._heads(self.v_proj(h), self.num_kv_heads)
+        attention = ATTENTION_IMPLS[self.attention_impl]
+        out = attention(q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, anchor_segment_ids, grid,
+                        self.window, self.head_dim**-0.5, self.query_chunk_blocks)
+        return self.o_proj(out.reshape(*out.shape[:2], self.num_heads * self.head_dim))
+
+
+class DrafterLayer(nnx.Module):
+    """Pre-norm Qwen3 decoder layer over the block tokens; ctx enters attention without input_layernorm."""
+
+    def __init__(self, config: DrafterConfig, window: int | None, *, rngs: nnx.Rngs, param_dtype, dtype,
+                 attention_impl: str, query_chunk_blocks: int):
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
+        self.self_attn = DrafterAttention(config, window, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
+                                          attention_impl=attention_impl, query_chunk_blocks=query_chunk_blocks)
+        self.post_attention_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
+        self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+
+    def __call__(self, x, ctx, context_positions, block_positions, context_segment_ids, anchor_segment_ids,
+                 grid: AnchorGrid, inv_freq: np.ndarray) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, context_positions, block_positions,
+                               context_segment_ids, anchor_segment_ids, grid, inv_freq)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nnx.Module):
+    """fc + hidden_norm over the target features, the decoder layers, and the final norm (SPEC §3).
+
+    param_dtype: storage dtype of the weights (fp32 master weights by default); dtype: compute dtype
+    (defaults to param_dtype). attention_impl picks the §5 attention backend; query_chunk_blocks is the
+    number of blocks per query chunk of the XLA backend (its memory knob).
+    """
+
+    def __init__(self, config: DrafterConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=None,
+                 attention_impl: str = "xla", query_chunk_blocks: int = 32):
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {sorted(ATTENTION_IMPLS)}, got {attention_impl!r}")
+        rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)  # refuse bad rope now
+        dtype = param_dtype if dtype is None else dtype
+        hidden = config.hidden_size
+        self.config = config
+        self.dtype = dtype
+        self.fc = Linear(len(config.target_layer_ids) * hidden, hidden, axes=("fc_in", "embed"), rngs=rngs,
+                         param_dtype=param_dtype, dtype=dtype)
+        self.hidden_norm = RMSNorm(hidden, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        self.layers = nnx.List([
+            DrafterLayer(config, config.window(i), rngs=rngs, param_dtype=param_dtype, dtype=dtype,
+                         attention_impl=attention_impl, query_chunk_blocks=query_chunk_blocks)
+            for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(hidden, eps=config.rms_norm_eps, param_dtype=param_dtype)
+
+    def __call__(self, context_features: jax.Array, block_embeds: jax.Array, context_positions: jax.Array,
+                 block_positions: jax.Array, context_segment_ids: jax.Array, anchor_segment_ids: jax.Array,
+                 grid: AnchorGrid) -> jax.Array:
+        """Hidden states [b, N*B, H] after the drafter's final norm (the input of the target's lm_head).
+
+        context_features: [b, T, n*H], the target feature layers concatenated in target_layer_ids order;
+        block_embeds: [b, N*B, H], the target's embedding of the block ids; positions are RoPE positions;
+        anchor_segment_ids: [b, N], the segment id at each anchor of `grid`.
+        """
+        config = self.config
+        width = len(config.target_layer_ids) * config.hidden_size
+        if context_features.shape[-1] != width:
+            raise ValueError(f"context_features has width {context_features.shape[-1]}, expected n*H = "
+                             f"{len(config.target_layer_ids)}*{config.hidden_size} = {width} (one hidden state per "
+                             f"target_layer_ids entry {list(config.target_layer_ids)})")
+        if grid.block_size != config.block_size:
+            raise ValueError(f"grid.block_size ({grid.block_size}) differs from DrafterConfig.block_size "
+                             f"({config.block_size})")
+        if context_features.shape[1] != grid.seq_len or block_embeds.shape[1:] != (grid.num_queries,
+                                                                                   config.hidden_size):
+            raise ValueError(f"context_features {context_features.shape} and block_embeds {block_embeds.shape} "
+                             f"do not fit {grid} with hidden_size {config.hidden_size}: expected [b, "
+                             f"{grid.seq_len}, n*H] and [b, {grid.num_queries}, {config.hidden_size}]")
+        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        ctx = self.hidden_norm(self.fc(context_features))
+        x = block_embeds.astype(self.dtype)
+        for layer in self.layers:
+            x = layer(x, ctx, context_positions, block_positions, context_segment_ids, anchor_segment_ids, grid,
+                      inv_freq)
+        return self.norm(x)
+
+
+def _torch_name(path: tuple) -> tuple[str, bool]:
+    """NNX parameter path -> (z-lab export name, whether the tensor is a Linear kernel to transpose).
+
+    The module attributes above carry the export names, so ('layers', 0, 'self_attn', 'q_proj', 'kernel')
+    becomes 'layers.0.self_attn.q_proj.weight'.
+    """
+    *module_path, leaf = path
+    return ".".join(map(str, module_path)) + ".weight", leaf == "kernel"
+
+
+def drafter_to_torch_layout(drafter: Drafter) -> dict[str, np.ndarray]:
+    """Every trained weight under its z-lab export name (SPEC §10), Linear weights in PyTorch [out, in]."""
+    tensors = {}
+    for path, param in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
+        name, is_kernel = _torch_name(path)
+        value = np.asarray(param.get_value())
+        tensors[name] = value.T if is_kernel else value
+    return tensors
+
+
+def drafter_from_torch_layout(tensors: Mapping[str, np.ndarray], config: DrafterConfig, *,
+                              param_dtype=jnp.float32, **drafter_kwargs) -> Drafter:
+    """The inverse of `drafter_to_torch_layout`: a Drafter holding exactly these tensors.
+
+    Raises ValueError naming missing or unexpected tensors and shape mismatches. drafter_kwargs go to Drafter.
+    """
+    abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0), param_dtype=param_dtype,
+                                              **drafter_kwargs))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    variables = {_torch_name(path): variable for path, variable in nnx.to_flat_state(params)}
+    expected = {name for name, _ in variables}
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise ValueError(f"drafter tensors do not match the DrafterConfig: missing {missing}, unexpected {unexpected}")
+    for (name, is_kernel), variable in variables.items():
+        value = np.asarray(tensors[name])
+        value = value.T if is_kernel else value
+        if value.shape != tuple(variable.shape):
+            torch_shape = tuple(reversed(variable.shape)) if is_kernel else tuple(variable.shape)
+            raise ValueError(f"tensor {name} has shape {np.asarray(tensors[name]).shape}, expected {torch_shape}")
+        variable.set_value(jnp.asarray(value, dtype=variable.dtype))
+    return nnx.merge(graphdef, params, rest)

@@ -1,0 +1,137 @@
+"""The DFlash attention mask (SPEC §5) on the static anchor grid (SPEC §4).
+
+Queries are the N*B block tokens (query j*B + k is slot k of block j, anchor a_j = j*S); keys are the T
+context positions followed by the N*B block tokens. The mask is a static position part, which depends only
+on (T, S, B, W) and is built here once in NumPy, AND a document part: context key p is visible only if
+segment_ids[p] == segment_ids[a_j]. Block keys need no document check (a block only sees itself).
+
+`window=None` selects a full-attention layer (context p < a_j, bidirectional block); an int W selects a
+sliding-window layer (context a_j + k - W < p < a_j, causal block), which is what vLLM executes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorGrid:
+    """Static anchors a_j = j*stride, j < seq_len/stride, each heading a block of block_size slots."""
+
+    seq_len: int
+    stride: int
+    block_size: int
+
+    def __post_init__(self):
+        for name in ("seq_len", "stride", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"AnchorGrid.{name} must be a positive int, got {value!r}")
+        if self.seq_len % self.stride:
+            raise ValueError(f"AnchorGrid.seq_len ({self.seq_len}) must be a multiple of "
+                             f"AnchorGrid.stride ({self.stride})")
+        if self.block_size < 2:
+            raise ValueError(f"AnchorGrid.block_size must be >= 2 (an anchor slot plus at least one drafted "
+                             f"slot), got {self.block_size}")
+
+    @property
+    def num_anchors(self) -> int:
+        return self.seq_len // self.stride
+
+    @property
+    def num_queries(self) -> int:
+        return self.num_anchors * self.block_size
+
+    @property
+    def anchors(self) -> np.ndarray:
+        return np.arange(self.num_anchors, dtype=np.int32) * self.stride
+
+    @property
+    def query_anchors(self) -> np.ndarray:
+        """[N*B]: the anchor a_j of every query row j*B + k."""
+        return np.repeat(self.anchors, self.block_size)
+
+    @property
+    def query_slots(self) -> np.ndarray:
+        """[N*B]: the slot k of every query row j*B + k."""
+        return np.tile(np.arange(self.block_size, dtype=np.int32), self.num_anchors)
+
+
+def validate_window(window: int | None) -> None:
+    """None (full attention) or a positive int W (sliding window); anything else is a configuration error."""
+    if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
+        raise ValueError(f"window must be None (full attention) or a positive int, got {window!r}")
+
+
+# The two rules below take broadcastable index arrays, NumPy or JAX, so the static NumPy masks here and the
+# chunked attention (which evaluates them in-graph on each chunk's own rows and keys) share one definition.
+
+def context_rule(query_anchor, query_slot, key, window: int | None):
+    """Context key p visible from slot k of the block at anchor a: p < a, and a + k - W < p if sliding."""
+    visible = key < query_anchor  # strict: the anchor's own feature does not exist at inference (§12.4)
+    if window is not None:
+        visible = visible & (key > query_anchor + query_slot - window)
+    return visible
+
+
+def block_rule(query_index, key_index, block_size: int, causal: bool):
+    """Block key visible from block query (flat indices j*B + k): same block, and k' <= k if causal."""
+    visible = query_index // block_size == key_index // block_size
+    if causal:
+        visible = visible & (key_index <= query_index)
+    return visible
+
+
+def context_visible(grid: AnchorGrid, window: int | None) -> np.ndarray:
+    """[N*B, T] bool, position part of the context keys: p < a_j, and a_j + k - W < p on sliding layers."""
+    validate_window(window)
+    return context_rule(grid.query_anchors[:, None], grid.query_slots[:, None], np.arange(grid.seq_len)[None],
+                        window)
+
+
+def block_visible(grid: AnchorGrid, causal: bool) -> np.ndarray:
+    """[N*B, N*B] bool: same block only; causal (slot k' <= k) on sliding layers, else bidirectional."""
+    index = np.arange(grid.num_queries)
+    return block_rule(index[:, None], index[None, :], grid.block_size, causal)
+
+
+def position_mask(grid: AnchorGrid, window: int | None) -> np.ndarray:
+    """[N*B, T + N*B] bool: the whole static position part, context keys then block keys."""
+    return np.concatenate([context_visible(grid, window), block_visible(grid, causal=window is not None)],
+                          axis=1)
+
+
+def dense_mask(grid: AnchorGrid, segment_ids: jax.Array | np.ndarray, window: int | None) -> jax.Array:
+    """[batch, N*B, T + N*B] bool: the dense oracle of SPEC §5, the reference for every attention backend.
+
+    segment_ids: [batch, T] document ids of the packed row (padding has an id no real token shares).
+    """
+    segment_ids = jnp.asarray(segment_ids)
+    if segment_ids.ndim != 2 or segment_ids.shape[1] != grid.seq_len:
+        raise ValueError(f"segment_ids must be [batch, {grid.seq_len}], got shape {segment_ids.shape}")
+    batch = segment_ids.shape[0]
+    query_segment = segment_ids[:, grid.query_anchors]  # [batch, N*B]: the document of each query's anchor
+    same_document = query_segment[:, :, None] == segment_ids[:, None, :]
+    context = jnp.asarray(context_visible(grid, window))[None] & same_document
+    block = jnp.broadcast_to(block_visible(grid, causal=window is not None), (batch,) + (grid.num_queries,) * 2)
+    return jnp.concatenate([context, block], axis=2)
+
+
+def tile_fraction(grid: AnchorGrid, window: int | None, q_tile: int, k_tile: int) -> float:
+    """Fraction of (query-tile, key-tile) pairs of the position mask holding at least one visible entry.
+
+    This is the share of tiles a block-sparse kernel computes (the document part only removes more). Edge
+    tiles that overhang the mask count as tiles.
+    """
+    if q_tile < 1 or k_tile < 1:
+        raise ValueError(f"tile sizes must be positive, got q_tile={q_tile} k_tile={k_tile}")
+    mask = position_mask(grid, window)
+    rows, cols = -(-mask.shape[0] // q_tile), -(-mask.shape[1] // k_tile)
+    padded = np.zeros((rows * q_tile, cols * k_tile), dtype=bool)
+    padded[: mask.shape[0], : mask.shape[1]] = mask
+    tiles = padded.reshape(rows, q_tile, cols, k_tile).any(axis=(1, 3))
+    return float(tiles.mean())

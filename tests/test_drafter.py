@@ -1,0 +1,217 @@
+"""The JAX drafter against the independent PyTorch reference, its config, fc width, init and layout helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from dflash_jax.models.drafter import (
+    Drafter,
+    DrafterConfig,
+    default_target_layer_ids,
+    drafter_from_torch_layout,
+    drafter_to_torch_layout,
+)
+from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.sharding import make_mesh, state_shardings
+from tests.torch_reference import ReferenceDrafter, block_ids, reference_logits
+
+SEQ_LEN, BLOCK, HIDDEN, VOCAB, MASK_ID, PAD = 24, 4, 32, 50, 49, -1
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def make_config(layer_types=(FULL, FULL), sliding_window=None, **overrides) -> DrafterConfig:
+    fields = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=len(layer_types),
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  layer_types=layer_types, sliding_window=sliding_window, block_size=BLOCK,
+                  target_layer_ids=default_target_layer_ids(12, 3), num_target_layers=12, mask_token_id=MASK_ID,
+                  vocab_size=VOCAB, max_position_embeddings=256)
+    return DrafterConfig(**(fields | overrides))
+
+
+def zlab_config(config: DrafterConfig) -> dict:
+    """The config mapping the reference reads (the keys of SPEC §10's config.json)."""
+    fields = dataclasses.asdict(config)
+    dflash = {"target_layer_ids": list(fields.pop("target_layer_ids")), "mask_token_id": fields.pop("mask_token_id")}
+    return fields | {"dflash_config": dflash}
+
+
+def random_weights(config: DrafterConfig, seed: int) -> dict[str, np.ndarray]:
+    """Random tensors under the reference's own names and shapes; norm weights random around 1."""
+    rng = np.random.default_rng(seed)
+    shapes = {name: tuple(t.shape) for name, t in ReferenceDrafter(zlab_config(config)).state_dict().items()}
+    return {name: (1.0 + 0.2 * rng.standard_normal(shape) if name.endswith("norm.weight")
+                   else 0.15 * rng.standard_normal(shape)).astype(np.float32)
+            for name, shape in shapes.items()}
+
+
+def packed_rows(seed: int, num_features: int):
+    """Two rows, each two documents plus 4 padding tokens; positions restart in each document."""
+    rng = np.random.default_rng(seed)
+    segments, positions = [], []
+    for lengths in ((9, 11), (14, 6)):
+        segments.append(np.concatenate([np.full(n, d) for d, n in enumerate(lengths)] + [np.full(4, PAD)]))
+        positions.append(np.concatenate([np.arange(n) for n in lengths] + [np.zeros(4, int)]))
+    input_ids = rng.integers(0, MASK_ID, (2, SEQ_LEN))
+    features = rng.standard_normal((2, SEQ_LEN, num_features * HIDDEN)).astype(np.float32)
+    return features, input_ids, np.stack(positions), np.stack(segments).astype(np.int32)
+
+
+def _forward(drafter, features, embeds, positions, segments, grid):
+    offsets = jnp.arange(grid.block_size)
+    block_positions = (positions[:, grid.anchors][:, :, None] + offsets).reshape(positions.shape[0], -1)
+    return drafter(features, embeds, positions, block_positions, segments, segments[:, grid.anchors], grid)
+
+
+forward = nnx.jit(_forward, static_argnames="grid")
+
+
+def relative_error(actual, expected) -> float:
+    return float(np.max(np.abs(np.asarray(actual, np.float64) - expected)) / np.max(np.abs(expected)))
+
+
+@pytest.mark.parametrize("stride", [2, 4, 8])  # stride < block, = block, > block
+@pytest.mark.parametrize("layer_types, window", [((FULL, FULL), None), ((SLIDING, FULL), 5)])
+def test_drafter_matches_torch_reference(layer_types, window, stride):
+    config = make_config(layer_types, window)
+    weights = random_weights(config, seed=stride)
+    reference = ReferenceDrafter(zlab_config(config))
+    reference.load_state_dict({name: torch.from_numpy(w) for name, w in weights.items()}, strict=True)
+    drafter = drafter_from_torch_layout(weights, config, query_chunk_blocks=2)
+
+    features, input_ids, positions, segments = packed_rows(stride, len(config.target_layer_ids))
+    rng = np.random.default_rng(0)
+    embed_tokens, lm_head = (rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32) for _ in range(2))
+    grid = AnchorGrid(SEQ_LEN, stride, BLOCK)
+    anchors = grid.anchors.tolist()
+    with torch.no_grad():
+        torch_inputs = [torch.from_numpy(x) for x in (features, input_ids, positions, segments)]
+        embeds = torch.from_numpy(embed_tokens)[block_ids(torch_inputs[1], anchors, BLOCK, MASK_ID)]
+        expected_hidden = reference(torch_inputs[0], embeds, *torch_inputs[2:], anchors).numpy()
+        expected_logits = reference_logits(reference, torch.from_numpy(embed_tokens), torch.from_numpy(lm_head),
+                                           *torch_inputs, anchors, MASK_ID).numpy()
+
+    hidden = forward(drafter, jnp.asarray(features), jnp.asarray(embeds.numpy()), jnp.asarray(positions),
+                     jnp.asarray(segments), grid)
+    assert hidden.shape == (2, grid.num_queries, HIDDEN)
+    assert relative_error(hidden, expected_hidden) < 1e-4
+    assert relative_error(hidden @ lm_head.T, expected_logits) < 1e-4
+
+
+def test_torch_layout_round_trip_and_strict_names():
+    config = make_config((SLIDING, FULL), 5)
+    weights = random_weights(config, seed=0)
+    restored = drafter_to_torch_layout(drafter_from_torch_layout(weights, config))
+    assert restored.keys() == weights.keys()
+    for name, tensor in weights.items():
+        np.testing.assert_array_equal(restored[name], tensor, err_msg=name)
+    assert restored["fc.weight"].shape == (HIDDEN, 3 * HIDDEN)  # PyTorch [out, in]
+
+    with pytest.raises(ValueError, match=r"missing \['norm.weight'\], unexpected \['lm_head.weight'\]"):
+        drafter_from_torch_layout({k: v for k, v in weights.items() if k != "norm.weight"}
+                                  | {"lm_head.weight": weights["fc.weight"]}, config)
+    bad = dict(weights, **{"layers.1.self_attn.q_proj.weight": weights["layers.1.self_attn.o_proj.weight"][:4]})
+    with pytest.raises(ValueError, match=r"layers.1.self_attn.q_proj.weight has shape \(4, 32\), expected \(32, 32\)"):
+        drafter_from_torch_layout(bad, config)
+
+
+def test_fc_reads_all_feature_layers():
+    """fc takes n*H inputs (SPEC §12.1): every feature layer's columns change the output; wrong widths fail."""
+    config = make_config()
+    drafter = Drafter(config, rngs=nnx.Rngs(0))
+    n = len(config.target_layer_ids)
+    assert drafter.fc.kernel.shape == (n * HIDDEN, HIDDEN)
+    features, input_ids, positions, segments = packed_rows(0, n)
+    grid = AnchorGrid(SEQ_LEN, 4, BLOCK)
+    embeds = jnp.asarray(np.random.default_rng(1).standard_normal((2, grid.num_queries, HIDDEN)), jnp.float32)
+    args = (embeds, jnp.asarray(positions), jnp.asarray(segments), grid)
+    base = forward(drafter, jnp.asarray(features), *args)
+    for layer in range(n):
+        changed = features.copy()
+        changed[:, :, layer * HIDDEN:(layer + 1) * HIDDEN] += 1.0
+        assert not np.allclose(forward(drafter, jnp.asarray(changed), *args), base), f"feature layer {layer}"
+    with pytest.raises(ValueError, match=r"context_features has width 64, expected n\*H = 3\*32 = 96"):
+        _forward(drafter, jnp.asarray(features[:, :, :64]), *args)
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert default_target_layer_ids(64, 5) == (1, 16, 31, 46, 61)
+    assert default_target_layer_ids(32, 5) == (1, 8, 15, 22, 29)
+    assert default_target_layer_ids(48, 8) == (1, 7, 14, 20, 26, 32, 39, 45)
+    assert default_target_layer_ids(36, 1) == (18,)
+    assert default_target_layer_ids(64, 1) == (32,)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(layer_types=(FULL,), num_hidden_layers=2), r"layer_types has 1 entries, expected num_hidden_layers = 2"),
+    (dict(layer_types=(FULL, "linear_attention")), r"layer_types has unknown types \['linear_attention'\]"),
+    (dict(layer_types=(SLIDING, FULL)), r"sliding_window must be a positive int"),
+    (dict(block_size=1), r"block_size must be >= 2"),
+    (dict(target_layer_ids=(1, 12)), r"target_layer_ids \[1, 12\] has ids \[12\] outside \[0, .* = 11\]"),
+    (dict(target_layer_ids=(-1,)), r"target_layer_ids \[-1\] has ids \[-1\]"),
+    (dict(target_layer_ids=()), r"target_layer_ids must name at least one"),
+    (dict(num_key_value_heads=3), r"num_attention_heads \(4\) must be a multiple of .*num_key_value_heads \(3\)"),
+    (dict(mask_token_id=VOCAB), r"mask_token_id \(50\) must lie in \[0, vocab_size = 50\)"),
+    (dict(hidden_size=0), r"DrafterConfig.hidden_size must be a positive int"),
+    (dict(head_dim=7), r"head_dim must be even"),
+    (dict(rope_theta=0.0), r"DrafterConfig.rope_theta must be a positive number"),
+])
+def test_config_validation(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make_config(**overrides)
+
+
+def test_config_from_json_lists_is_hashable():
+    config = make_config(layer_types=[SLIDING, FULL], sliding_window=5, target_layer_ids=[1, 5, 9],
+                         rope_scaling={"rope_type": "default"})
+    assert config.layer_types == (SLIDING, FULL) and config.target_layer_ids == (1, 5, 9)
+    assert hash(config) == hash(dataclasses.replace(config))
+    assert [config.window(i) for i in range(2)] == [5, None]
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        Drafter(dataclasses.replace(config, rope_scaling={"rope_type": "yarn", "factor": 4.0}), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        Drafter(config, rngs=nnx.Rngs(0), attention_impl="flash")
+
+
+def test_init_and_logical_axes():
+    drafter = Drafter(make_config((SLIDING, FULL), 5), rngs=nnx.Rngs(0))
+    params = nnx.to_flat_state(nnx.state(drafter, nnx.Param))
+    for path, param in params:
+        value = np.asarray(param.get_value())
+        axes = param.get_metadata()["out_sharding"]
+        assert len(axes) == value.ndim, path
+        if path[-1] == "kernel":
+            assert abs(value.std() - 0.02) < 0.003 and abs(value.mean()) < 0.003, path
+        else:
+            np.testing.assert_array_equal(value, 1.0, err_msg=str(path))
+    shardings = nnx.to_flat_state(state_shardings(nnx.state(drafter, nnx.Param), make_mesh()))
+    assert len(shardings) == len(params)
+
+
+def test_bf16_compute_over_fp32_weights_and_gradients():
+    config = make_config((SLIDING, FULL), 5)
+    weights = random_weights(config, seed=3)
+    fp32 = drafter_from_torch_layout(weights, config)
+    bf16 = drafter_from_torch_layout(weights, config, dtype=jnp.bfloat16)
+    assert all(p.get_value().dtype == jnp.float32 for _, p in nnx.to_flat_state(nnx.state(bf16, nnx.Param)))
+    features, _, positions, segments = packed_rows(0, 3)
+    grid = AnchorGrid(SEQ_LEN, 4, BLOCK)
+    embeds = jnp.asarray(np.random.default_rng(1).standard_normal((2, grid.num_queries, HIDDEN)), jnp.float32)
+    args = (jnp.asarray(features), embeds, jnp.asarray(positions), jnp.asarray(segments), grid)
+    low = forward(bf16, *args)
+    assert low.dtype == jnp.bfloat16
+    assert relative_error(low, np.asarray(forward(fp32, *args))) < 5e-2
+
+    def loss(model, features, embeds, positions, segments):
+        return jnp.mean(_forward(model, features, embeds, positions, segments, grid).astype(jnp.float32) ** 2)
+
+    grads = nnx.jit(nnx.grad(loss))(bf16, *args[:-1])
+    for path, grad in nnx.to_flat_state(grads):
+        value = np.asarray(grad.get_value())
+        assert value.dtype == np.float32 and np.isfinite(value).all() and np.abs(value).max() > 0, path
