@@ -25,6 +25,7 @@ def base_config() -> ConfigDict:
     config.target_dir = placeholder(str)
     config.tokenizer_dir = placeholder(str)  # default: target_dir
     config.target_dtype = "bfloat16"  # frozen target weights and its forward
+    config.compute_dtype = "bfloat16"  # drafter compute; its weights and optimizer state stay fp32 (SPEC §7)
 
     # Drafter (SPEC §3, §11). None = derived from the target: hidden size (must equal the target's),
     # intermediate size, rope theta/scaling, rms eps, vocab size, max positions.
@@ -53,7 +54,7 @@ def base_config() -> ConfigDict:
     config.labels = "target"  # "target": argmax of the target's logits; "data": the row's next tokens
     config.noise_std = 0.0  # uniform noise U(-std, std) on the raw features fed to fc (never on labels)
     config.vocab_chunk = 8192  # vocabulary chunk for the target's greedy labels
-    config.loss_row_chunk = 512  # drafter rows per LM head + cross-entropy chunk
+    config.loss_row_chunk = 512  # block tokens per batch row in one LM head + cross-entropy chunk
 
     # Attention: "auto" = splash on TPU, XLA elsewhere.
     config.attention_impl = "auto"
@@ -64,6 +65,8 @@ def base_config() -> ConfigDict:
     config.eval_files = placeholder(tuple)
     config.batch_size = 8  # rows per step (global, split over the data and fsdp mesh axes)
     config.shuffle_seed = 0
+    config.bad_records = "raise"  # or "skip": log and count bad JSONL records instead of stopping
+    config.chat_template_kwargs = placeholder(dict)  # e.g. {"enable_thinking": False}
 
     # Optimisation (SPEC §7).
     config.total_steps = 10_000
@@ -73,8 +76,8 @@ def base_config() -> ConfigDict:
     config.adam_b1 = 0.9
     config.adam_b2 = 0.95
     config.clip_grad_norm = 1.0
-    config.grad_accum_steps = 1
-    config.seed = 0
+    config.grad_accum_steps = 1  # micro-batches of batch_size / grad_accum_steps rows, one update per step
+    config.seed = 0  # drafter init and the noise RNG
 
     # Mesh: one of the sizes may be -1 (take the remaining devices).
     config.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1))

@@ -62,20 +62,23 @@ def chunked_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: 
                           ) -> tuple[jax.Array, jax.Array]:
     """Per-row cross-entropy and correctness of argmax for logits = hidden @ lm_head_kernel.
 
-    hidden: [R, H]; labels: [R]. Rows are walked in chunks of `row_chunk` (R is padded up to a multiple);
-    each chunk's [row_chunk, V] logits exist only inside a rematerialised scan step. Returns (ce [R] fp32,
-    correct [R] bool).
+    hidden: [..., R, H]; labels: [..., R]. The R axis is walked in chunks of `row_chunk` (padded up to a
+    multiple); leading (batch) axes stay whole, so a batch sharded over devices stays sharded and each device
+    holds [local batch, row_chunk, V] logits at a time, inside a rematerialised scan step (the backward
+    recomputes them). Returns (ce [..., R] fp32, correct [..., R] bool).
     """
-    rows, width = hidden.shape
+    *lead, rows, width = hidden.shape
     chunk = min(row_chunk, rows)
     padded = -(-rows // chunk) * chunk
-    hidden_chunks = jnp.pad(hidden, ((0, padded - rows), (0, 0))).reshape(padded // chunk, chunk, width)
-    label_chunks = jnp.pad(labels, (0, padded - rows)).reshape(padded // chunk, chunk)
+    row_padding = [(0, 0)] * len(lead) + [(0, padded - rows)]
+    # [..., R, H] -> [R/chunk, ..., chunk, H]: the scan walks the leading axis.
+    hidden_chunks = jnp.moveaxis(jnp.pad(hidden, row_padding + [(0, 0)]).reshape(*lead, -1, chunk, width), -3, 0)
+    label_chunks = jnp.moveaxis(jnp.pad(labels, row_padding).reshape(*lead, -1, chunk), -2, 0)
 
     @jax.checkpoint
     def one_chunk(h, y):
         logits = jnp.dot(h, lm_head_kernel.astype(h.dtype), preferred_element_type=jnp.float32)
-        label_logit = jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]
+        label_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
         ce = jax.nn.logsumexp(logits, axis=-1) - label_logit
         correct = jnp.argmax(logits, axis=-1) == y
         return ce, correct
@@ -84,7 +87,11 @@ def chunked_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: 
         return None, one_chunk(*chunk_inputs)
 
     _, (ce, correct) = jax.lax.scan(body, None, (hidden_chunks, label_chunks))
-    return ce.reshape(padded)[:rows], correct.reshape(padded)[:rows]
+
+    def unchunk(x):
+        return jnp.moveaxis(x, 0, -2).reshape(*lead, padded)[..., :rows]
+
+    return unchunk(ce), unchunk(correct)
 
 
 class LossOutput(NamedTuple):
@@ -93,16 +100,26 @@ class LossOutput(NamedTuple):
     slot_count: jax.Array  # [B] number of trained slots at position k
 
 
-def dflash_loss(ce: jax.Array, correct: jax.Array, slot_mask: jax.Array, weights: jax.Array) -> LossOutput:
+def dflash_loss(ce: jax.Array, correct: jax.Array, slot_mask: jax.Array, weights: jax.Array,
+                normaliser: jax.Array | None = None) -> LossOutput:
     """SPEC §6 loss over trained slots. ce, correct, slot_mask: [batch, N, B]; weights: [B] with w_0 = 0.
 
-    The normaliser is the number of trained slots (speculators' convention), not the weight sum.
+    The normaliser is the number of trained slots (speculators' convention), not the weight sum. Pass the
+    whole batch's count as `normaliser` when this is one micro-batch of it: the micro-batch losses then
+    add up to the whole batch's loss (and their gradients to its gradient).
     """
     mask = slot_mask.astype(jnp.float32)
-    loss = jnp.sum(ce * weights * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    if normaliser is None:
+        normaliser = trained_slot_count(slot_mask)
+    loss = jnp.sum(ce * weights * mask) / normaliser
     slot_correct = jnp.sum(correct.astype(jnp.float32) * mask, axis=(0, 1))
     slot_count = jnp.sum(mask, axis=(0, 1))
     return LossOutput(loss, slot_correct, slot_count)
+
+
+def trained_slot_count(slot_mask: jax.Array) -> jax.Array:
+    """Σ m, at least 1 (a batch without trained slots has loss 0, not NaN)."""
+    return jnp.maximum(jnp.sum(slot_mask.astype(jnp.float32)), 1.0)
 
 
 def acceptance_metrics(slot_correct: np.ndarray, slot_count: np.ndarray) -> dict[str, float]:

@@ -1,0 +1,90 @@
+"""Model FLOPs of one train step and the MFU they give (SPEC §6).
+
+Counted: the target forward (every weight matmul on every row position, causal attention on its softmax
+attention layers, the LM head on the label positions when labels come from the target) and the drafter
+forward + backward (3x the forward on trained weights: fc on the context, the layers on the block tokens,
+context k/v projections, the §5-masked attention; 2x for the frozen LM head, whose weight gets no
+gradient). Rematerialisation, padding and masked-out work are not counted, as usual for MFU. Gated DeltaNet
+recurrences are linear in T and left out.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+from ml_collections import ConfigDict
+
+from dflash_jax.models.drafter import DrafterConfig
+from dflash_jax.ops.mask import AnchorGrid
+
+# bf16 dense peak TFLOP/s per device, matched as substrings of `device_kind` (most specific first).
+PEAK_TFLOPS = (
+    ("tpu v6 lite", 918.0), ("tpu v6e", 918.0),
+    ("tpu v5 lite", 197.0), ("tpu v5e", 197.0),
+    ("tpu v5p", 459.0), ("tpu v5", 459.0),
+    ("tpu v4", 275.0),
+    ("h200", 989.0), ("h100", 989.0), ("a100", 312.0),
+)
+
+
+def peak_tflops(config: ConfigDict, device: jax.Device) -> float | None:
+    """config.peak_tflops_per_device, else the table entry for this device kind, else None (MFU unknown)."""
+    if config.peak_tflops_per_device:
+        return float(config.peak_tflops_per_device)
+    kind = device.device_kind.lower()
+    return next((tflops for name, tflops in PEAK_TFLOPS if name in kind), None)
+
+
+def _matmul_weights(state: nnx.State, skip: tuple[str, ...] = ()) -> int:
+    """Parameters of weight matrices (stacked layers included), leaving out names containing any of `skip`."""
+    total = 0
+    for path, value in nnx.to_flat_state(state):
+        if len(value.shape) >= 2 and not any(part in map(str, path) for part in skip):
+            total += int(np.prod(value.shape))
+    return total
+
+
+def _attention_layers(target_config) -> int:
+    layer_types = getattr(target_config, "layer_types", None)  # hybrid targets: only full-attention layers
+    if layer_types is None:
+        return target_config.num_hidden_layers
+    return sum(kind == "full_attention" for kind in layer_types)
+
+
+def visible_keys(grid: AnchorGrid, window: int | None) -> int:
+    """Number of (query, key) pairs of one row the §5 mask lets through (position part)."""
+    anchors = grid.anchors[:, None].astype(np.int64)
+    slots = np.arange(grid.block_size)[None, :]
+    if window is None:  # context p < a, whole own block
+        context = np.broadcast_to(anchors, (grid.num_anchors, grid.block_size))
+        block = grid.block_size
+    else:  # a + k - W < p < a, causal within the block
+        context = np.clip(np.minimum(anchors, window - 1 - slots), 0, None)
+        block = slots + 1
+    return int(np.sum(context + block))
+
+
+def train_step_flops(config: ConfigDict, target_config, target_state: nnx.State, drafter_config: DrafterConfig,
+                     drafter_params: nnx.State) -> float:
+    """FLOPs of one optimizer step over config.batch_size rows."""
+    grid = AnchorGrid(config.seq_len, config.anchor_stride, config.block_size)
+    rows, length, queries = config.batch_size, grid.seq_len, grid.num_queries
+    hidden, vocab = target_config.hidden_size, target_config.vocab_size
+
+    target = 2.0 * _matmul_weights(target_state, skip=("embed_tokens", "lm_head")) * length
+    target += 2.0 * length * length * target_config.num_attention_heads * target_config.head_dim \
+        * _attention_layers(target_config)  # QK^T and PV, half of the T x T pairs (causal): 2 * 2 * T^2 / 2
+    if config.labels == "target":
+        target += 2.0 * hidden * vocab * min(length, queries)
+
+    c = drafter_config
+    kv_width = c.num_key_value_heads * c.head_dim
+    layer_weights = _matmul_weights(drafter_params, skip=("fc",))
+    drafter = 2.0 * len(c.target_layer_ids) * hidden * hidden * length  # fc
+    drafter += 2.0 * layer_weights * queries  # q/k/v/o and MLP on the block tokens
+    drafter += 2.0 * 2 * hidden * kv_width * c.num_hidden_layers * length  # k/v of the context
+    drafter += sum(4.0 * c.num_attention_heads * c.head_dim * visible_keys(grid, c.window(i))
+                   for i in range(c.num_hidden_layers))
+    head = 2.0 * hidden * vocab * queries
+    return rows * (target + 3.0 * drafter + 2.0 * head)

@@ -1,0 +1,100 @@
+"""The optimizer and the train state (SPEC §7).
+
+Only the drafter is trained: its Params (fp32 master weights) are the optimizer's whole world. The target is
+frozen, passed to the step as a separate argument and never part of `TrainState`, so it is never updated
+and never checkpointed. Everything in `TrainState` is a plain pytree of arrays, sharded by the logical-axis
+rule table (`dflash_jax.sharding.state_shardings`) and checkpointed as-is by Orbax.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+from ml_collections import ConfigDict
+
+from dflash_jax.models.drafter import Drafter, DrafterConfig, drafter_from_torch_layout
+from dflash_jax.sharding import state_shardings
+from dflash_jax.train.validate import ConfigError, dtype_of
+from dflash_jax.weights.safetensors_dir import CheckpointError, CheckpointReader
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: optimizer updates done so far
+    params: nnx.State  # the drafter's Params, fp32
+    opt_state: optax.OptState
+    rng: jax.Array  # uint32 raw key data (checkpointable); split once per step for the feature noise
+
+
+def learning_rate_schedule(config: ConfigDict) -> optax.Schedule:
+    """Linear warmup over `warmup_ratio` of the steps from 0 to the peak, then cosine to 0 at total_steps."""
+    warmup_steps = int(round(config.warmup_ratio * config.total_steps))
+    return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup_steps=warmup_steps,
+                                              decay_steps=config.total_steps, end_value=0.0)
+
+
+def make_optimizer(config: ConfigDict) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW. Weight decay (0 by default) skips vectors (norm weights)."""
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_grad_norm),
+        optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
+                    weight_decay=config.weight_decay, mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)),
+    )
+
+
+def make_drafter(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str, seed: int = 0) -> Drafter:
+    """A freshly initialised drafter: fp32 weights, compute in config.compute_dtype."""
+    return Drafter(drafter_config, rngs=nnx.Rngs(seed), param_dtype=jnp.float32,
+                   dtype=dtype_of(config.compute_dtype), attention_impl=attention_impl,
+                   query_chunk_blocks=config.query_chunk_blocks)
+
+
+class StateSpec(NamedTuple):
+    """What the step and the checkpointer need to know about the train state without holding it."""
+
+    graphdef: nnx.GraphDef  # the drafter's static structure (merge it with TrainState.params)
+    abstract: TrainState  # ShapeDtypeStructs carrying their shardings (an Orbax restore target)
+    shardings: TrainState  # NamedShardings, the jit in/out shardings of the state
+
+
+def state_spec(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str, mesh: Mesh) -> StateSpec:
+    abstract = jax.eval_shape(lambda: _init(drafter_config, config, attention_impl)[1])
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: make_drafter(drafter_config, config, attention_impl)))
+    shardings = state_shardings(abstract, mesh)
+    with_shardings = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shardings,
+                                  abstract)
+    return StateSpec(graphdef, with_shardings, shardings)
+
+
+def init_train_state(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str,
+                     spec: StateSpec) -> TrainState:
+    """The step-0 state, created directly on its shardings (no host copy of the full drafter)."""
+    state = jax.jit(lambda: _init(drafter_config, config, attention_impl)[1], out_shardings=spec.shardings)()
+    if config.drafter.init_from:
+        state = state._replace(params=_load_params(config.drafter.init_from, drafter_config, spec))
+        state = state._replace(opt_state=jax.jit(make_optimizer(config).init,
+                                                 out_shardings=spec.shardings.opt_state)(state.params))
+    return state
+
+
+def _init(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str) -> tuple[Drafter, TrainState]:
+    drafter = make_drafter(drafter_config, config, attention_impl, seed=config.seed)
+    params = nnx.state(drafter, nnx.Param)
+    # The noise stream is seeded apart from the weight init (fold_in), so changing one leaves the other.
+    rng = jax.random.key_data(jax.random.fold_in(jax.random.key(config.seed), 1))
+    return drafter, TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(config).init(params), rng)
+
+
+def _load_params(directory: str, drafter_config: DrafterConfig, spec: StateSpec) -> nnx.State:
+    """Drafter weights from a directory in the export layout (SPEC §10), placed on the param shardings."""
+    try:
+        reader = CheckpointReader(directory)
+        tensors = {name: reader.read(name) for name in reader.names()}
+        drafter = drafter_from_torch_layout(tensors, drafter_config, param_dtype=jnp.float32)
+    except (CheckpointError, ValueError, OSError) as error:
+        raise ConfigError(f"config.drafter.init_from={directory!r}: {error}") from None
+    return jax.device_put(nnx.state(drafter, nnx.Param), spec.shardings.params)

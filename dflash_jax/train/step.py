@@ -1,0 +1,155 @@
+"""The jitted train step: frozen target forward, labels, drafter forward/backward, AdamW (SPEC §4-§7).
+
+One step = one optimizer update over `batch_size` packed rows, optionally as `grad_accum_steps`
+micro-batches whose gradients are summed in a scan (the loss is normalised by the whole batch's trained-slot
+count, so accumulation gives exactly the full-batch gradient). Per micro-batch:
+
+1. `teacher`: the frozen target runs on the rows (no gradient) and yields the feature layers, its greedy
+   labels argmax(lm_head(final_norm(h)))[a+k-1] (or the data's input_ids[a+k]), the block embeddings
+   (slot 0 = the real token at the anchor, other slots = mask_token_id) and the LM head kernel.
+2. `drafter_loss`: optional uniform noise on the raw features (never on the labels' path), the drafter
+   forward, the borrowed LM head + cross-entropy in row chunks, the slot mask and position weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from ml_collections import ConfigDict
+
+from dflash_jax.data import anchors as grid_ops
+from dflash_jax.models.drafter import DrafterConfig
+from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.sharding import BATCH_AXES, batch_sharding, replicated
+from dflash_jax.train.loss import chunked_cross_entropy, dflash_loss, greedy_labels, position_weights, \
+    trained_slot_count
+from dflash_jax.train.state import StateSpec, TrainState, learning_rate_schedule, make_optimizer
+
+BATCH_KEYS = ("input_ids", "positions", "segment_ids", "loss_mask")
+
+
+class Teacher(NamedTuple):
+    """Everything the frozen target gives the drafter for one batch; no gradient flows into any of it."""
+
+    features: jax.Array  # [b, T, n*H] raw feature layers, concatenated in target_layer_ids order
+    labels: jax.Array  # [b, N, B] int32: the token slot k of the block at anchor a should predict
+    block_embeds: jax.Array  # [b, N*B, H] the target's embedding of the block ids
+    lm_head: jax.Array  # [H, V]
+
+
+class LossAux(NamedTuple):
+    labels: jax.Array  # [b, N, B]
+    slot_correct: jax.Array  # [B]
+    slot_count: jax.Array  # [B]
+
+
+class StepFunctions(NamedTuple):
+    teacher: Callable  # (target_state, batch) -> Teacher
+    drafter_loss: Callable  # (params, teacher, batch, noise_key, normaliser) -> (loss, LossAux)
+    train_step: Callable  # jitted (TrainState, target_state, batch) -> (TrainState, metrics)
+
+
+def anchor_grid(config: ConfigDict) -> AnchorGrid:
+    return AnchorGrid(config.seq_len, config.anchor_stride, config.block_size)
+
+
+def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec, target_graphdef: nnx.GraphDef,
+              target_shardings: nnx.State, mesh: Mesh) -> StepFunctions:
+    grid = anchor_grid(config)
+    anchors = grid.anchors
+    num_rows, block = grid.num_anchors, grid.block_size
+    slot_index = anchors[:, None] + np.arange(block)[None, :]  # [N, B]: a + k
+    label_source = np.clip(slot_index - 1, 0, grid.seq_len - 1)  # the target's logits at a+k-1 predict a+k
+    weights = jnp.asarray(position_weights(block, config.gamma))
+    feature_ids = drafter_config.target_layer_ids
+
+    def teacher(target_state: nnx.State, batch: dict[str, jax.Array]) -> Teacher:
+        target = nnx.merge(target_graphdef, target_state)
+        out = target(batch["input_ids"], batch["positions"], batch["segment_ids"], feature_ids)
+        lm_head = target.lm_head_kernel()
+        rows = batch["input_ids"].shape[0]
+        if config.labels == "data":
+            labels = batch["input_ids"][:, np.minimum(slot_index, grid.seq_len - 1)]
+        elif grid.num_queries >= grid.seq_len:  # slots overlap (S <= B): one argmax per row position is cheaper
+            labels = greedy_labels(out.hidden, lm_head, config.vocab_chunk)[:, label_source]
+        else:
+            labels = greedy_labels(out.hidden[:, label_source.reshape(-1)], lm_head, config.vocab_chunk)
+            labels = labels.reshape(rows, num_rows, block)
+        block_ids = grid_ops.block_token_ids(batch["input_ids"], anchors, block, drafter_config.mask_token_id)
+        return jax.lax.stop_gradient(Teacher(
+            features=out.features.reshape(*out.features.shape[:2], -1),
+            labels=labels,
+            block_embeds=target.embed(block_ids),
+            lm_head=lm_head,
+        ))
+
+    def drafter_loss(params: nnx.State, teacher: Teacher, batch: dict[str, jax.Array], noise_key: jax.Array,
+                     normaliser: jax.Array) -> tuple[jax.Array, LossAux]:
+        drafter = nnx.merge(spec.graphdef, params)
+        features = teacher.features
+        if config.noise_std > 0:  # U(-std, std) on the raw features fed to fc; the labels are already fixed
+            features = features + jax.random.uniform(noise_key, features.shape, features.dtype,
+                                                     -config.noise_std, config.noise_std)
+        hidden = drafter(
+            features, teacher.block_embeds, batch["positions"],
+            grid_ops.block_positions(batch["positions"], anchors, block), batch["segment_ids"],
+            batch["segment_ids"][:, anchors], grid)
+        rows = hidden.shape[0]
+        ce, correct = chunked_cross_entropy(hidden, teacher.lm_head, teacher.labels.reshape(rows, -1),
+                                            config.loss_row_chunk)
+        mask = grid_ops.slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block)
+        out = dflash_loss(ce.reshape(mask.shape), correct.reshape(mask.shape), mask, weights, normaliser)
+        return out.loss, LossAux(teacher.labels, out.slot_correct, out.slot_count)
+
+    tx = make_optimizer(config)
+    schedule = learning_rate_schedule(config)
+    accum = config.grad_accum_steps
+    micro_sharding = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, None))
+
+    def train_step(state: TrainState, target_state: nnx.State, batch: dict[str, jax.Array]
+                   ) -> tuple[TrainState, dict[str, jax.Array]]:
+        # Row r goes to micro-batch r % accum, so every micro-batch keeps an even share of each device's rows.
+        micro_batches = {key: jax.lax.with_sharding_constraint(
+            jnp.swapaxes(value.reshape(-1, accum, value.shape[-1]), 0, 1), micro_sharding)
+            for key, value in batch.items()}
+        normaliser = trained_slot_count(grid_ops.slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block))
+        rng, step_key = jax.random.split(jax.random.wrap_key_data(state.rng))
+
+        def accumulate(totals, inputs):
+            micro_batch, noise_key = inputs
+            (loss, aux), grads = jax.value_and_grad(drafter_loss, has_aux=True)(
+                state.params, teacher(target_state, micro_batch), micro_batch, noise_key, normaliser)
+            return jax.tree.map(jnp.add, totals, (grads, loss, aux.slot_correct, aux.slot_count)), None
+
+        zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()), jnp.zeros(block), jnp.zeros(block))
+        (grads, loss, slot_correct, slot_count), _ = jax.lax.scan(
+            accumulate, zeros, (micro_batches, jax.random.split(step_key, accum)))
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        metrics = {
+            "loss": loss,
+            "slot_correct": slot_correct,
+            "slot_count": slot_count,
+            "anchor_utilisation": grid_ops.anchor_utilisation(grid_ops.anchor_validity(batch["loss_mask"], anchors)),
+            "grad_norm": optax.tree.norm(grads),  # before clipping
+            "learning_rate": schedule(state.step),
+        }
+        new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state,
+                               jax.random.key_data(rng))
+        return new_state, metrics
+
+    batch_shardings = {key: batch_sharding(mesh) for key in BATCH_KEYS}
+    jitted = jax.jit(train_step, in_shardings=(spec.shardings, target_shardings, batch_shardings),
+                     out_shardings=(spec.shardings, replicated(mesh)), donate_argnums=0)
+    return StepFunctions(teacher, drafter_loss, jitted)
+
+
+def put_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Host batch -> device arrays split over the batch axes (single process: the whole global batch)."""
+    return {key: jax.device_put(batch[key], batch_sharding(mesh)) for key in BATCH_KEYS}

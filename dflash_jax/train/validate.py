@@ -1,0 +1,180 @@
+"""Start-up checks of the training config, and the drafter config resolved from it and the target.
+
+Every problem is a `ConfigError` whose single-line message names the offending config field, raised before
+anything is compiled, so a bad run fails in seconds with a sentence instead of minutes later with a JAX
+traceback. `validate_config` needs only the config; `resolve_drafter_config` also needs the loaded target's
+config and the tokenizer (SPEC §2, §3, §10 for the defaults).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+from ml_collections import ConfigDict
+
+from dflash_jax.models.drafter import ATTENTION_IMPLS, LAYER_TYPES, DrafterConfig, default_target_layer_ids
+
+log = logging.getLogger(__name__)
+
+LABEL_SOURCES = ("target", "data")
+ATTENTION_CHOICES = ("auto", "splash", "xla")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A training config that cannot work; the message names the field."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate_config(config: ConfigDict) -> None:
+    """Checks that need nothing but the config. Raises ConfigError."""
+    _require(bool(config.target_dir), "config.target_dir is required: a Hugging Face target checkpoint directory")
+    _require(bool(config.train_files), "config.train_files is required: one or more JSONL files "
+                                       "(--config.train_files=a.jsonl or a tuple in the config file)")
+    _require(config.block_size >= 2, f"config.block_size must be >= 2 (the anchor slot plus at least one "
+                                     f"drafted slot), got {config.block_size}")
+    _require(config.anchor_stride >= 1, f"config.anchor_stride must be >= 1, got {config.anchor_stride}")
+    _require(config.seq_len % config.anchor_stride == 0,
+             f"config.seq_len ({config.seq_len}) must be a multiple of config.anchor_stride ({config.anchor_stride}) "
+             f"so the anchor grid is static (SPEC §4)")
+    _require(config.seq_len >= config.block_size,
+             f"config.seq_len ({config.seq_len}) must be >= config.block_size ({config.block_size})")
+    _require(config.gamma > 0, f"config.gamma must be > 0 (w_k = exp(-(k-1)/gamma), SPEC §6), got {config.gamma}")
+    _require(config.labels in LABEL_SOURCES, f"config.labels must be one of {LABEL_SOURCES}, got {config.labels!r}")
+    _require(config.attention_impl in ATTENTION_CHOICES,
+             f"config.attention_impl must be one of {ATTENTION_CHOICES}, got {config.attention_impl!r}")
+    for field in ("target_dtype", "compute_dtype"):
+        _require(config[field] in DTYPES, f"config.{field} must be one of {DTYPES}, got {config[field]!r}")
+    _require(config.noise_std >= 0, f"config.noise_std must be >= 0, got {config.noise_std}")
+    for field in ("batch_size", "total_steps", "grad_accum_steps", "vocab_chunk", "loss_row_chunk",
+                  "query_chunk_blocks", "log_every", "checkpoint_every", "keep_checkpoints"):
+        _require(config[field] >= 1, f"config.{field} must be >= 1, got {config[field]}")
+    _require(config.eval_every >= 0, f"config.eval_every must be >= 0 (0 = never), got {config.eval_every}")
+    _require(config.batch_size % config.grad_accum_steps == 0,
+             f"config.batch_size ({config.batch_size}) must be a multiple of config.grad_accum_steps "
+             f"({config.grad_accum_steps})")
+    _require(0 <= config.warmup_ratio < 1, f"config.warmup_ratio must lie in [0, 1), got {config.warmup_ratio}")
+    _require(config.learning_rate > 0, f"config.learning_rate must be > 0, got {config.learning_rate}")
+
+    drafter = config.drafter
+    layer_types = tuple(drafter.layer_types)
+    _require(len(layer_types) == drafter.num_hidden_layers,
+             f"config.drafter.layer_types has {len(layer_types)} entries but config.drafter.num_hidden_layers is "
+             f"{drafter.num_hidden_layers}; give one type per drafter layer")
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    _require(not unknown, f"config.drafter.layer_types has unknown types {unknown}; allowed: {LAYER_TYPES}")
+    if "sliding_attention" in layer_types:
+        window = drafter.sliding_window
+        _require(isinstance(window, int) and window >= 1,
+                 f"config.drafter.layer_types has a sliding_attention layer but config.drafter.sliding_window is "
+                 f"{window!r}; set a positive window (e.g. 2048)")
+    _require(drafter.num_feature_layers >= 1,
+             f"config.drafter.num_feature_layers must be >= 1, got {drafter.num_feature_layers}")
+
+
+def validate_batch_layout(config: ConfigDict, num_batch_shards: int) -> None:
+    """Each micro-batch must split evenly over the mesh's batch axes (data x fsdp)."""
+    micro_batch = config.batch_size // config.grad_accum_steps
+    _require(micro_batch % num_batch_shards == 0,
+             f"config.batch_size / config.grad_accum_steps = {micro_batch} rows per micro-batch must be a multiple "
+             f"of the mesh's data x fsdp size ({num_batch_shards}); see config.mesh")
+
+
+def resolve_attention_impl(config: ConfigDict) -> str:
+    """"auto" = splash attention on TPU when it is available, the XLA implementation elsewhere (SPEC §5)."""
+    if config.attention_impl == "auto":
+        if jax.default_backend() == "tpu" and "splash" in ATTENTION_IMPLS:
+            return "splash"
+        if jax.default_backend() == "tpu":
+            log.warning("config.attention_impl='auto': splash attention is not available, using 'xla'")
+        return "xla"
+    _require(config.attention_impl in ATTENTION_IMPLS,
+             f"config.attention_impl={config.attention_impl!r} is not available in this build; available: "
+             f"{sorted(ATTENTION_IMPLS)}")
+    return config.attention_impl
+
+
+def resolve_mask_token_id(config: ConfigDict, tokenizer, vocab_size: int) -> int:
+    """Config value, else the tokenizer's mask token, else len(tokenizer) when it is an unused embedding row
+    (SPEC §10). Warns when the chosen id is a token the tokenizer actually produces."""
+    mask_token_id = config.drafter.mask_token_id
+    source = "config.drafter.mask_token_id"
+    if mask_token_id is None and tokenizer.mask_token_id is not None:
+        mask_token_id, source = tokenizer.mask_token_id, "the tokenizer's mask token"
+    if mask_token_id is None:
+        _require(len(tokenizer) < vocab_size,
+                 f"config.drafter.mask_token_id is not set, the tokenizer has no mask token, and len(tokenizer) = "
+                 f"{len(tokenizer)} is not below the target's vocab_size {vocab_size}, so there is no unused "
+                 f"embedding row; set config.drafter.mask_token_id explicitly")
+        mask_token_id, source = len(tokenizer), "len(tokenizer), the first unused embedding row"
+    _require(0 <= mask_token_id < vocab_size,
+             f"config.drafter.mask_token_id = {mask_token_id} ({source}) must lie in [0, target vocab_size = "
+             f"{vocab_size})")
+    if mask_token_id < len(tokenizer) and mask_token_id not in set(tokenizer.all_special_ids):
+        log.warning("config.drafter.mask_token_id = %d (%s) is a regular token the tokenizer produces (%r); the "
+                    "drafter cannot tell a masked slot from that token", mask_token_id, source,
+                    tokenizer.convert_ids_to_tokens(mask_token_id))
+    return int(mask_token_id)
+
+
+def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> DrafterConfig:
+    """The drafter's full architecture: config values, with None taken from the target (SPEC §3, §11)."""
+    drafter = config.drafter
+    hidden = target_config.hidden_size
+    num_target_layers = target_config.num_hidden_layers
+    width = drafter.num_feature_layers * hidden
+    _require(drafter.hidden_size in (None, hidden),
+             f"config.drafter.hidden_size ({drafter.hidden_size}) must equal the target's hidden_size ({hidden}): "
+             f"fc maps the n*H = {drafter.num_feature_layers}*{hidden} = {width} concatenated target features to "
+             f"the drafter width, and the target's embedding and LM head are reused as-is")
+    if drafter.target_layer_ids is None:
+        layer_ids = default_target_layer_ids(num_target_layers, drafter.num_feature_layers)
+    else:
+        layer_ids = tuple(int(i) for i in drafter.target_layer_ids)
+        _require(len(layer_ids) >= 1, "config.drafter.target_layer_ids must name at least one target layer")
+        outside = [i for i in layer_ids if not 0 <= i < num_target_layers]
+        _require(not outside, f"config.drafter.target_layer_ids {list(layer_ids)} has ids {outside} outside "
+                              f"[0, {num_target_layers - 1}] for this {num_target_layers}-layer target")
+        _require(len(layer_ids) == drafter.num_feature_layers,
+                 f"config.drafter.target_layer_ids has {len(layer_ids)} ids but config.drafter.num_feature_layers is "
+                 f"{drafter.num_feature_layers}: fc would read {len(layer_ids)}*H, not n*H = {width} columns")
+    fields = dict(
+        hidden_size=hidden,
+        intermediate_size=drafter.intermediate_size or target_config.intermediate_size,
+        num_hidden_layers=drafter.num_hidden_layers,
+        num_attention_heads=drafter.num_attention_heads,
+        num_key_value_heads=drafter.num_key_value_heads,
+        head_dim=drafter.head_dim,
+        rms_norm_eps=drafter.rms_norm_eps,
+        rope_theta=float(drafter.rope_theta or target_config.rope_theta),
+        rope_scaling=_rope_scaling(drafter.rope_scaling, target_config),
+        layer_types=tuple(drafter.layer_types),
+        sliding_window=drafter.sliding_window,
+        block_size=config.block_size,
+        target_layer_ids=layer_ids,
+        num_target_layers=num_target_layers,
+        mask_token_id=resolve_mask_token_id(config, tokenizer, target_config.vocab_size),
+        vocab_size=target_config.vocab_size,
+        max_position_embeddings=target_config.max_position_embeddings,
+    )
+    try:
+        return DrafterConfig(**fields)
+    except ValueError as error:  # e.g. heads not a multiple of kv heads; the message names the field
+        raise ConfigError(f"config.drafter: {error}") from None
+
+
+def _rope_scaling(configured, target_config) -> dict | None:
+    if configured is not None:
+        return dict(configured)
+    target_scaling = getattr(target_config, "rope_scaling", None)  # Qwen3.5 targets have none (SPEC §10)
+    return dict(target_scaling) if target_scaling is not None else None
+
+
+def dtype_of(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]

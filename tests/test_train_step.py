@@ -1,0 +1,164 @@
+"""The jitted train step against an independent dense NumPy loss; labels vs noise; what moves; meshes;
+gradient accumulation; the schedule and the FLOP count."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dflash_jax.ops.mask import AnchorGrid, position_mask
+from dflash_jax.train import flops
+from dflash_jax.train.state import learning_rate_schedule
+from dflash_jax.train.step import put_batch
+from tests.train_fixtures import build, fast_cpu_compiles, make_target, mesh_of, tiny_config, write_corpus
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_step")
+    return make_target(root / "target"), write_corpus(root / "train.jsonl")
+
+
+@pytest.fixture(autouse=True)
+def _fast_compiles():
+    with fast_cpu_compiles():
+        yield
+
+
+def to_numpy(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def reference_loss(setup, params, batch):
+    """SPEC §4 + §6 written out densely in NumPy: every slot's label, mask and weight, full [V] logits."""
+    config, drafter_config = setup.config, setup.drafter_config
+    grid = AnchorGrid(config.seq_len, config.anchor_stride, config.block_size)
+    ids, pos, seg, lm = (np.asarray(batch[k]) for k in ("input_ids", "positions", "segment_ids", "loss_mask"))
+    rows, length, block = ids.shape[0], config.seq_len, config.block_size
+    target = nnx.merge(*nnx.split(setup.target))
+    out = target(jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg), drafter_config.target_layer_ids)
+    target_logits = np.asarray(target.logits(out.hidden))  # [rows, T, V], all of it
+
+    block_ids = np.full((rows, grid.num_anchors, block), drafter_config.mask_token_id)
+    block_ids[:, :, 0] = ids[:, grid.anchors]
+    block_pos = pos[:, grid.anchors][:, :, None] + np.arange(block)
+    drafter = nnx.merge(setup.spec.graphdef, params)
+    hidden = drafter(out.features.reshape(rows, length, -1), target.embed(jnp.asarray(block_ids.reshape(rows, -1))),
+                     jnp.asarray(pos), jnp.asarray(block_pos.reshape(rows, -1)), jnp.asarray(seg),
+                     jnp.asarray(seg[:, grid.anchors]), grid)
+    logits = np.asarray(target.logits(hidden), np.float64).reshape(rows, grid.num_anchors, block, -1)
+
+    total, count = 0.0, 0
+    slot_correct, slot_count = np.zeros(block), np.zeros(block)
+    for r in range(rows):
+        for j, a in enumerate(grid.anchors):
+            valid = a + 1 < length and lm[r, a] == 1 and lm[r, a + 1] == 1
+            for k in range(1, block):
+                p = a + k
+                if not (valid and p < length and seg[r, p] == seg[r, a] and lm[r, p] == 1):
+                    continue
+                label = np.argmax(target_logits[r, p - 1]) if config.labels == "target" else ids[r, p]
+                z = logits[r, j, k]
+                ce = np.log(np.sum(np.exp(z - z.max()))) + z.max() - z[label]
+                total += np.exp(-(k - 1) / config.gamma) * ce
+                count += 1
+                slot_correct[k] += np.argmax(z) == label
+                slot_count[k] += 1
+    return total / count, slot_correct, slot_count
+
+
+@pytest.mark.parametrize("labels", ["target", "data"])
+def test_step_loss_equals_dense_numpy_loss(files, labels):
+    setup = build(tiny_config(*files, labels=labels), mesh_of())
+    batch = next(setup.loader)
+    params = jax.tree.map(jnp.copy, setup.state.params)  # the step donates the state it is given
+    _, metrics = setup.step.train_step(setup.state, setup.target_state, put_batch(batch, setup.mesh))
+
+    loss, slot_correct, slot_count = reference_loss(setup, params, batch)
+    assert slot_count.sum() > 50  # the batch trains a fair number of slots
+    np.testing.assert_array_equal(np.asarray(metrics["slot_count"]), slot_count)
+    np.testing.assert_array_equal(np.asarray(metrics["slot_correct"]), slot_correct)
+    np.testing.assert_allclose(float(metrics["loss"]), loss, rtol=2e-6)
+
+
+def test_noise_never_touches_labels_and_only_the_drafter_trains(files):
+    clean = build(tiny_config(*files), mesh_of())
+    noisy = build(tiny_config(*files, noise_std=0.5), mesh_of())
+    batch = put_batch(next(clean.loader), clean.mesh)
+    outputs = {}
+    for name, setup in (("clean", clean), ("noisy", noisy)):
+        teacher = jax.jit(setup.step.teacher)(setup.target_state, batch)
+        outputs[name] = jax.jit(setup.step.drafter_loss)(setup.state.params, teacher, batch, jax.random.key(3), 1.0)
+    (clean_loss, clean_aux), (noisy_loss, noisy_aux) = outputs["clean"], outputs["noisy"]
+    np.testing.assert_array_equal(np.asarray(clean_aux.labels), np.asarray(noisy_aux.labels))
+    assert abs(float(clean_loss) - float(noisy_loss)) > 1e-4  # the noise did reach the drafter
+
+    target_before = to_numpy(noisy.target_state)
+    initial = to_numpy(noisy.state.params)
+    state = noisy.state
+    for _ in range(4):
+        state, _ = noisy.step.train_step(state, noisy.target_state, put_batch(next(noisy.loader), noisy.mesh))
+    jax.tree.map(np.testing.assert_array_equal, to_numpy(noisy.target_state), target_before)
+    before = jax.tree_util.tree_flatten_with_path(initial)[0]
+    after = jax.tree.leaves(to_numpy(state.params))
+    unchanged = [jax.tree_util.keystr(path) for (path, old), new in zip(before, after) if np.array_equal(old, new)]
+    assert not unchanged, f"drafter parameters that never moved: {unchanged}"
+    assert int(state.step) == 4
+
+
+def one_step(config, mesh, steps: int = 2):
+    setup = build(config, mesh)
+    state, history = setup.state, []
+    for _ in range(steps):
+        state, metrics = setup.step.train_step(state, setup.target_state, put_batch(next(setup.loader), mesh))
+        history.append(to_numpy(metrics))
+    return history
+
+
+def test_step_on_an_8_device_mesh_matches_one_device(files):
+    single = one_step(tiny_config(*files), mesh_of())
+    sharded = one_step(tiny_config(*files, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),
+                       mesh_of(data=2, fsdp=2, tensor=2))
+    for one, eight in zip(single, sharded):
+        np.testing.assert_array_equal(eight["slot_count"], one["slot_count"])
+        np.testing.assert_allclose(eight["loss"], one["loss"], rtol=1e-5)
+        np.testing.assert_allclose(eight["grad_norm"], one["grad_norm"], rtol=1e-4)
+
+
+def test_gradient_accumulation_matches_the_full_batch(files):
+    full = one_step(tiny_config(*files), mesh_of())
+    accumulated = one_step(tiny_config(*files, grad_accum_steps=2), mesh_of())
+    for one, two in zip(full, accumulated):
+        np.testing.assert_array_equal(two["slot_count"], one["slot_count"])
+        np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5)
+        np.testing.assert_allclose(two["grad_norm"], one["grad_norm"], rtol=1e-4)
+
+
+def test_schedule_warms_up_linearly_then_decays_to_zero(files):
+    config = tiny_config(*files, total_steps=100, warmup_ratio=0.04, learning_rate=1e-3)
+    schedule = learning_rate_schedule(config)
+    assert float(schedule(0)) == 0.0
+    np.testing.assert_allclose(float(schedule(2)), 5e-4, rtol=1e-6)
+    np.testing.assert_allclose(float(schedule(4)), 1e-3, rtol=1e-6)
+    assert float(schedule(52)) < 1e-3 and abs(float(schedule(100))) < 1e-12
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_visible_key_count_matches_the_mask(window):
+    grid = AnchorGrid(seq_len=48, stride=4, block_size=6)
+    assert flops.visible_keys(grid, window) == int(position_mask(grid, window).sum())
+
+
+def test_peak_flops_come_from_config_then_the_device_table(files):
+    class Device:
+        device_kind = "TPU v5 lite"
+
+    config = tiny_config(*files)
+    assert flops.peak_tflops(config, Device()) == 197.0
+    Device.device_kind = "cpu"
+    assert flops.peak_tflops(config, Device()) is None
+    config.peak_tflops_per_device = 100.0
+    assert flops.peak_tflops(config, Device()) == 100.0

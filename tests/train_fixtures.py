@@ -1,0 +1,119 @@
+"""A tiny training setup for the train tests: a random HF Qwen3 target with a chat tokenizer saved beside it,
+a synthetic prompt/completion JSONL corpus, and a config for both (configs/tiny.py with smaller rows)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+from ml_collections import ConfigDict
+from transformers import AutoTokenizer
+
+from configs import tiny
+from dflash_jax.data import BatchLoader
+from dflash_jax.models.drafter import DrafterConfig
+from dflash_jax.models.target import load_target
+from dflash_jax.sharding import make_mesh, state_shardings
+from dflash_jax.train import validate
+from dflash_jax.train.state import StateSpec, TrainState, init_train_state, state_spec
+from dflash_jax.train.step import StepFunctions, make_step
+from tests.hf_fixtures import qwen3_config, save_qwen3
+from tests.tokenizer_fixture import _WORDS, make_chat_tokenizer
+
+TARGET_VOCAB = 640  # > len(tokenizer) (600), so the mask token defaults to len(tokenizer), an unused row
+
+
+def make_target(directory: Path, *, num_layers: int = 4, seed: int = 0) -> Path:
+    """A random fp32 Qwen3 target (H=64) plus the test tokenizer, loadable by load_target/AutoTokenizer."""
+    save_qwen3(directory, qwen3_config(vocab_size=TARGET_VOCAB, num_hidden_layers=num_layers,
+                                       tie_word_embeddings=True), seed=seed)
+    make_chat_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def write_corpus(path: Path, count: int = 200, seed: int = 0) -> Path:
+    """Prompt/completion records of English-ish words; completions repeat a per-record phrase so a drafter
+    has something to learn beyond the target's own greedy choice."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(count):
+            prompt = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 10)))
+            phrase = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, 5)))
+            completion = " ".join([phrase] * rng.randint(2, 6))
+            f.write(json.dumps({"prompt": prompt, "completion": " " + completion}) + "\n")
+    return path
+
+
+def tiny_config(target_dir: Path, train_file: Path, **overrides) -> ConfigDict:
+    """configs/tiny.py on 64-token rows (8 anchors of 8 slots), fp32 everywhere so results are exact."""
+    config = tiny.get_config()
+    config.target_dir = str(target_dir)
+    config.train_files = (str(train_file),)
+    config.target_dtype = "float32"
+    config.compute_dtype = "float32"
+    config.seq_len = 64
+    config.anchor_stride = 8
+    config.block_size = 8
+    config.drafter.sliding_window = 24
+    config.loss_row_chunk = 24  # not a divisor of N*B = 64: exercises the padded last chunk
+    config.vocab_chunk = 200  # not a divisor of V = 640: exercises the remainder chunk
+    config.mesh = ConfigDict(dict(data=1, fsdp=1, tensor=1))
+    for key, value in overrides.items():
+        target = config
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            target = target[parent]
+        target[leaf] = value
+    return config
+
+
+class Setup(NamedTuple):
+    """The pieces the train loop builds, for tests that drive the step directly."""
+
+    config: ConfigDict
+    mesh: Mesh
+    target: nnx.Module
+    target_state: nnx.State
+    drafter_config: DrafterConfig
+    spec: StateSpec
+    state: TrainState
+    step: StepFunctions
+    loader: BatchLoader
+
+
+def build(config: ConfigDict, mesh: Mesh) -> Setup:
+    """Target, tokenizer, drafter config, initial state, step functions and loader, as `train` builds them."""
+    validate.validate_config(config)
+    target, target_config = load_target(config.target_dir, param_dtype=validate.dtype_of(config.target_dtype),
+                                        mesh=mesh)
+    tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
+    drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
+    attention_impl = validate.resolve_attention_impl(config)
+    spec = state_spec(drafter_config, config, attention_impl, mesh)
+    state = init_train_state(drafter_config, config, attention_impl, spec)
+    target_graphdef, target_state = nnx.split(target)
+    step = make_step(config, drafter_config, spec, target_graphdef, state_shardings(target_state, mesh), mesh)
+    loader = BatchLoader(config.train_files, tokenizer, seq_len=config.seq_len, anchor_stride=config.anchor_stride,
+                         batch_size=config.batch_size, seed=config.shuffle_seed)
+    return Setup(config, mesh, target, target_state, drafter_config, spec, state, step, loader)
+
+
+def mesh_of(data: int = 1, fsdp: int = 1, tensor: int = 1) -> Mesh:
+    return make_mesh(data, fsdp, tensor, devices=jax.devices()[: data * fsdp * tensor])
+
+
+@contextlib.contextmanager
+def fast_cpu_compiles():
+    """XLA:CPU spends ~30 s optimising even these tiny train steps; the tests need correctness, not speed."""
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", previous)
