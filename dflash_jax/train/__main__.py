@@ -1,0 +1,42 @@
+"""Train a DFlash drafter:
+
+    python -m dflash_jax.train --config configs/qwen27b.py --workdir /ckpt/run1 \
+        --config.target_dir=/ckpt/Qwen3.6-27B --config.train_files=/data/train.jsonl [--config.<key>=<value> ...]
+
+Rerun the same command with the same --workdir to resume after a stop (SIGTERM/SIGINT save a checkpoint
+first). Outputs in the workdir: checkpoints/, metrics.jsonl, drafter_config.json, config.json.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from dflash_jax.data import DataError
+from dflash_jax.train.loop import train
+from dflash_jax.train.validate import ConfigError
+from dflash_jax.weights.safetensors_dir import CheckpointError
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "A config file under configs/ (e.g. configs/tiny.py).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, drafter_config.json.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    logging.getLogger("dflash_jax").setLevel(logging.INFO)
+    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every checkpoint phase at INFO
+    try:
+        train(_CONFIG.value, _WORKDIR.value)
+    except (ConfigError, DataError, CheckpointError) as error:  # a bad setup is a sentence, not a traceback
+        sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+    app.run(main)

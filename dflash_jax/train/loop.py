@@ -1,0 +1,192 @@
+"""The training loop, top to bottom: config -> target -> drafter -> data -> steps -> logs and checkpoints.
+
+Rerunning the same command with the same workdir resumes from the newest checkpoint exactly: same drafter
+weights and optimizer state, same RNG, same next data batch (SPEC §7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from ml_collections import ConfigDict
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from dflash_jax.data import BatchLoader
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.target import load_target
+from dflash_jax.sharding import BATCH_AXES, make_mesh, state_shardings
+from dflash_jax.train import flops, validate
+from dflash_jax.train.checkpoint import Checkpointer, StopRequest
+from dflash_jax.train.loss import acceptance_metrics
+from dflash_jax.train.state import init_train_state, state_spec
+from dflash_jax.train.step import make_step, put_batch
+
+log = logging.getLogger(__name__)
+
+# evaluate(step, drafter, target) -> metrics to log under "eval/<name>"; called every config.eval_every steps.
+EvaluateFn = Callable[[int, Drafter, nnx.Module], dict[str, float]]
+
+DRAFTER_CONFIG_FILE = "drafter_config.json"
+METRICS_FILE = "metrics.jsonl"
+
+
+def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None = None) -> dict[str, Any]:
+    """Train (or resume) the run in `workdir`; returns the summary that is also logged at the end."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    validate.validate_config(config)
+    mesh = _mesh(config)
+    validate.validate_batch_layout(config, int(np.prod([mesh.shape[axis] for axis in BATCH_AXES])))
+
+    # The frozen target and its tokenizer; the drafter's architecture follows from them and the config.
+    log.info("loading target %s onto mesh %s", config.target_dir, dict(mesh.shape))
+    target, target_config = load_target(config.target_dir, param_dtype=validate.dtype_of(config.target_dtype),
+                                        mesh=mesh)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
+    drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
+    _write_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+    attention_impl = validate.resolve_attention_impl(config)
+    log.info("drafter: %s (attention: %s)", drafter_config, attention_impl)
+
+    # Train state: restored from the newest checkpoint, else freshly initialised.
+    spec = state_spec(drafter_config, config, attention_impl, mesh)
+    checkpointer = Checkpointer(workdir, config.keep_checkpoints)
+    start_step = checkpointer.latest_step()
+    if start_step is None:
+        state, data_state = init_train_state(drafter_config, config, attention_impl, spec), None
+        start_step = 0
+    else:
+        log.info("resuming from %s at step %d", workdir / "checkpoints", start_step)
+        state, data_state = checkpointer.restore(start_step, spec.abstract)
+
+    loader = BatchLoader(config.train_files, tokenizer, seq_len=config.seq_len, anchor_stride=config.anchor_stride,
+                         batch_size=config.batch_size, seed=config.shuffle_seed,
+                         pad_id=tokenizer.pad_token_id or 0, bad_records=config.bad_records,
+                         chat_template_kwargs=config.chat_template_kwargs, state=data_state)
+
+    target_graphdef, target_state = nnx.split(target)
+    step_fns = make_step(config, drafter_config, spec, target_graphdef, state_shardings(target_state, mesh), mesh)
+    step_flops = flops.train_step_flops(config, target_config, target_state, drafter_config, state.params)
+    peak = flops.peak_tflops(config, jax.devices()[0])
+    tokens_per_step = config.batch_size * config.seq_len
+
+    metrics_file = open(workdir / METRICS_FILE, "a")
+    pending: list[dict[str, jax.Array]] = []  # device metrics since the last log line (no host sync per step)
+    history: list[dict[str, Any]] = []
+    interval_start, interval_steps, compile_seconds = time.perf_counter(), 0, None
+    step = start_step
+    progress = tqdm(total=config.total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+    try:
+        with StopRequest() as stop:
+            while step < config.total_steps and not stop.requested:
+                batch = next(loader)
+                state, metrics = step_fns.train_step(state, target_state, put_batch(batch, mesh))
+                step += 1
+                interval_steps += 1
+                pending.append(metrics)
+                progress.update(1)
+
+                if compile_seconds is None:  # the first step includes compilation; keep it out of step times
+                    jax.block_until_ready(metrics)
+                    compile_seconds = time.perf_counter() - interval_start
+                    log.info("first step (compilation included) took %.1f s", compile_seconds)
+                    interval_start, interval_steps = time.perf_counter(), 0
+
+                if step % config.log_every == 0 or step == config.total_steps:
+                    record = _log_record(step, pending, interval_start, interval_steps, tokens_per_step,
+                                         step_flops, peak, mesh.size)
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                    history.append(record)
+                    progress.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau_est']:.2f}")
+                    log.info(_log_line(record))
+                    pending, interval_start, interval_steps = [], time.perf_counter(), 0
+
+                if evaluate is not None and config.eval_every and step % config.eval_every == 0:
+                    eval_metrics = evaluate(step, nnx.merge(spec.graphdef, state.params), target)
+                    if eval_metrics:
+                        record = {"step": step, **{f"eval/{name}": value for name, value in eval_metrics.items()}}
+                        metrics_file.write(json.dumps(record) + "\n")
+                        metrics_file.flush()
+
+                if step % config.checkpoint_every == 0 or step == config.total_steps or stop.requested:
+                    checkpointer.save(step, state, loader.state())
+            if stop.requested:
+                log.warning("stopped by %s at step %d; rerun the same command to resume", stop.requested, step)
+    finally:
+        progress.close()
+        checkpointer.close()
+        metrics_file.close()
+        loader.close()
+
+    summary = {"start_step": start_step, "final_step": step, "stopped_by": stop.requested,
+               "compile_seconds": compile_seconds, "last": history[-1] if history else None}
+    log.info("summary: %s", json.dumps(summary))
+    return summary
+
+
+def _mesh(config: ConfigDict):
+    """The (data, fsdp, tensor) mesh; fully explicit sizes may use fewer devices than there are (warned)."""
+    sizes = dict(config.mesh)
+    devices = jax.devices()
+    if -1 not in sizes.values() and int(np.prod(list(sizes.values()))) < len(devices):
+        log.warning("config.mesh %s uses %d of %d devices", sizes, int(np.prod(list(sizes.values()))), len(devices))
+        devices = devices[: int(np.prod(list(sizes.values())))]
+    try:
+        return make_mesh(**sizes, devices=devices)
+    except ValueError as error:
+        raise validate.ConfigError(f"config.mesh: {error}") from None
+
+
+def _write_drafter_config(path: Path, drafter_config) -> None:
+    """Saved for export/eval; a resumed run must have the same drafter (SPEC §12.5)."""
+    text = json.dumps(dataclasses.asdict(drafter_config), indent=2, sort_keys=True) + "\n"
+    if path.exists() and json.loads(path.read_text()) != json.loads(text):
+        raise validate.ConfigError(f"{path} records a different drafter than this config resolves to; use a new "
+                                   f"workdir or restore the original config.\nsaved: {path.read_text()}\nnow: {text}")
+    path.write_text(text)
+
+
+def _log_record(step: int, pending: list[dict[str, jax.Array]], interval_start: float, interval_steps: int,
+                tokens_per_step: int, step_flops: float, peak_tflops: float | None, num_devices: int
+                ) -> dict[str, Any]:
+    """Mean loss/grad norm and pooled slot accuracies over the steps since the last log line (SPEC §6)."""
+    host = jax.device_get(pending)
+    elapsed = time.perf_counter() - interval_start
+    step_time = elapsed / interval_steps if interval_steps else None
+    record = {
+        "step": step,
+        "loss": float(np.mean([m["loss"] for m in host])),
+        **acceptance_metrics(np.sum([m["slot_correct"] for m in host], axis=0),
+                             np.sum([m["slot_count"] for m in host], axis=0)),
+        "anchor_utilisation": float(np.mean([m["anchor_utilisation"] for m in host])),
+        "grad_norm": float(np.mean([m["grad_norm"] for m in host])),
+        "learning_rate": float(host[-1]["learning_rate"]),
+        "step_time": step_time,
+        "tokens_per_second": tokens_per_step / step_time if step_time else None,
+        "mfu": (step_flops / step_time / (peak_tflops * 1e12 * num_devices)
+                if step_time and peak_tflops else None),
+    }
+    return record
+
+
+def _log_line(record: dict[str, Any]) -> str:
+    def fmt(value, spec):
+        return "n/a" if value is None else format(value, spec)
+
+    return (f"step {record['step']}: loss {record['loss']:.4f}  tau_est {record['tau_est']:.3f}  "
+            f"acc_1 {record['acc_1']:.3f}  util {record['anchor_utilisation']:.3f}  "
+            f"grad_norm {record['grad_norm']:.3f}  lr {record['learning_rate']:.2e}  "
+            f"step {fmt(record['step_time'], '.3f')} s  {fmt(record['tokens_per_second'], ',.0f')} tok/s  "
+            f"mfu {fmt(record['mfu'], '.1%')}")

@@ -1,0 +1,139 @@
+"""Each bad training config fails at start-up with a ConfigError naming its field; defaults resolve from the
+target and tokenizer as SPEC §2/§3/§10 say."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs import qwen3_8b, tiny
+from dflash_jax.models.qwen3 import Qwen3Config
+from dflash_jax.train.validate import ConfigError, resolve_drafter_config, validate_batch_layout, validate_config
+from tests.tokenizer_fixture import make_chat_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = Qwen3Config(vocab_size=640, hidden_size=64, intermediate_size=96, num_hidden_layers=12,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6,
+                     max_position_embeddings=512)
+
+
+def config(**overrides):
+    c = tiny.get_config()
+    c.target_dir = "/ckpt/target"
+    c.train_files = ("train.jsonl",)
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value
+    return c
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"target_dir": None}, "config.target_dir is required"),
+    ({"train_files": None}, "config.train_files is required"),
+    ({"block_size": 1}, "config.block_size must be >= 2"),
+    ({"seq_len": 100, "anchor_stride": 8}, "config.seq_len (100) must be a multiple of config.anchor_stride (8)"),
+    ({"seq_len": 8, "anchor_stride": 8, "block_size": 16}, "config.seq_len (8) must be >= config.block_size (16)"),
+    ({"gamma": 0.0}, "config.gamma must be > 0"),
+    ({"gamma": -4.0}, "config.gamma must be > 0"),
+    ({"drafter.layer_types": ("full_attention",) * 3}, "config.drafter.layer_types has 3 entries but "
+                                                       "config.drafter.num_hidden_layers is 2"),
+    ({"drafter.layer_types": ("full_attention", "local")}, "config.drafter.layer_types has unknown types ['local']"),
+    ({"drafter.sliding_window": None}, "config.drafter.sliding_window is None"),
+    ({"labels": "soft"}, "config.labels must be one of ('target', 'data'), got 'soft'"),
+    ({"attention_impl": "flash"}, "config.attention_impl must be one of ('auto', 'splash', 'xla'), got 'flash'"),
+    ({"batch_size": 6, "grad_accum_steps": 4}, "config.batch_size (6) must be a multiple of config.grad_accum_steps"),
+    ({"compute_dtype": "float64"}, "config.compute_dtype must be one of"),
+    ({"noise_std": -0.1}, "config.noise_std must be >= 0"),
+    ({"warmup_ratio": 1.0}, "config.warmup_ratio must lie in [0, 1)"),
+])
+def test_static_config_errors_name_their_field(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        validate_config(config(**overrides))
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"drafter.target_layer_ids": (1, 12)}, "config.drafter.target_layer_ids [1, 12] has ids [12] outside [0, 11]"),
+    ({"drafter.target_layer_ids": (-1, 3)}, "has ids [-1] outside [0, 11]"),
+    ({"drafter.target_layer_ids": (1, 5, 9)}, "config.drafter.target_layer_ids has 3 ids but "
+                                              "config.drafter.num_feature_layers is 2"),
+    ({"drafter.hidden_size": 128}, "config.drafter.hidden_size (128) must equal the target's hidden_size (64): fc "
+                                   "maps the n*H = 2*64 = 128"),
+    ({"drafter.mask_token_id": 640}, "config.drafter.mask_token_id = 640 (config.drafter.mask_token_id) must lie "
+                                     "in [0, target vocab_size = 640)"),
+    ({"drafter.num_key_value_heads": 3}, "config.drafter: DrafterConfig.num_attention_heads (4) must be a multiple"),
+])
+def test_target_dependent_errors_name_their_field(overrides, message):
+    c = config(**overrides)
+    validate_config(c)
+    with pytest.raises(ConfigError) as error:
+        resolve_drafter_config(c, TARGET, make_chat_tokenizer())
+    assert message in str(error.value)
+
+
+def test_batch_must_split_over_the_batch_mesh_axes():
+    validate_batch_layout(config(batch_size=8, grad_accum_steps=2), 4)
+    with pytest.raises(ConfigError, match=r"4 rows per micro-batch must be a multiple of the mesh's data x fsdp"):
+        validate_batch_layout(config(batch_size=8, grad_accum_steps=2), 8)
+
+
+def test_mask_token_defaults_to_the_tokenizers_then_the_first_unused_row():
+    tokenizer = make_chat_tokenizer()
+    resolved = resolve_drafter_config(config(), TARGET, tokenizer)
+    assert resolved.mask_token_id == len(tokenizer)  # no mask token: the first unused embedding row
+    tokenizer.add_special_tokens({"mask_token": "<|mask|>"})
+    assert resolve_drafter_config(config(), TARGET, tokenizer).mask_token_id == tokenizer.mask_token_id
+    assert resolve_drafter_config(config(**{"drafter.mask_token_id": 630}), TARGET, tokenizer).mask_token_id == 630
+
+
+def test_mask_token_without_any_unused_row_is_an_error():
+    small_vocab = Qwen3Config(**{**TARGET.__dict__, "vocab_size": len(make_chat_tokenizer())})
+    with pytest.raises(ConfigError, match="no unused embedding row; set config.drafter.mask_token_id"):
+        resolve_drafter_config(config(), small_vocab, make_chat_tokenizer())
+
+
+def test_a_regular_token_as_mask_token_warns(caplog):
+    tokenizer = make_chat_tokenizer()
+    regular = tokenizer("the", add_special_tokens=False)["input_ids"][0]
+    with caplog.at_level(logging.WARNING, logger="dflash_jax.train.validate"):
+        resolve_drafter_config(config(**{"drafter.mask_token_id": regular}), TARGET, tokenizer)
+    assert f"config.drafter.mask_token_id = {regular}" in caplog.text and "regular token" in caplog.text
+    caplog.clear()
+    special = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    with caplog.at_level(logging.WARNING, logger="dflash_jax.train.validate"):
+        resolve_drafter_config(config(**{"drafter.mask_token_id": special}), TARGET, tokenizer)
+    assert caplog.text == ""
+
+
+def test_drafter_defaults_come_from_the_target():
+    resolved = resolve_drafter_config(config(), TARGET, make_chat_tokenizer())
+    assert resolved.hidden_size == 64 and resolved.intermediate_size == 96
+    assert resolved.rope_theta == 1e6 and resolved.rope_scaling is None
+    assert resolved.target_layer_ids == (1, 9)  # SPEC §2 spread for L = 12, n = 2
+    assert (resolved.num_target_layers, resolved.vocab_size, resolved.max_position_embeddings) == (12, 640, 512)
+    assert resolved.block_size == 8 and resolved.layer_types == ("sliding_attention", "full_attention")
+
+
+def test_shipped_configs_validate():
+    for module in (tiny, qwen3_8b):
+        c = module.get_config()
+        c.target_dir, c.train_files = "/ckpt/target", ("train.jsonl",)
+        validate_config(c)
+
+
+def test_cli_reports_a_config_error_as_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"),
+         "--workdir", str(tmp_path), "--config.target_dir=/nonexistent", "--config.train_files=x.jsonl",
+         "--config.block_size=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "error: config.block_size must be >= 2" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,110 @@
+"""Exact resume through the real train loop: a run stopped at step 10 and rerun matches a straight run, and a
+SIGTERM sent to `python -m dflash_jax.train` leaves a checkpoint that the rerun continues from."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from dflash_jax.models.drafter import DrafterConfig
+from dflash_jax.train.checkpoint import Checkpointer
+from dflash_jax.train.loop import train
+from dflash_jax.train.state import state_spec
+from tests.train_fixtures import fast_cpu_compiles, make_target, mesh_of, tiny_config, write_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_resume")
+    return make_target(root / "target"), write_corpus(root / "train.jsonl")
+
+
+def losses(workdir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {record["step"]: record["loss"] for record in records if "loss" in record}
+
+
+def restore_last(workdir: Path, config):
+    """(step, state, data position) of the newest checkpoint, restored as the loop would restore it."""
+    drafter_config = DrafterConfig(**json.loads((workdir / "drafter_config.json").read_text()))
+    abstract = state_spec(drafter_config, config, "xla", mesh_of()).abstract
+    checkpointer = Checkpointer(workdir, keep=1)
+    step = checkpointer.latest_step()
+    state, data = checkpointer.restore(step, abstract)
+    checkpointer.close()
+    return step, jax.device_get(state), data
+
+
+def test_stop_at_step_10_and_rerun_matches_a_straight_run(files, tmp_path):
+    config = tiny_config(*files, total_steps=20, log_every=1, checkpoint_every=100, eval_every=10, noise_std=0.1)
+
+    def preempt_once(step, drafter, target):
+        """Stands in for the scheduler: SIGTERM to ourselves after step 10 (handled by the loop's flag)."""
+        if step == 10 and not preempted:
+            preempted.append(step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {}
+
+    preempted: list[int] = []
+    with fast_cpu_compiles():
+        straight = train(config, tmp_path / "straight")
+        first = train(config, tmp_path / "resumed", evaluate=preempt_once)
+        second = train(config, tmp_path / "resumed", evaluate=preempt_once)
+
+    assert (first["final_step"], first["stopped_by"]) == (10, "SIGTERM")
+    assert (second["start_step"], second["final_step"], second["stopped_by"]) == (10, 20, None)
+    straight_losses, resumed_losses = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert sorted(resumed_losses) == list(range(1, 21))
+    for step in range(1, 21):
+        np.testing.assert_allclose(resumed_losses[step], straight_losses[step], rtol=1e-6, err_msg=f"step {step}")
+
+    # Same final weights, optimizer state, RNG and data position.
+    straight_step, straight_state, straight_data = restore_last(tmp_path / "straight", config)
+    resumed_step, resumed_state, resumed_data = restore_last(tmp_path / "resumed", config)
+    assert straight_step == resumed_step == 20
+    assert resumed_data == straight_data
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), resumed_state, straight_state)
+
+
+def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(files, tmp_path):
+    target_dir, train_file = files
+    workdir = tmp_path / "run"
+    command = [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"),
+               "--workdir", str(workdir), f"--config.target_dir={target_dir}", f"--config.train_files={train_file}",
+               "--config.seq_len=64", "--config.block_size=8", "--config.drafter.sliding_window=24",
+               "--config.log_every=1", "--config.checkpoint_every=1000", "--config.mesh.fsdp=1"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+               PYTHONPATH=str(REPO))
+    process = subprocess.Popen(command + ["--config.total_steps=100000"], cwd=REPO, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no step was logged in time"
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output[-3000:]
+    assert "SIGTERM received" in output
+
+    stopped_at = Checkpointer(workdir, keep=1).latest_step()
+    logged = losses(workdir)
+    assert stopped_at is not None and stopped_at >= max(logged)  # every logged step is in the checkpoint
+
+    rerun = subprocess.run(command + [f"--config.total_steps={stopped_at + 2}"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resuming from {workdir / 'checkpoints'} at step {stopped_at}" in rerun.stderr
+    assert sorted(losses(workdir))[-2:] == [stopped_at + 1, stopped_at + 2]
