@@ -17,11 +17,13 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.models.layers import MLP, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
+from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.ops.dflash_attention import dflash_attention
 from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.ops.splash_attention import dflash_attention_splash
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ATTENTION_IMPLS = {"xla": dflash_attention}
+ATTENTION_IMPLS = {"xla": dflash_attention, "splash": dflash_attention_splash}
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
@@ -172,14 +174,14 @@ class Drafter(nnx.Module):
     """fc + hidden_norm over the target features, the decoder layers, and the final norm (SPEC §3).
 
     param_dtype: storage dtype of the weights (fp32 master weights by default); dtype: compute dtype
-    (defaults to param_dtype). attention_impl picks the §5 attention backend; query_chunk_blocks is the
-    number of blocks per query chunk of the XLA backend (its memory knob).
+    (defaults to param_dtype). attention_impl picks the §5 attention backend: "xla", "splash", or "auto"
+    (splash on TPU, else xla; ops/backends.py). query_chunk_blocks is the number of blocks per query chunk
+    of the XLA backend (its memory knob).
     """
 
     def __init__(self, config: DrafterConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=None,
                  attention_impl: str = "xla", query_chunk_blocks: int = 32):
-        if attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"attention_impl must be one of {sorted(ATTENTION_IMPLS)}, got {attention_impl!r}")
+        attention_impl = resolve_attention_impl(attention_impl)
         rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)  # refuse bad rope now
         dtype = param_dtype if dtype is None else dtype
         hidden = config.hidden_size

@@ -1,0 +1,21 @@
+"""Which SPEC §5 attention backend runs: `attention_impl = auto | splash | xla`.
+
+"auto" is splash on TPU (the block-sparse kernel skipping empty tiles) and the chunked XLA implementation
+elsewhere. An explicit "splash" off TPU is honoured in the Pallas interpreter (correct but slow, with a logged
+warning; see `dflash_attention_splash`), which is how the tests compare the two backends on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+
+ATTENTION_CHOICES = ("auto", "splash", "xla")
+
+
+def resolve_attention_impl(name: str) -> str:
+    """"auto" -> "splash" on TPU, else "xla"; "splash" and "xla" unchanged; anything else is a ValueError."""
+    if name not in ATTENTION_CHOICES:
+        raise ValueError(f"attention_impl must be one of {list(ATTENTION_CHOICES)}, got {name!r}")
+    if name == "auto":
+        return "splash" if jax.default_backend() == "tpu" else "xla"
+    return name

@@ -1,0 +1,178 @@
+"""DFlash attention (SPEC §5) on the TPU splash-attention kernel, skipping the mask's empty tiles.
+
+The static position mask of `position_mask` becomes the kernel's NumPy mask: the kernel reduces it once to
+per-tile info (empty / partial / full) and never visits an empty (query-tile, key-tile) pair, forward or
+backward. The document part is the kernel's segment ids: a query carries its anchor's segment, a context key
+its own, and a block key the segment of its block's anchor, so a query always matches its own block (no row
+is ever fully masked, which the kernel requires).
+
+Kernel constraints (jax 0.10 `splash_attention_kernel`, enforced in interpret mode too):
+- key tiles (`block_kv`, `block_kv_compute`) must be multiples of 128 (TPU lanes), and with segment ids so
+  must the query tiles of the backward dK/dV kernel; we use one query and one key tile, multiples of 128,
+  for the forward and both backward kernels (`splash_tiles`);
+- tiles must divide the lengths, so N*B queries and T + N*B keys are padded at the end up to a multiple of
+  128 (see `_padded_mask`);
+- any head_dim runs in the interpreter (8, 16, 200 tried); on TPU a multiple of 128 avoids padded lanes
+  (Qwen3's 128);
+- GQA is native: the kernel maps query head h to kv head h // (Hq / Hkv), as `grouped_attention` does, so
+  k/v are never repeated;
+- the kernel does not scale q; we scale it here;
+- jit does not partition a Pallas kernel over a device mesh: see `_on_mesh`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+from jax.sharding import PartitionSpec
+
+from dflash_jax.ops.mask import AnchorGrid, position_mask, tile_fraction, validate_window
+from dflash_jax.sharding import BATCH_AXES
+
+log = logging.getLogger(__name__)
+
+LANES = 128  # the kernel's tile granularity
+# Largest tile tried. Bigger tiles amortise the kernel's per-tile overhead but compute more masked entries
+# (27B shape: 0.34 of the tiles at 512 vs 0.27 at 128, see `splash_tile_fraction`); 512 is the common splash
+# choice, to be tuned on TPU.
+MAX_TILE = 512
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _tile(length: int) -> int:
+    """The largest multiple of 128 up to MAX_TILE that divides length rounded up to 128 (no extra padding)."""
+    padded = _round_up(length, LANES)
+    return max(t for t in range(LANES, MAX_TILE + 1, LANES) if padded % t == 0)
+
+
+def splash_tiles(grid: AnchorGrid) -> tuple[int, int]:
+    """(query tile, key tile) used for this grid: queries N*B, keys T + N*B."""
+    return _tile(grid.num_queries), _tile(grid.seq_len + grid.num_queries)
+
+
+def splash_tile_fraction(grid: AnchorGrid, window: int | None) -> float:
+    """Share of (query-tile, key-tile) pairs the kernel computes (SPEC §5 statistic), for start-up logging."""
+    return tile_fraction(grid, window, *splash_tiles(grid))
+
+
+def _padded_lengths(grid: AnchorGrid) -> tuple[int, int]:
+    """(queries, keys) of the kernel: N*B and T + N*B rounded up to multiples of 128."""
+    return _round_up(grid.num_queries, LANES), _round_up(grid.seq_len + grid.num_queries, LANES)
+
+
+def _padded_mask(grid: AnchorGrid, window: int | None) -> np.ndarray:
+    """position_mask padded at the end: padded keys are never visible; a padded query sees exactly the last
+    block key (and carries that block's segment). The kernel needs every row to see a key: a fully masked
+    row's softmax would rest on the kernel's mask value (NaN with -inf, and NaN times the zero cotangent of
+    the dropped row would still poison the key gradients). A padded row's output is dropped, so it sends
+    zero gradient to its key."""
+    queries, keys = grid.num_queries, grid.seq_len + grid.num_queries
+    mask = np.zeros(_padded_lengths(grid), dtype=bool)
+    mask[:queries, :keys] = position_mask(grid, window)
+    mask[queries:, keys - 1] = True
+    return mask
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(grid: AnchorGrid, window: int | None, num_heads: int, interpret: bool):
+    """The splash kernel for one (grid, window, heads): built once, since turning the mask into tile info
+    walks every tile in NumPy. Built eagerly (ensure_compile_time_eval) so that calls from different traces
+    can share it without leaking tracers."""
+    q_tile, kv_tile = splash_tiles(grid)
+    block_sizes = kernel_lib.BlockSizes(
+        block_q=q_tile, block_kv=kv_tile, block_kv_compute=kv_tile,
+        block_q_dkv=q_tile, block_kv_dkv=kv_tile, block_kv_dkv_compute=kv_tile,
+        block_q_dq=q_tile, block_kv_dq=kv_tile)
+    head_mask = mask_lib.NumpyMask(_padded_mask(grid, window))
+    # The same mask object for every head: the kernel keeps one copy of the tile info for all heads.
+    mask = mask_lib.MultiHeadMask([head_mask] * num_heads)
+    with jax.ensure_compile_time_eval():
+        return kernel_lib.make_splash_mha(mask, block_sizes=block_sizes, head_shards=1, q_seq_shards=1,
+                                          interpret=interpret)
+
+
+def dflash_attention_splash(
+    q: jax.Array,
+    k_ctx: jax.Array,
+    v_ctx: jax.Array,
+    k_blk: jax.Array,
+    v_blk: jax.Array,
+    context_segment_ids: jax.Array,
+    anchor_segment_ids: jax.Array,
+    grid: AnchorGrid,
+    window: int | None,
+    scale: float,
+    query_chunk_blocks: int,
+    *,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Same contract as `dflash_attention` (shapes, GQA, fp32 softmax), on the splash kernel.
+
+    query_chunk_blocks is the XLA backend's memory knob, accepted for the common signature; the kernel tiles
+    by itself. interpret: run the Pallas interpreter (None = unless the backend is TPU; slow, for tests).
+    """
+    del query_chunk_blocks
+    validate_window(window)
+    batch, queries = q.shape[0], grid.num_queries
+    expected = {"q": (q, queries), "k_ctx": (k_ctx, grid.seq_len), "v_ctx": (v_ctx, grid.seq_len),
+                "k_blk": (k_blk, queries), "v_blk": (v_blk, queries),
+                "context_segment_ids": (context_segment_ids, grid.seq_len),
+                "anchor_segment_ids": (anchor_segment_ids, grid.num_anchors)}
+    for name, (array, length) in expected.items():
+        if tuple(array.shape[:2]) != (batch, length):
+            raise ValueError(f"dflash_attention_splash: {name} has shape {tuple(array.shape)}, expected leading "
+                             f"dimensions {(batch, length)} for {grid}")
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+        if interpret:
+            log.warning("splash attention on %s runs in the Pallas interpreter (slow); use attention_impl='xla' "
+                        "off TPU", jax.default_backend())
+    padded_queries, padded_keys = _padded_lengths(grid)
+
+    def kernel_layout(x, length):
+        """[b, len, heads, D] -> the kernel's per-example [heads, len, D], padded at the end to length."""
+        return jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, length - x.shape[1]), (0, 0)))
+
+    q_scaled = kernel_layout((q * scale).astype(q.dtype), padded_queries)
+    keys = kernel_layout(jnp.concatenate([k_ctx, k_blk], axis=1), padded_keys)
+    values = kernel_layout(jnp.concatenate([v_ctx, v_blk], axis=1), padded_keys)
+    # Edge padding gives padded queries the last block's segment, matching the one key they see.
+    query_segment = jnp.repeat(anchor_segment_ids.astype(jnp.int32), grid.block_size, axis=1)
+    key_segment = jnp.concatenate([context_segment_ids.astype(jnp.int32), query_segment], axis=1)
+    segment_ids = kernel_lib.SegmentIds(
+        q=jnp.pad(query_segment, ((0, 0), (0, padded_queries - queries)), mode="edge"),
+        kv=jnp.pad(key_segment, ((0, 0), (0, padded_keys - key_segment.shape[1])), mode="edge"))
+
+    out = _on_mesh(functools.partial(_attend, grid, window, interpret), keys.shape[1])(
+        q_scaled, keys, values, segment_ids)
+    return jnp.swapaxes(out[:, :, :queries], 1, 2).astype(q.dtype)
+
+
+def _attend(grid: AnchorGrid, window: int | None, interpret: bool, q, k, v, segment_ids) -> jax.Array:
+    """The kernel over a batch: [b, Hq, Lq, D] queries, [b, Hkv, Lk, D] keys/values (local shapes)."""
+    return jax.vmap(_kernel(grid, window, q.shape[1], interpret))(q, k, v, segment_ids)
+
+
+def _on_mesh(attend, num_kv_heads: int):
+    """Under a device mesh (`jax.set_mesh`), run `attend` per shard: jit does not partition a Pallas kernel,
+    it would gather the whole batch onto every device. Rows split over the batch axes, heads over `tensor`
+    when the kv heads divide evenly (else every tensor shard computes all heads). Without a mesh: unchanged."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return attend
+    batch_axes = tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
+    tensor = mesh.shape.get("tensor", 1)
+    head_axis = "tensor" if tensor > 1 and num_kv_heads % tensor == 0 else None
+    heads, rows = PartitionSpec(batch_axes, head_axis), PartitionSpec(batch_axes)
+    segments = kernel_lib.SegmentIds(q=rows, kv=rows)
+    # check_vma=False: pallas_call has no replication rule.
+    return jax.shard_map(attend, in_specs=(heads, heads, heads, segments), out_specs=heads, check_vma=False)
