@@ -19,6 +19,7 @@ from dflash_jax.models.drafter import (
 )
 from dflash_jax.ops.mask import AnchorGrid
 from dflash_jax.sharding import make_mesh, state_shardings
+from dflash_jax.weights.drafter_export import zlab_config  # the config.json the export writes (SPEC §10)
 from tests.torch_reference import ReferenceDrafter, block_ids, reference_logits
 
 SEQ_LEN, BLOCK, HIDDEN, VOCAB, MASK_ID, PAD = 24, 4, 32, 50, 49, -1
@@ -32,13 +33,6 @@ def make_config(layer_types=(FULL, FULL), sliding_window=None, **overrides) -> D
                   target_layer_ids=default_target_layer_ids(12, 3), num_target_layers=12, mask_token_id=MASK_ID,
                   vocab_size=VOCAB, max_position_embeddings=256)
     return DrafterConfig(**(fields | overrides))
-
-
-def zlab_config(config: DrafterConfig) -> dict:
-    """The config mapping the reference reads (the keys of SPEC §10's config.json)."""
-    fields = dataclasses.asdict(config)
-    dflash = {"target_layer_ids": list(fields.pop("target_layer_ids")), "mask_token_id": fields.pop("mask_token_id")}
-    return fields | {"dflash_config": dflash}
 
 
 def random_weights(config: DrafterConfig, seed: int) -> dict[str, np.ndarray]:

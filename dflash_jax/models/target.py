@@ -24,7 +24,11 @@ def load_target(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: M
     """Load a Hugging Face target checkpoint directory into its NNX model; returns (model, config).
 
     With a mesh, every weight is placed on its sharding (from the logical-axis rule table) as it is read.
+    An Orbax target directory (written by convert/hf_to_orbax.py) is restored shard by shard instead.
     """
+    from dflash_jax.weights.orbax_target import is_orbax_target, load_orbax_target
+    if is_orbax_target(checkpoint_dir):
+        return load_orbax_target(checkpoint_dir, param_dtype=param_dtype, mesh=mesh)
     model_type = read_config(checkpoint_dir).get("model_type")
     if model_type == "qwen3":
         from dflash_jax.weights.hf_qwen3 import load_qwen3

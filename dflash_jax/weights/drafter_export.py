@@ -1,0 +1,200 @@
+"""The z-lab drafter directory (SPEC §10): config.json + model.safetensors, written and read back.
+
+This is the layout vLLM loads with `method: "dflash"` (reference §7.1/§7.3): a flat Qwen3 config plus the
+DFlash keys, and the drafter's own tensors (bf16, PyTorch [out, in], unprefixed; no embed_tokens/lm_head, so
+vLLM shares the target's). `export_drafter` writes a `Drafter`; `load_drafter_dir` reads such a directory
+(ours or a published z-lab one) back into NNX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from dflash_jax.models.drafter import Drafter, DrafterConfig, drafter_from_torch_layout, drafter_to_torch_layout
+from dflash_jax.weights.safetensors_dir import INDEX_FILE, SINGLE_FILE, CheckpointError, CheckpointReader, read_config
+
+CONFIG_FILE = "config.json"
+SLIDING = "sliding_attention"
+
+
+def zlab_config(config: DrafterConfig) -> dict:
+    """config.json of an exported drafter (SPEC §10): a Qwen3 config of the drafter plus the DFlash keys.
+
+    Every attention-relevant value is written explicitly so vLLM's per-layer resolution (reference §1.6:
+    sliding layers causal with window W, full layers bidirectional) reproduces the trained mask. No
+    `eagle_aux_hidden_state_layer_ids`: vLLM would prefer it over dflash_config.target_layer_ids.
+    """
+    rope_scaling = dict(config.rope_scaling) if config.rope_scaling else None
+    sliding = SLIDING in config.layer_types
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": rope_scaling,
+        # transformers v5 / vLLM read RoPE from rope_parameters; it carries the same theta and scaling.
+        "rope_parameters": {"rope_type": "default", **(rope_scaling or {}), "rope_theta": config.rope_theta},
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": False,
+        "layer_types": list(config.layer_types),
+        "sliding_window": config.sliding_window if sliding else None,
+        "use_sliding_window": sliding,
+        "initializer_range": 0.02,
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                          "block_size": config.block_size},
+        "dtype": "bfloat16",
+    }
+
+
+def serve_command(target: str, export_dir: str | Path, block_size: int) -> str:
+    """The `vllm serve` line of SPEC §10 for this export."""
+    spec = json.dumps({"method": "dflash", "model": str(export_dir), "num_speculative_tokens": block_size - 1},
+                      separators=(",", ":"))
+    return f"vllm serve {target} --speculative-config '{spec}'"
+
+
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Raise FileExistsError unless `out_dir` is absent, empty, or `overwrite` is set."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir}: exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir}: output directory is not empty (pass --overwrite to replace its "
+                              f"config.json and *.safetensors)")
+
+
+def export_drafter(drafter: Drafter, config: DrafterConfig, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+    """Write `drafter` as config.json + model.safetensors (bf16) into `out_dir`; returns the directory.
+
+    Refuses a non-empty `out_dir` unless `overwrite`, which replaces config.json and the safetensors files
+    (vLLM reads every *.safetensors of the directory, so a stale shard must not survive) and keeps the rest.
+    """
+    if drafter.config != config:
+        raise ValueError(f"export_drafter: the drafter was built with {drafter.config}, not with {config}")
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir, overwrite)
+    for stale in [out_dir / CONFIG_FILE, out_dir / INDEX_FILE, *out_dir.glob("*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tensors = {name: np.ascontiguousarray(np.asarray(jax.device_get(value)).astype(ml_dtypes.bfloat16))
+               for name, value in drafter_to_torch_layout(drafter).items()}
+    # Write under a temporary name and rename, so a crash never leaves a truncated model.safetensors behind.
+    partial = out_dir / (SINGLE_FILE + ".partial")
+    save_file(tensors, str(partial), metadata={"format": "pt"})  # transformers insists on format=pt
+    os.replace(partial, out_dir / SINGLE_FILE)
+    (out_dir / CONFIG_FILE).write_text(json.dumps(zlab_config(config), indent=2) + "\n")
+    return out_dir
+
+
+def _rope(raw: dict, where: Path) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from top-level keys (z-lab) or transformers v5's rope_parameters."""
+    parameters = raw.get("rope_parameters") or {}
+    theta = raw.get("rope_theta", parameters.get("rope_theta"))
+    if theta is None:
+        raise CheckpointError(f"{where}: no rope_theta (neither top-level nor in rope_parameters)")
+    scaling = raw.get("rope_scaling")
+    if scaling is None and parameters:
+        scaling = {key: value for key, value in parameters.items() if key != "rope_theta"}
+    if scaling is not None and dict(scaling) in ({}, {"rope_type": "default"}, {"type": "default"}):
+        scaling = None
+    return theta, scaling
+
+
+def _layer_types(raw: dict, num_layers: int) -> list[str]:
+    """layer_types as written, else as transformers' Qwen3Config derives it (sliding from max_window_layers)."""
+    if raw.get("layer_types") is not None:
+        return list(raw["layer_types"])
+    sliding_from = raw.get("max_window_layers", num_layers) if raw.get("use_sliding_window") else num_layers
+    return [SLIDING if i >= sliding_from else "full_attention" for i in range(num_layers)]
+
+
+def drafter_config_from_zlab(raw: dict, where: Path | str = CONFIG_FILE) -> DrafterConfig:
+    """A DrafterConfig from a z-lab style config.json dict; `where` names the file in errors.
+
+    Accepts block_size at top level, in dflash_config, or both (they must agree). Refuses settings the
+    drafter cannot reproduce: a causality override that contradicts the per-layer semantics (SPEC §5), and
+    an `eagle_aux_hidden_state_layer_ids` that disagrees with dflash_config.target_layer_ids + 1.
+    """
+    where = Path(where)
+    if raw.get("model_type") != "qwen3":
+        raise CheckpointError(f"{where}: model_type {raw.get('model_type')!r} is not 'qwen3'")
+    dflash = raw.get("dflash_config")
+    if not isinstance(dflash, dict) or "target_layer_ids" not in dflash:
+        raise CheckpointError(f"{where}: dflash_config.target_layer_ids is missing")
+    missing = [key for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "head_dim", "rms_norm_eps", "num_target_layers", "vocab_size",
+                               "max_position_embeddings") if raw.get(key) is None]
+    if missing:
+        raise CheckpointError(f"{where}: missing field(s) {', '.join(missing)}")
+    sizes = {raw.get("block_size"), dflash.get("block_size")} - {None}
+    if len(sizes) != 1:
+        raise CheckpointError(f"{where}: block_size must be given at top level or in dflash_config (equal if both); "
+                              f"got {raw.get('block_size')!r} and dflash_config.block_size {dflash.get('block_size')!r}")
+    mask_token_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
+    if mask_token_id is None:
+        raise CheckpointError(f"{where}: no mask_token_id (neither in dflash_config nor top-level)")
+    if raw.get("hidden_act", "silu") != "silu" or raw.get("attention_bias", False):
+        raise CheckpointError(f"{where}: hidden_act {raw.get('hidden_act')!r} / attention_bias "
+                              f"{raw.get('attention_bias')!r}: the drafter is SwiGLU (silu) without biases")
+
+    layer_types = _layer_types(raw, raw["num_hidden_layers"])
+    for key, value in (("is_causal", raw.get("is_causal")), ("dflash_config.causal", dflash.get("causal"))):
+        if value is not None and any((kind == SLIDING) != bool(value) for kind in layer_types):
+            raise CheckpointError(f"{where}: {key}={value} forces every layer {'causal' if value else 'non-causal'}, "
+                                  f"but layer_types {layer_types} trains sliding layers causal and full layers "
+                                  f"bidirectional (SPEC §5)")
+    aux = raw.get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None and list(aux) != [i + 1 for i in dflash["target_layer_ids"]]:
+        raise CheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids {aux} (which vLLM prefers) is not "
+                              f"dflash_config.target_layer_ids + 1 = {[i + 1 for i in dflash['target_layer_ids']]}")
+    theta, scaling = _rope(raw, where)
+    try:
+        return DrafterConfig(
+            hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+            head_dim=raw["head_dim"], rms_norm_eps=raw["rms_norm_eps"], rope_theta=theta, rope_scaling=scaling,
+            layer_types=layer_types, sliding_window=raw.get("sliding_window") if SLIDING in layer_types else None,
+            block_size=sizes.pop(), target_layer_ids=dflash["target_layer_ids"],
+            num_target_layers=raw["num_target_layers"], mask_token_id=mask_token_id, vocab_size=raw["vocab_size"],
+            max_position_embeddings=raw["max_position_embeddings"])
+    except (ValueError, TypeError) as error:
+        raise CheckpointError(f"{where}: {error}") from None
+
+
+def load_drafter_dir(directory: str | Path, *, param_dtype=jnp.float32, **drafter_kwargs) -> tuple[Drafter,
+                                                                                                  DrafterConfig]:
+    """Read a drafter directory in the z-lab layout into NNX; returns (drafter, config).
+
+    Tensor names are strict (no missing, no extra) and every shape is checked against config.json; failures
+    raise CheckpointError naming the directory. drafter_kwargs go to `Drafter` (dtype, attention_impl, ...).
+    """
+    directory = Path(directory)
+    config = drafter_config_from_zlab(read_config(directory), directory / CONFIG_FILE)
+    reader = CheckpointReader(directory)
+    tensors = {name: reader.read(name) for name in reader.names()}
+    try:
+        drafter = drafter_from_torch_layout(tensors, config, param_dtype=param_dtype, **drafter_kwargs)
+    except ValueError as error:
+        raise CheckpointError(f"{directory}: {error}") from None
+    return drafter, config

@@ -1,0 +1,193 @@
+"""A frozen target as an Orbax (tensorstore) checkpoint: written from a Hugging Face directory, restored onto
+any mesh shard by shard.
+
+Directory layout written by `write_orbax_target` (and `convert/hf_to_orbax.py`):
+    config.json (+ the tokenizer and other small files)   copied from the HF directory
+    params/                                                Orbax checkpoint: one array per NNX variable, named
+                                                           by its path ("layers.mlp.up_proj.kernel"), in the
+                                                           model's own layout (kernels [in, out], stacked layers)
+    dflash_target.json                                     marker, written last: the conversion completed
+
+Writing streams one NNX variable at a time (Orbax partial saves), filled tensor by tensor from the
+memory-mapped safetensors; restoring reads each device's shard straight from tensorstore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+from orbax.checkpoint import v1 as ocp
+from tqdm import tqdm
+
+from dflash_jax.sharding import state_shardings
+from dflash_jax.weights.mapping import WeightRule
+from dflash_jax.weights.safetensors_dir import INDEX_FILE, CheckpointError, CheckpointReader, read_config, read_json
+
+MARKER_FILE = "dflash_target.json"
+PARAMS_DIR = "params"
+FORMAT, VERSION = "dflash_jax.orbax_target", 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """How one HF model_type maps onto its NNX model: config parser, model class, weight table."""
+
+    config_from_hf: Callable
+    model: Callable
+    rules: Callable  # (config, tensor names) -> (weight rules, HF name prefixes to skip)
+
+
+def _qwen3() -> _Family:
+    from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
+    from dflash_jax.weights.hf_qwen3 import qwen3_weight_rules
+
+    def rules(config, names):
+        return qwen3_weight_rules(config), ("lm_head.weight",) if config.tie_word_embeddings else ()
+    return _Family(Qwen3Config.from_hf, Qwen3, rules)
+
+
+def _qwen3_5() -> _Family:
+    from dflash_jax.models.qwen3_5 import Qwen3_5, Qwen3_5Config
+    from dflash_jax.weights import hf_qwen3_5
+
+    def rules(config, names):
+        multimodal = any(name.startswith(hf_qwen3_5.MULTIMODAL_PREFIX) for name in names)
+        prefix = hf_qwen3_5.MULTIMODAL_PREFIX if multimodal else hf_qwen3_5.TEXT_ONLY_PREFIX
+        skipped = hf_qwen3_5.SKIPPED_PREFIXES + (("lm_head.weight",) if config.tie_word_embeddings else ())
+        return hf_qwen3_5.weight_rules(config, prefix), skipped
+    return _Family(Qwen3_5Config.from_hf, Qwen3_5, rules)
+
+
+FAMILIES = {"qwen3": _qwen3, "qwen3_5": _qwen3_5, "qwen3_5_text": _qwen3_5}
+
+
+def _family_and_config(hf_config: dict, config_path: Path):
+    model_type = hf_config.get("model_type")
+    if model_type not in FAMILIES:
+        raise CheckpointError(f"{config_path}: unsupported model_type {model_type!r}; supported: "
+                              f"{', '.join(FAMILIES)}")
+    family = FAMILIES[model_type]()
+    try:
+        return family, family.config_from_hf(hf_config)
+    except ValueError as error:
+        raise CheckpointError(f"{config_path}: {error}") from None
+
+
+def leaf_name(path: tuple) -> str:
+    """NNX variable path -> checkpoint array name, e.g. ('layers', 'mlp', 'up_proj', 'kernel')."""
+    return ".".join(map(str, path))
+
+
+def is_orbax_target(directory: str | Path) -> bool:
+    return (Path(directory) / MARKER_FILE).is_file()
+
+
+def write_orbax_target(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfloat16, overwrite: bool = False,
+                       progress: bool = True) -> Path:
+    """Convert the HF checkpoint `hf_dir` into an Orbax target directory `out_dir`; returns `out_dir`.
+
+    Weights are stored in `dtype` (variables the model keeps in fp32, e.g. Qwen3.5's A_log, stay fp32).
+    Peak host memory is one NNX variable (for stacked layer weights: all layers of one weight, e.g. every
+    layer's up_proj) plus one HF tensor: the variable's buffer is filled layer by layer from memory-mapped
+    safetensors and saved before the next one is started.
+    """
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf_config = read_config(hf_dir)
+    family, config = _family_and_config(hf_config, hf_dir / "config.json")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        if not overwrite:
+            raise FileExistsError(f"{out_dir}: output directory is not empty (pass --overwrite to replace it)")
+        if out_dir.is_dir():
+            shutil.rmtree(out_dir)
+        else:
+            out_dir.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    reader = CheckpointReader(hf_dir)
+    rules, skipped = family.rules(config, reader.names())
+    _check_tensor_names(reader, rules, skipped)
+    abstract = nnx.eval_shape(lambda: family.model(config, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    variables = dict(nnx.to_flat_state(nnx.state(abstract)))
+    uncovered = sorted(leaf_name(path) for path in set(variables) - {rule.path for rule in rules})
+    if uncovered:
+        raise KeyError(f"the {hf_config['model_type']} weight table leaves model variables unset: {uncovered}")
+
+    bar = tqdm(total=sum(len(rule.names()) for rule in rules), unit="tensor", desc=f"{hf_dir.name} -> Orbax",
+               disable=not progress)
+    for rule in rules:
+        variable = variables[rule.path]
+        value = np.empty(variable.shape, np.dtype(variable.dtype))
+        for index, name in enumerate(rule.names()):
+            piece = rule.fixup(reader.read(name))
+            expected = value.shape[1:] if rule.layers is not None else value.shape
+            if piece.shape != expected:
+                raise CheckpointError(f"{hf_dir}: tensor {name} has shape {tuple(reader.shape(name))}, which does "
+                                      f"not fit {leaf_name(rule.path)} {value.shape} of this config")
+            value[index if rule.layers is not None else ...] = piece  # casts to the stored dtype
+            bar.update(1)
+        ocp.partial.save(out_dir / PARAMS_DIR, {leaf_name(rule.path): value})
+        del value
+    bar.close()
+    ocp.partial.finalize(out_dir / PARAMS_DIR)
+
+    for item in hf_dir.iterdir():  # config, tokenizer, generation config: everything but the weights
+        if item.is_file() and not item.name.endswith(".safetensors") and item.name != INDEX_FILE:
+            shutil.copy2(item, out_dir / item.name)
+    marker = {"format": FORMAT, "version": VERSION, "model_type": hf_config["model_type"],
+              "dtype": jnp.dtype(dtype).name, "source": str(hf_dir)}
+    (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    return out_dir
+
+
+def _check_tensor_names(reader: CheckpointReader, rules: list[WeightRule], skipped: tuple[str, ...]) -> None:
+    wanted = {name for rule in rules for name in rule.names()}
+    missing = sorted(wanted - set(reader.names()))
+    unexpected = sorted(name for name in reader.names() if name not in wanted and not name.startswith(skipped))
+    if missing or unexpected:
+        raise CheckpointError(f"{reader.dir}: missing tensors {missing}, unexpected tensors {unexpected}")
+
+
+def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None):
+    """Restore a directory written by `write_orbax_target`; returns (model, config) like `load_target`.
+
+    With a mesh each variable is restored directly onto its sharding from the logical-axis rules (each
+    device reads only its shard); without one, onto the first device. Stored weights are cast to the
+    model's dtypes (`param_dtype`, fp32 where the model insists).
+    """
+    directory = Path(directory)
+    marker = read_json(directory / MARKER_FILE)
+    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+        raise CheckpointError(f"{directory / MARKER_FILE}: format {marker.get('format')!r} version "
+                              f"{marker.get('version')!r}, expected {FORMAT!r} version {VERSION}")
+    family, config = _family_and_config(read_config(directory), directory / "config.json")
+    abstract = nnx.eval_shape(lambda: family.model(config, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    if mesh is not None:
+        shardings = {path: s.get_value() for path, s in nnx.to_flat_state(state_shardings(state, mesh))}
+    else:
+        shardings = {path: SingleDeviceSharding(jax.devices()[0]) for path, _ in nnx.to_flat_state(state)}
+    variables = dict(nnx.to_flat_state(state))
+    targets = {leaf_name(path): jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[path])
+               for path, v in variables.items()}
+
+    params_dir = directory / PARAMS_DIR
+    stored = ocp.metadata(params_dir).metadata
+    missing, unexpected = sorted(set(targets) - set(stored)), sorted(set(stored) - set(targets))
+    wrong = [f"{name} {tuple(stored[name].shape)} (config.json needs {targets[name].shape})"
+             for name in sorted(set(targets) & set(stored)) if tuple(stored[name].shape) != targets[name].shape]
+    if missing or unexpected or wrong:
+        raise CheckpointError(f"{params_dir}: does not match {directory / 'config.json'}: missing arrays {missing}, "
+                              f"unexpected arrays {unexpected}, wrong shapes {wrong}")
+    restored = ocp.load(params_dir, targets)
+    for path, variable in variables.items():
+        variable.set_value(restored[leaf_name(path)])
+    return nnx.merge(graphdef, state), config
