@@ -2,12 +2,15 @@
 
 Decoder layers are stacked along a leading `layers` axis and run with `nnx.scan`, so compile time does not
 grow with depth. Requested feature layers are captured inside the scan into a small [n, B, T, H] buffer.
+`extend` is the KV-cached path for incremental decoding (speculative decoding's prefill and verification,
+SPEC §9).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +95,18 @@ class Qwen3Config:
             max_position_embeddings=config.get("max_position_embeddings", 32768))
 
 
+class KVCache(NamedTuple):
+    """Fixed-size key/value buffers for incremental greedy decoding, one document per row.
+
+    Columns 0..length-1 hold the committed tokens (column = position); later columns may hold stale entries
+    of a rejected verification block, which `Qwen3.extend` overwrites before they become visible.
+    """
+
+    keys: jax.Array  # [L, b, capacity, kv_heads, head_dim]
+    values: jax.Array  # [L, b, capacity, kv_heads, head_dim]
+    length: jax.Array  # int32 scalar
+
+
 class Attention(nnx.Module):
     """Qwen3Attention: per-head RMSNorm on q and k before RoPE, GQA, scale head_dim^-0.5, no biases."""
 
@@ -109,14 +124,31 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(dim, eps=config.rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
         self.k_norm = RMSNorm(dim, eps=config.rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
 
-    def __call__(self, x, positions, visible, inv_freq):
+    def _qkv(self, x, positions, inv_freq):
         batch, length, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(batch, length, self.q_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def _output(self, q, k, v, visible):
         out = grouped_attention(q, k, v, visible, self.head_dim**-0.5)
-        return self.o_proj(out.reshape(batch, length, self.q_heads * self.head_dim))
+        return self.o_proj(out.reshape(*q.shape[:2], self.q_heads * self.head_dim))
+
+    def __call__(self, x, positions, visible, inv_freq):
+        q, k, v = self._qkv(x, positions, inv_freq)
+        return self._output(q, k, v, visible)
+
+    def cached(self, x, positions, inv_freq, keys, values, start):
+        """x: [b, t, H] new tokens at cache columns start..start+t-1 (column = position: one document per
+        row). Their keys/values are written into the layer's cache [b, capacity, kv_heads, D] first, then
+        every new token attends to the columns at or before its own position; stale columns past it (left
+        by a cropped verification block) are never visible. Returns (output, keys, values)."""
+        q, k, v = self._qkv(x, positions, inv_freq)
+        keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), start, axis=1)
+        values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), start, axis=1)
+        visible = jnp.arange(keys.shape[1])[None, None, :] <= positions[:, :, None]
+        return self._output(q, keys, values, visible), keys, values
 
 
 class DecoderLayer(nnx.Module):
@@ -132,6 +164,11 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, visible, inv_freq):
         x = x + self.self_attn(self.input_layernorm(x), positions, visible, inv_freq)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def cached(self, x, positions, inv_freq, keys, values, start):
+        attn, keys, values = self.self_attn.cached(self.input_layernorm(x), positions, inv_freq, keys, values, start)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
 
 class Qwen3(nnx.Module):
@@ -174,18 +211,7 @@ class Qwen3(nnx.Module):
         features[:, :, i] is the residual stream right after decoder layer feature_layer_ids[i]
         (transformers `hidden_states[id + 1]`, except that HF's last entry is already final-normed).
         """
-        num_layers = self.config.num_hidden_layers
-        for layer_id in feature_layer_ids:
-            if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) \
-                    or not 0 <= layer_id < num_layers:
-                raise ValueError(f"feature_layer_ids {tuple(feature_layer_ids)!r}: every id must be an integer "
-                                 f"in [0, {num_layers - 1}] for this {num_layers}-layer target")
-        # Layer l writes its output into slot[l] of the buffer; layers nobody asked for write to a spare
-        # last slot, so each step is one in-place dynamic update instead of a select over the whole buffer.
-        wanted = sorted(set(int(i) for i in feature_layer_ids))
-        slot = np.full((num_layers,), len(wanted), np.int32)
-        slot[wanted] = np.arange(len(wanted), dtype=np.int32)
-
+        wanted, slot, order = self._feature_slots(feature_layer_ids)
         x = self.embed(input_ids)
         visible = causal_segment_mask(segment_ids)  # built once, shared by every layer
         inv_freq = rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
@@ -199,7 +225,54 @@ class Qwen3(nnx.Module):
             hidden = layer(hidden, positions, visible, inv_freq)
             return hidden, jax.lax.dynamic_update_index_in_dim(features, hidden, layer_slot, axis=0)
 
-        x, buffer = run_layer((x, buffer), self.layers, jnp.asarray(slot))
+        x, buffer = run_layer((x, buffer), self.layers, slot)
+        return TargetOutput(hidden=self.norm(x), features=jnp.moveaxis(buffer[order], 0, 2))
+
+    def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
+        """An empty cache of `capacity` columns per row (dtype: the weights' dtype unless given)."""
+        config = self.config
+        dtype = dtype or self.embed_tokens.embedding[...].dtype
+        shape = (config.num_hidden_layers, batch, capacity, config.num_key_value_heads, config.head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+    def extend(self, input_ids: jax.Array, cache: KVCache, feature_layer_ids: tuple[int, ...] = ()
+               ) -> tuple[TargetOutput, KVCache]:
+        """Incremental decoding: input_ids [b, t] continue every row's single document at positions
+        cache.length .. cache.length+t-1, attending to the cached prefix. Returns the same TargetOutput as
+        `__call__` on the whole text would for these t tokens, and the cache grown by t. Crop it with
+        `cache._replace(length=n)` to drop rejected tokens. The caller keeps cache.length + t <= capacity
+        (a write past the end would be clamped by XLA onto earlier columns)."""
+        wanted, slot, order = self._feature_slots(feature_layer_ids)
+        start = cache.length
+        x = self.embed(input_ids)
+        positions = jnp.broadcast_to(start + jnp.arange(input_ids.shape[1]), input_ids.shape)
+        inv_freq = rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
+        buffer = jnp.zeros((len(wanted) + 1, *x.shape), x.dtype)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0, 0), graph=False)
+        def run_layer(carry, layer, layer_slot, keys, values):
+            hidden, features = carry
+            hidden, keys, values = layer.cached(hidden, positions, inv_freq, keys, values, start)
+            return (hidden, jax.lax.dynamic_update_index_in_dim(features, hidden, layer_slot, axis=0)), keys, values
+
+        (x, buffer), keys, values = run_layer((x, buffer), self.layers, slot, cache.keys, cache.values)
+        out = TargetOutput(hidden=self.norm(x), features=jnp.moveaxis(buffer[order], 0, 2))
+        return out, KVCache(keys, values, start + input_ids.shape[1])
+
+    def _feature_slots(self, feature_layer_ids: tuple[int, ...]) -> tuple[list[int], jax.Array, np.ndarray]:
+        """Validate the ids; return (sorted distinct ids, the buffer slot each layer writes, request order).
+
+        Layer l writes its output into slot[l] of the buffer; layers nobody asked for write to a spare last
+        slot, so each step is one in-place dynamic update instead of a select over the whole buffer.
+        """
+        num_layers = self.config.num_hidden_layers
+        for layer_id in feature_layer_ids:
+            if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) \
+                    or not 0 <= layer_id < num_layers:
+                raise ValueError(f"feature_layer_ids {tuple(feature_layer_ids)!r}: every id must be an integer "
+                                 f"in [0, {num_layers - 1}] for this {num_layers}-layer target")
+        wanted = sorted(set(int(i) for i in feature_layer_ids))
+        slot = np.full((num_layers,), len(wanted), np.int32)
+        slot[wanted] = np.arange(len(wanted), dtype=np.int32)
         order = np.asarray([wanted.index(int(i)) for i in feature_layer_ids], np.int32)
-        features = jnp.moveaxis(buffer[order], 0, 2)  # [B, T, n, H], in request order
-        return TargetOutput(hidden=self.norm(x), features=features)
+        return wanted, jnp.asarray(slot), order

@@ -1,0 +1,216 @@
+"""Exact greedy acceptance length τ without a KV cache (SPEC §9; reference §8.2 for τ, §8.3 for DDTree).
+
+For one response = prompt (positions 0..n-1) + the target's greedy continuation (n..L-1):
+  1. the target runs once over the whole text (features, and its own greedy tokens as a check);
+  2. the drafter runs once with an anchor at EVERY position (AnchorGrid stride 1, the training mask): the
+     block at anchor p is [token p, mask...] and sees the features of positions < p only, which is exactly
+     a verification step whose bonus token sits at p. Its slot k drafts position p+k (top-k log-probs kept);
+  3. accepted(p) = how many leading drafts equal the continuation;
+  4. the walk starts at p = n (the first generated token is the prefill's bonus) and moves
+     p -> p + accepted(p) + 1, recording accepted + 1 per step, like greedy speculative decoding with block
+     verification. A step accepts at most what still fits in the continuation together with its bonus
+     (accepted <= L-2-p), so every committed token is known; `generate.SpeculativeGenerator` applies the
+     same cap and commits exactly these steps.
+τ = mean over responses of the per-response mean of (accepted + 1) (z-lab's definition, not pooled).
+DDTree τ walks the same way with accepted(p) = the depth the continuation reaches in that anchor's tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.data import anchors as grid_ops
+from dflash_jax.eval.ddtree import accepted_depth, build_tree
+from dflash_jax.eval.generate import fp32_logits
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.train.loss import greedy_labels
+
+DEFAULT_BUDGETS = (8, 22)
+
+
+class Example(NamedTuple):
+    prompt_ids: np.ndarray  # [n] int
+    continuation_ids: np.ndarray  # [m] int, the target's greedy continuation of the prompt
+
+
+class DraftScorer:
+    """The target over a text and the drafter at every anchor of it, in one jitted forward per (padded)
+    text length. The compiled forward is shared by every scorer of the same models and settings, so an
+    evaluation repeated during training compiles once.
+
+    query_chunk_blocks: this forward runs the drafter's XLA attention with this many blocks per query chunk
+    (stride 1 means one block per position, so the training value would unroll into very many chunks);
+    None keeps the drafter as it is. top_k: log-probs kept per slot (the largest DDTree budget is enough).
+    """
+
+    def __init__(self, target, drafter: Drafter, *, top_k: int, query_chunk_blocks: int | None = 64,
+                 row_chunk: int = 256, vocab_chunk: int = 8192, length_bucket: int = 128):
+        if query_chunk_blocks is not None:
+            drafter = _rechunked(drafter, query_chunk_blocks)
+        self.length_bucket = length_bucket
+        target_def, self._target_state = nnx.split(target)
+        drafter_def, self._drafter_state = nnx.split(drafter)
+        self._static = (target_def, drafter_def, min(top_k, drafter.config.vocab_size), row_chunk, vocab_chunk)
+
+    def __call__(self, sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """sequence [L] -> (target greedy token after each position [L], drafted top-k tokens and their
+        log-probs [L, B-1, top_k]: row p, column k-1 is slot k of the block at anchor p)."""
+        length = len(sequence)
+        padded = np.zeros((1, -(-length // self.length_bucket) * self.length_bucket), np.int32)
+        padded[0, :length] = sequence  # padding sits after the text: causal, so it changes nothing before
+        greedy, tokens, log_probs = jax.device_get(
+            _score(*self._static, self._target_state, self._drafter_state, padded))
+        return greedy[:length], tokens[:length], log_probs[:length]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _score(target_def, drafter_def, top_k, row_chunk, vocab_chunk, target_state, drafter_state, input_ids):
+    target, drafter = nnx.merge(target_def, target_state), nnx.merge(drafter_def, drafter_state)
+    config, (batch, length) = drafter.config, input_ids.shape
+    grid = AnchorGrid(length, 1, config.block_size)
+    positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    segments = jnp.ones((batch, length), jnp.int32)
+    out = target(input_ids, positions, segments, config.target_layer_ids)
+    lm_head = target.lm_head_kernel()
+    greedy = greedy_labels(out.hidden, lm_head, vocab_chunk)[0]
+    block_ids = grid_ops.block_token_ids(input_ids, grid.anchors, config.block_size, config.mask_token_id)
+    hidden = drafter(out.features.reshape(batch, length, -1), target.embed(block_ids), positions,
+                     grid_ops.block_positions(positions, grid.anchors, config.block_size), segments,
+                     segments[:, grid.anchors], grid)
+    drafted = hidden.reshape(length, config.block_size, -1)[:, 1:].reshape(-1, hidden.shape[-1])
+    tokens, log_probs = _top_k_log_probs(drafted, lm_head, top_k, row_chunk)
+    shape = (length, config.block_size - 1, top_k)
+    return greedy, tokens.reshape(shape), log_probs.reshape(shape)
+
+
+def _rechunked(drafter: Drafter, query_chunk_blocks: int) -> Drafter:
+    """The same weights under a graph whose XLA attention walks `query_chunk_blocks` blocks per chunk."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Drafter(
+        drafter.config, rngs=nnx.Rngs(0), dtype=drafter.dtype, attention_impl="xla",
+        query_chunk_blocks=query_chunk_blocks)))
+    return nnx.merge(graphdef, nnx.state(drafter))
+
+
+def _top_k_log_probs(hidden: jax.Array, lm_head: jax.Array, k: int, row_chunk: int):
+    """Top-k (token, log-softmax) of hidden @ lm_head per row, row_chunk rows at a time ([rows, V] logits
+    would not fit for long texts and large vocabularies). Ties keep the lower token id first."""
+    rows = hidden.shape[0]
+    chunk = min(row_chunk, rows)
+    padded = jnp.pad(hidden, ((0, -(-rows // chunk) * chunk - rows), (0, 0)))
+
+    def one_chunk(h):
+        logits = fp32_logits(h, lm_head)
+        values, tokens = jax.lax.top_k(logits, k)  # on the logits, so the first is exactly their argmax
+        return tokens.astype(jnp.int32), values - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+
+    tokens, values = jax.lax.map(one_chunk, padded.reshape(-1, chunk, hidden.shape[1]))
+    return tokens.reshape(-1, k)[:rows], values.reshape(-1, k)[:rows]
+
+
+def leading_matches(matches: np.ndarray) -> np.ndarray:
+    """[P, D] bool -> [P] length of the leading run of True in each row."""
+    return np.cumprod(matches, axis=1).sum(axis=1)
+
+
+def walk(accepted, start: int, end: int) -> list[int]:
+    """Accepted drafts of each verification step from the bonus at `start` until position end-1 is
+    committed; `accepted(p)` is what the drafter at anchor p gets right, capped so that the accepted drafts
+    and the step's bonus stay before `end`."""
+    steps, p = [], start
+    while p < end - 1:
+        taken = min(int(accepted(p)), end - 2 - p)
+        steps.append(taken)
+        p += taken + 1
+    return steps
+
+
+@dataclasses.dataclass
+class ResponseScores:
+    block_steps: list[int]  # accepted drafts per verification step (τ entries are these + 1)
+    tree_steps: dict[int, list[int]]  # the same for DDTree, per node budget
+    slot_matches: np.ndarray  # [B-1] anchors whose slot k drafted the continuation's token
+    slot_count: np.ndarray  # [B-1] anchors whose slot k lies inside the continuation
+    slot_run: np.ndarray  # [B-1] anchors whose slots 1..k all did
+    slot_run_before: np.ndarray  # [B-1] anchors whose slots 1..k-1 all did and whose slot k lies inside
+    greedy_agreement: tuple[int, int]  # (continuation tokens equal to the target's greedy token, count)
+
+
+def score_response(scorer: DraftScorer, example: Example, budgets: Sequence[int]) -> ResponseScores:
+    prompt, continuation = np.asarray(example.prompt_ids), np.asarray(example.continuation_ids)
+    if len(prompt) < 1 or len(continuation) < 1:
+        raise ValueError(f"an example needs a prompt and a continuation, got {len(prompt)} and "
+                         f"{len(continuation)} tokens")
+    sequence = np.concatenate([prompt, continuation]).astype(np.int32)
+    start, end = len(prompt), len(sequence)
+    greedy, tokens, log_probs = scorer(sequence)
+    depth = tokens.shape[1]
+    anchors = np.arange(start, end - 1)  # every anchor that has at least one slot inside the text
+    target_index = anchors[:, None] + np.arange(1, depth + 1)[None, :]
+    inside = target_index < end
+    matches = inside & (tokens[anchors, :, 0] == sequence[np.minimum(target_index, end - 1)])
+    runs = leading_matches(matches)
+    run_of_anchor = dict(zip(anchors.tolist(), runs.tolist()))
+
+    def tree_accepted(budget):
+        return lambda p: accepted_depth(build_tree(log_probs[p], tokens[p], budget), sequence[p + 1:end])
+
+    return ResponseScores(
+        block_steps=walk(run_of_anchor.__getitem__, start, end),
+        tree_steps={budget: walk(tree_accepted(budget), start, end) for budget in budgets},
+        slot_matches=matches.sum(axis=0),
+        slot_count=inside.sum(axis=0),
+        slot_run=(runs[:, None] >= np.arange(1, depth + 1)[None, :]).sum(axis=0),
+        slot_run_before=(inside & (runs[:, None] >= np.arange(depth)[None, :])).sum(axis=0),
+        greedy_agreement=(int(np.sum(greedy[start - 1:end - 1] == sequence[start:end])), end - start),
+    )
+
+
+def _tau(step_lists: Sequence[list[int]]) -> float:
+    """Mean over responses (with at least one step) of the mean of accepted + 1."""
+    means = [np.mean(np.asarray(steps) + 1) for steps in step_lists if steps]
+    return float(np.mean(means)) if means else float("nan")
+
+
+def summarize(responses: Sequence[ResponseScores], block_size: int) -> dict:
+    """τ (mean of per-response means) and pooled τ, the histogram of accepted drafts per step (index a =
+    share of steps accepting exactly a drafts), per-slot acceptance over every anchor of the continuations
+    (marginal: slot k right; conditional: slot k right given slots 1..k-1 right), DDTree τ per budget."""
+    steps = np.concatenate([np.asarray(r.block_steps, np.int64) for r in responses])
+    matches, counts, runs, runs_before = (np.sum([getattr(r, f) for r in responses], axis=0)
+                                          for f in ("slot_matches", "slot_count", "slot_run", "slot_run_before"))
+    agreeing, total = np.sum([r.greedy_agreement for r in responses], axis=0)
+    budgets = responses[0].tree_steps.keys() if responses else ()
+    return {
+        "responses": len(responses),
+        "verify_steps": int(steps.size),
+        "tau": _tau([r.block_steps for r in responses]),
+        "tau_pooled": float(np.mean(steps + 1)) if steps.size else float("nan"),
+        "accepted_histogram": (np.bincount(steps, minlength=block_size)[:block_size] / max(steps.size, 1)).tolist(),
+        "slot_acceptance": (matches / np.maximum(counts, 1)).tolist(),
+        "slot_acceptance_conditional": (runs / np.maximum(runs_before, 1)).tolist(),
+        "ddtree_tau": {int(b): _tau([r.tree_steps[b] for r in responses]) for b in budgets},
+        "greedy_agreement": float(agreeing / max(total, 1)),
+    }
+
+
+def evaluate_drafter(target, drafter: Drafter, examples: Sequence[Example], *,
+                     budgets: Sequence[int] = DEFAULT_BUDGETS, query_chunk_blocks: int | None = 64,
+                     row_chunk: int = 256, vocab_chunk: int = 8192) -> dict:
+    """Exact τ, its histogram, per-slot acceptance and DDTree τ of `drafter` on (prompt, greedy
+    continuation) examples; see `summarize` for the keys. `greedy_agreement` below 1 means a continuation
+    is not exactly the target's greedy one (e.g. read from data made in another precision): τ then
+    describes decoding along that text rather than what the generator would commit."""
+    if not examples:
+        raise ValueError("evaluate_drafter needs at least one (prompt, continuation) example")
+    scorer = DraftScorer(target, drafter, top_k=max(budgets, default=1), query_chunk_blocks=query_chunk_blocks,
+                         row_chunk=row_chunk, vocab_chunk=vocab_chunk)
+    return summarize([score_response(scorer, example, budgets) for example in examples], drafter.config.block_size)

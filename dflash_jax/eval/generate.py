@@ -1,0 +1,194 @@
+"""Greedy speculative decoding with a KV-cached Qwen3 target and a DFlash drafter (SPEC §9, reference §8.1).
+
+One loop serves both modes, so their speeds are comparable: with a drafter each step drafts a block and the
+target verifies [bonus, d1..d_{B-1}] in one forward; without one the block is just [bonus] (plain greedy
+decoding, block size 1). Per step, at start = the bonus token's position (its target features do not exist
+yet):
+  1. the drafter drafts slots 1..B-1 from its cached context (positions < start) and the block
+     [bonus, mask...] at positions start..start+B-1; greedy argmax per slot;
+  2. the target extends its KV cache by the block; posterior = its greedy token after each block position;
+  3. accepted = the leading drafts equal to the posterior; commit them plus posterior[accepted] (the new
+     bonus); crop the target cache to start + accepted + 1;
+  4. the drafter caches the context K/V of the verified positions (its block K/V are never kept).
+Committed tokens never pass `max_new_tokens`: a step accepts at most what still fits with its bonus, so the
+output and the acceptance lengths are exactly those of `exact_tau` on the same greedy continuation.
+Batch size 1 (one response at a time), as z-lab's benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.eval.drafter_cache import add_context, draft_block, init_drafter_cache
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.qwen3 import Qwen3
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: np.ndarray  # [<= max_new_tokens] generated ids (the prompt excluded), cut after a stop token
+    acceptance_lengths: list[int]  # tokens committed per verification step: accepted drafts + 1
+    decode_seconds: float  # wall time of the verification loop (prefill excluded, as z-lab's TPOT)
+
+
+def fp32_logits(hidden: jax.Array, lm_head_kernel: jax.Array) -> jax.Array:
+    """hidden @ lm_head with fp32 accumulation, as the training labels (`train.loss.greedy_labels`): every
+    greedy decision here and in `exact_tau` uses this, so they agree on near-ties in bf16."""
+    return jnp.dot(hidden, lm_head_kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+def greedy_tokens(hidden: jax.Array, lm_head_kernel: jax.Array) -> jax.Array:
+    return jnp.argmax(fp32_logits(hidden, lm_head_kernel), axis=-1).astype(jnp.int32)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class SpeculativeGenerator:
+    """Jitted prefill and decode step over fixed-size caches: `prefill_len` prompt tokens at most, and
+    `capacity` cache columns (at least prompt + max_new_tokens + block size). Fixed shapes mean one compile
+    per generator, whatever the prompt."""
+
+    def __init__(self, target: Qwen3, drafter: Drafter | None, *, prefill_len: int, capacity: int):
+        if not isinstance(target, Qwen3):
+            raise TypeError(f"the KV-cached generator supports Qwen3 dense targets only, got {type(target).__name__}")
+        self.block_size = drafter.config.block_size if drafter is not None else 1
+        if capacity < prefill_len:
+            raise ValueError(f"capacity ({capacity}) must be >= prefill_len ({prefill_len})")
+        self.prefill_len, self.capacity = prefill_len, capacity
+        self._target_def, self._target_state = nnx.split(target)
+        self._drafter_def, self._drafter_state = nnx.split(drafter) if drafter is not None else (None, None)
+        self._prefill = jax.jit(self._prefill_fn)
+        self._step = jax.jit(self._step_fn, donate_argnums=(2, 3))
+
+    # ---- traced functions -------------------------------------------------------------------------------
+
+    def _models(self, target_state, drafter_state):
+        target = nnx.merge(self._target_def, target_state)
+        drafter = nnx.merge(self._drafter_def, drafter_state) if self._drafter_def is not None else None
+        return target, drafter
+
+    def _feature_ids(self, drafter):
+        return drafter.config.target_layer_ids if drafter is not None else ()
+
+    def _prefill_fn(self, target_state, drafter_state, prompt, length):
+        """prompt: [1, prefill_len] padded; length: its real length. Returns caches and the first token."""
+        target, drafter = self._models(target_state, drafter_state)
+        out, cache = target.extend(prompt, target.init_cache(1, self.capacity), self._feature_ids(drafter))
+        cache = cache._replace(length=length)  # drop the padding
+        last = jax.lax.dynamic_index_in_dim(out.hidden, length - 1, axis=1, keepdims=False)
+        first = greedy_tokens(last, target.lm_head_kernel())  # [1]
+        drafter_cache = None
+        if drafter is not None:
+            features = out.features.reshape(*out.features.shape[:2], -1)
+            drafter_cache = add_context(drafter, init_drafter_cache(drafter, 1, self.capacity), features, 0)
+        return cache, drafter_cache, first
+
+    def _step_fn(self, target_state, drafter_state, cache, drafter_cache, bonus, limit):
+        """One verification step from the bonus token [1] at position cache.length; at most `limit` drafts
+        are accepted. Returns (cache, drafter_cache, block [1, B], posterior [1, B], accepted)."""
+        target, drafter = self._models(target_state, drafter_state)
+        start = cache.length
+        block = bonus[:, None]
+        if drafter is not None:
+            mask = jnp.full((1, self.block_size - 1), drafter.config.mask_token_id, jnp.int32)
+            hidden = draft_block(drafter, drafter_cache, target.embed(jnp.concatenate([block, mask], 1)), start)
+            drafts = greedy_tokens(hidden[:, 1:], target.lm_head_kernel())
+            block = jnp.concatenate([block, drafts], axis=1)
+        out, cache = target.extend(block, cache, self._feature_ids(drafter))
+        posterior = greedy_tokens(out.hidden, target.lm_head_kernel())
+        matches = (block[0, 1:] == posterior[0, :-1]).astype(jnp.int32)
+        accepted = jnp.minimum(jnp.sum(jnp.cumprod(matches)), limit)
+        cache = cache._replace(length=start + accepted + 1)
+        if drafter is not None:
+            drafter_cache = add_context(drafter, drafter_cache, out.features.reshape(1, self.block_size, -1), start)
+        return cache, drafter_cache, block, posterior, accepted
+
+    # ---- the host loop ----------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = ()
+                 ) -> Generation:
+        """Greedy continuation of prompt_ids: at most max_new_tokens ids, ending at the first stop token."""
+        stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        prompt = np.asarray(prompt_ids, np.int32)
+        length = len(prompt)
+        if not 1 <= length <= self.prefill_len:
+            raise ValueError(f"the prompt has {length} tokens; this generator takes 1 to {self.prefill_len}")
+        if max_new_tokens < 1 or length + max_new_tokens + self.block_size > self.capacity:
+            raise ValueError(f"max_new_tokens={max_new_tokens} with a {length}-token prompt and block size "
+                             f"{self.block_size} needs capacity >= {length + max_new_tokens + self.block_size}, "
+                             f"this generator has {self.capacity}")
+        padded = np.zeros((1, self.prefill_len), np.int32)
+        padded[0, :length] = prompt
+        cache, drafter_cache, bonus = self._prefill(self._target_state, self._drafter_state, padded,
+                                                    np.int32(length))
+        tokens = [int(bonus[0])]
+        acceptance_lengths = []
+        began = time.perf_counter()
+        while len(tokens) < max_new_tokens and not stop_token_ids.intersection(tokens[-self.block_size:]):
+            # The accepted drafts and the new bonus must fit in max_new_tokens.
+            limit = min(self.block_size - 1, max_new_tokens - len(tokens) - 1)
+            cache, drafter_cache, block, posterior, accepted = self._step(
+                self._target_state, self._drafter_state, cache, drafter_cache, bonus, np.int32(limit))
+            accepted = int(accepted)  # waits for the step, so the timing is honest
+            block, posterior = np.asarray(block[0]), np.asarray(posterior[0])
+            tokens.extend(int(t) for t in block[1:accepted + 1])
+            tokens.append(int(posterior[accepted]))
+            bonus = np.asarray([posterior[accepted]], np.int32)
+            acceptance_lengths.append(accepted + 1)
+        decode_seconds = time.perf_counter() - began
+        stops = [i for i, t in enumerate(tokens) if t in stop_token_ids]
+        if stops:
+            tokens = tokens[:stops[0] + 1]
+        return Generation(np.asarray(tokens, np.int32), acceptance_lengths, decode_seconds)
+
+
+def generator_shapes(prompt_lengths: Sequence[int], max_new_tokens: int, block_size: int,
+                     bucket: int = 64) -> dict[str, int]:
+    """prefill_len and capacity that fit every prompt, rounded up so similar prompt sets share a compile."""
+    prefill_len = round_up(max(prompt_lengths), bucket)
+    return dict(prefill_len=prefill_len, capacity=round_up(prefill_len + max_new_tokens + block_size, bucket))
+
+
+def benchmark(plain: SpeculativeGenerator, speculative: SpeculativeGenerator, prompts: Sequence[Sequence[int]],
+              max_new_tokens: int, stop_token_ids: Sequence[int] = ()
+              ) -> tuple[dict, list[Generation], list[Generation]]:
+    """Plain greedy vs speculative decoding on the same prompts with the same code (reference §8.2).
+
+    Returns (report, plain generations, speculative generations). Report: τ (mean over responses of the
+    mean acceptance length), decode tokens/s of each mode (prefill excluded), speedup = mean plain TPOT /
+    mean speculative TPOT (z-lab), and how many outputs differ from plain greedy (must be 0). Each generator
+    is compiled on a short untimed run first.
+    """
+    if not prompts:
+        raise ValueError("benchmark needs at least one prompt")
+    runs = {}
+    for name, generator in (("plain", plain), ("speculative", speculative)):
+        generator.generate(prompts[0], min(max_new_tokens, 2 * speculative.block_size))  # compile, untimed
+        runs[name] = [generator.generate(prompt, max_new_tokens, stop_token_ids) for prompt in prompts]
+
+    def speed(generations: list[Generation]) -> tuple[float, float]:
+        decoded = [len(g.tokens) - 1 for g in generations]  # the first token comes from the prefill
+        seconds = [g.decode_seconds for g in generations]
+        tpot = [s / n for s, n in zip(seconds, decoded) if n > 0]
+        return sum(decoded) / max(sum(seconds), 1e-12), float(np.mean(tpot)) if tpot else float("nan")
+
+    (plain_rate, plain_tpot), (spec_rate, spec_tpot) = speed(runs["plain"]), speed(runs["speculative"])
+    means = [np.mean(g.acceptance_lengths) for g in runs["speculative"] if g.acceptance_lengths]
+    report = {
+        "responses": len(prompts),
+        "tau": float(np.mean(means)) if means else float("nan"),
+        "tokens_per_second": {"plain": plain_rate, "speculative": spec_rate},
+        "speedup": plain_tpot / spec_tpot,
+        "outputs_differing_from_plain": sum(not np.array_equal(a.tokens, b.tokens)
+                                            for a, b in zip(runs["plain"], runs["speculative"])),
+    }
+    return report, runs["plain"], runs["speculative"]

@@ -1,0 +1,175 @@
+"""Exact greedy τ (SPEC §9): the walk and its statistics on hand-built drafts, and equality with the τ the
+KV-cached speculative generator measures, for a briefly trained drafter whose drafts are partly accepted."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from dflash_jax.data import anchors as grid_ops
+from dflash_jax.eval.ddtree import accepted_depth, build_tree
+from dflash_jax.eval.exact_tau import DraftScorer, Example, evaluate_drafter, score_response, summarize, walk
+from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.weights.hf_qwen3 import load_qwen3
+from tests.hf_fixtures import qwen3_config, save_qwen3
+from tests.test_generate import BLOCK, VOCAB, drafter_config
+
+NEW_TOKENS = 28
+
+
+class FakeScorer:
+    """Stands in for DraftScorer: per text length, the drafts (top-1, log-prob 0) and the target's greedy."""
+
+    def __init__(self, outputs: dict[int, tuple[np.ndarray, np.ndarray]]):
+        self.outputs = outputs
+
+    def __call__(self, sequence):
+        greedy, drafts = self.outputs[len(sequence)]
+        return greedy, drafts[:, :, None], np.zeros(drafts.shape + (1,))
+
+
+def hand_built(sequence: np.ndarray, runs: dict[int, int], extra: tuple[tuple[int, int], ...] = ()) -> np.ndarray:
+    """Drafts [L, B-1] that match `sequence` on the first runs[p] slots of anchor p (plus the (p, k) in
+    `extra`) and miss everywhere else."""
+    length = len(sequence)
+    index = np.arange(length)[:, None] + np.arange(1, BLOCK)[None, :]
+    truth = sequence[np.minimum(index, length - 1)]
+    right = np.zeros(truth.shape, bool)
+    for p, run in runs.items():
+        right[p, :run] = True
+    for p, k in extra:
+        right[p, k - 1] = True
+    return np.where(right, truth, (truth + 1) % VOCAB)
+
+
+def test_walk_statistics_on_hand_built_drafts():
+    rng = np.random.default_rng(0)
+    # Response A: prompt 2 + continuation 8 tokens; anchor 3 gets slot 2 right but slot 1 wrong.
+    text_a = rng.integers(0, VOCAB, 10)
+    runs_a = {2: 3, 3: 0, 4: 1, 5: 2, 6: 3, 7: 2, 8: 1}
+    greedy_a = np.roll(text_a, -1)  # the target agrees with every continuation token
+    # Response B: prompt 1 + continuation 2; the target disagrees with its last token.
+    text_b = rng.integers(0, VOCAB, 3)
+    greedy_b = np.roll(text_b, -1)
+    greedy_b[1] = (greedy_b[1] + 1) % VOCAB
+    scorer = FakeScorer({10: (greedy_a, hand_built(text_a, runs_a, extra=((3, 2),))),
+                         3: (greedy_b, hand_built(text_b, {1: 0}))})
+    responses = [score_response(scorer, Example(text_a[:2], text_a[2:]), budgets=(BLOCK - 1,)),
+                 score_response(scorer, Example(text_b[:1], text_b[1:]), budgets=(BLOCK - 1,))]
+    # A: anchor 2 accepts 3 -> anchor 6, whose 3 right drafts are capped to 2 so the bonus is the last
+    # token (position 9). B: one step, nothing accepted.
+    assert responses[0].block_steps == [3, 2] and responses[1].block_steps == [0]
+    summary = summarize(responses, BLOCK)
+    assert summary["tau"] == pytest.approx(((4 + 3) / 2 + 1) / 2)  # mean of per-response means
+    assert summary["tau_pooled"] == pytest.approx(8 / 3)
+    assert summary["accepted_histogram"] == pytest.approx([1 / 3, 0, 1 / 3, 1 / 3])
+    assert summary["slot_acceptance"] == pytest.approx([6 / 8, 5 / 6, 2 / 5])
+    assert summary["slot_acceptance_conditional"] == pytest.approx([6 / 8, 4 / 5, 2 / 3])
+    assert summary["ddtree_tau"] == {BLOCK - 1: pytest.approx(summary["tau"])}  # one candidate: a chain
+    assert summary["greedy_agreement"] == pytest.approx(9 / 10)
+    assert (summary["responses"], summary["verify_steps"]) == (2, 3)
+
+
+def test_examples_need_a_prompt_and_a_continuation():
+    scorer = FakeScorer({})
+    with pytest.raises(ValueError, match="needs a prompt and a continuation, got 3 and 0 tokens"):
+        score_response(scorer, Example(np.arange(3), np.arange(0)), budgets=())
+    with pytest.raises(ValueError, match="at least one"):
+        evaluate_drafter(None, None, [])
+    assert walk(lambda p: 5, start=4, end=5) == []  # a one-token continuation needs no verification
+
+
+def train_briefly(target, drafter: Drafter, examples: list[Example], steps: int) -> Drafter:
+    """A few Adam steps of block cross-entropy on the examples' continuations (stride-1 anchors), enough
+    for partly right drafts. Deliberately independent of the train package."""
+    config = drafter.config
+    length = 48
+    grid = AnchorGrid(length, 1, BLOCK)
+    texts = np.stack([np.pad(np.concatenate([e.prompt_ids, e.continuation_ids]), (0, length))[:length]
+                      for e in examples]).astype(np.int32)
+    starts = np.asarray([len(e.prompt_ids) for e in examples])[:, None, None]
+    ends = starts + NEW_TOKENS
+    positions = jnp.broadcast_to(jnp.arange(length), texts.shape)
+    segments = jnp.ones(texts.shape, jnp.int32)
+    features = target(jnp.asarray(texts), positions, segments, config.target_layer_ids).features
+    features = features.reshape(len(texts), length, -1)
+    embeds = target.embed(grid_ops.block_token_ids(texts, grid.anchors, BLOCK, config.mask_token_id))
+    block_positions = grid_ops.block_positions(positions, grid.anchors, BLOCK)
+    slot_index = grid.anchors[:, None] + np.arange(BLOCK)[None, :]
+    labels = jnp.asarray(texts[:, np.minimum(slot_index, length - 1)])
+    weights = ((grid.anchors[None, :, None] >= starts) & (slot_index[None] < ends) & (slot_index[None] > grid.anchors[
+        None, :, None])).astype(np.float32)
+    lm_head = target.lm_head_kernel()
+    optimizer = nnx.Optimizer(drafter, optax.adam(3e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(drafter, optimizer):
+        def loss_fn(model):
+            hidden = model(features, embeds, positions, block_positions, segments, segments[:, grid.anchors], grid)
+            logits = hidden.reshape(len(texts), length, BLOCK, -1) @ lm_head
+            return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, labels) * weights) / weights.sum()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(drafter)
+        optimizer.update(drafter, grads)
+        return loss
+
+    for _ in range(steps):
+        step(drafter, optimizer)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(target, briefly trained drafter, examples, plain generator)."""
+    directory = tmp_path_factory.mktemp("target")
+    save_qwen3(directory, qwen3_config(vocab_size=VOCAB), seed=5)
+    target = load_qwen3(directory, param_dtype=jnp.float32)[0]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in rng.integers(3, 13, 8)]
+    plain = SpeculativeGenerator(target, None, prefill_len=16, capacity=64)
+    examples = [Example(p, plain.generate(p, NEW_TOKENS).tokens) for p in prompts]
+    drafter = train_briefly(target, Drafter(drafter_config(), rngs=nnx.Rngs(0)), examples, steps=30)
+    return target, drafter, examples, plain
+
+
+def test_exact_tau_equals_the_generators_tau(trained):
+    target, drafter, examples, plain = trained
+    speculative = SpeculativeGenerator(target, drafter, prefill_len=16, capacity=64)
+    report, plain_runs, speculative_runs = benchmark(plain, speculative, [e.prompt_ids for e in examples],
+                                                     NEW_TOKENS)
+    assert report["outputs_differing_from_plain"] == 0
+    scorer = DraftScorer(target, drafter, top_k=8)
+    responses = [score_response(scorer, example, budgets=(3, 8)) for example in examples]
+    for example, plain_run, speculative_run, response in zip(examples, plain_runs, speculative_runs, responses):
+        np.testing.assert_array_equal(speculative_run.tokens, example.continuation_ids)
+        np.testing.assert_array_equal(plain_run.tokens, example.continuation_ids)
+        assert response.block_steps == [length - 1 for length in speculative_run.acceptance_lengths]
+    summary = summarize(responses, BLOCK)
+    assert summary["tau"] == pytest.approx(report["tau"], abs=1e-12)
+    # Mixed outcomes, so the equality above exercises partial acceptance and both caches' cropping.
+    histogram = np.asarray(summary["accepted_histogram"])
+    assert 1.5 < summary["tau"] < BLOCK - 0.2 and np.all(histogram > 0.02), histogram
+    assert summary["greedy_agreement"] == 1.0
+    assert set(summary["ddtree_tau"]) == {3, 8} and summary["ddtree_tau"][8] >= 1.0
+
+    # DDTree with one candidate per depth and B-1 nodes is the block draft, from the real drafts too.
+    for example, response in zip(examples, responses):
+        text = np.concatenate([example.prompt_ids, example.continuation_ids])
+        _, tokens, log_probs = scorer(text)
+        chain_steps = walk(lambda p: accepted_depth(build_tree(log_probs[p, :, :1], tokens[p, :, :1], BLOCK - 1),
+                                                    text[p + 1:]), len(example.prompt_ids), len(text))
+        assert chain_steps == response.block_steps
+
+
+def test_evaluate_drafter_reports_every_figure(trained):
+    target, drafter, examples, _ = trained
+    result = evaluate_drafter(target, drafter, examples[:3], budgets=(2, 8))  # top-k 8: the forward above
+    assert set(result) == {"responses", "verify_steps", "tau", "tau_pooled", "accepted_histogram",
+                           "slot_acceptance", "slot_acceptance_conditional", "ddtree_tau", "greedy_agreement"}
+    assert len(result["accepted_histogram"]) == BLOCK and len(result["slot_acceptance"]) == BLOCK - 1
+    assert result["responses"] == 3 and set(result["ddtree_tau"]) == {2, 8}

@@ -1,0 +1,153 @@
+"""The KV-cached target, the drafter's context cache and the speculative generator (SPEC §9, reference §8.1).
+
+CPU, fp32, a tiny random Qwen3 target (tests/hf_fixtures.py) and a tiny random drafter with a sliding and a
+full attention layer. Exact τ against the generator, with a trained drafter, is in test_exact_tau.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dflash_jax.data import anchors as grid_ops
+from dflash_jax.eval.drafter_cache import add_context, draft_block, init_drafter_cache
+from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
+from dflash_jax.models.drafter import Drafter, DrafterConfig
+from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.weights.hf_qwen3 import load_qwen3
+from tests.hf_fixtures import qwen3_config, save_qwen3
+
+VOCAB, BLOCK = 96, 4
+PROMPT_LENGTHS = (3, 7, 12)
+
+
+def drafter_config() -> DrafterConfig:
+    return DrafterConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                         layer_types=("sliding_attention", "full_attention"), sliding_window=5, block_size=BLOCK,
+                         target_layer_ids=(0, 2), num_target_layers=3, mask_token_id=VOCAB - 1, vocab_size=VOCAB,
+                         max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("target")
+    save_qwen3(directory, qwen3_config(vocab_size=VOCAB), seed=5)
+    return load_qwen3(directory, param_dtype=jnp.float32)[0]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, VOCAB, n).astype(np.int32) for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def generators(target):
+    """One plain and one speculative generator (each compiles once), random drafter."""
+    drafter = Drafter(drafter_config(), rngs=nnx.Rngs(0))
+    return {name: SpeculativeGenerator(target, model, prefill_len=16, capacity=64)
+            for name, model in (("plain", None), ("speculative", drafter))}
+
+
+def test_extend_with_a_cropped_block_matches_the_full_forward(target):
+    """Prefill, a rejected verification block, the crop, then the rest: the same hidden states and
+    features as one uncached forward over the committed text."""
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (1, 20)), jnp.int32)
+    layers = (0, 1, 2)
+    full = target(ids, jnp.arange(20)[None], jnp.ones((1, 20), jnp.int32), layers)
+    extend = nnx.jit(lambda model, chunk, cache: model.extend(chunk, cache, layers))  # 5 tokens at a time
+    cache, outputs = target.init_cache(1, 32), []
+    for start in (0, 5, 10, 15):
+        if start == 10:
+            _, cache = extend(target, jnp.full((1, 5), 7, jnp.int32), cache)  # a block to reject
+            assert int(cache.length) == 15
+            cache = cache._replace(length=jnp.int32(10))
+        out, cache = extend(target, ids[:, start:start + 5], cache)
+        outputs.append(out)
+    assert int(cache.length) == 20
+    np.testing.assert_allclose(jnp.concatenate([o.hidden for o in outputs], 1), full.hidden, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jnp.concatenate([o.features for o in outputs], 1), full.features, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_cached_plain_greedy_matches_uncached_greedy(target, generators, prompts):
+    """Block size 1, no drafter: token for token the argmax of a full forward over the text so far."""
+    length = 48
+
+    @jax.jit
+    def next_token(ids, last):  # padding after the text changes nothing before it (causal)
+        hidden = target(ids, jnp.arange(length)[None], jnp.ones((1, length), jnp.int32)).hidden
+        return jnp.argmax(target.logits(hidden[0, last]))
+
+    for prompt in prompts:
+        generated = generators["plain"].generate(prompt, 20)
+        text = list(prompt)
+        for _ in range(20):
+            padded = np.zeros((1, length), np.int32)
+            padded[0, :len(text)] = text
+            text.append(int(next_token(padded, len(text) - 1)))
+        np.testing.assert_array_equal(generated.tokens, text[len(prompt):])
+        assert generated.acceptance_lengths == [1] * 19
+
+
+def test_drafter_cache_matches_the_drafter_forward():
+    """draft_block over cached context equals Drafter.__call__ at that anchor (stride-1 grid, §5 mask), also
+    when the context arrives in pieces with stale rows past the anchor, as in the generator."""
+    config = drafter_config()
+    drafter = Drafter(config, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(2)
+    length, width = 15, len(config.target_layer_ids) * config.hidden_size
+    features = jnp.asarray(rng.standard_normal((1, length, width)), jnp.float32)
+    ids = rng.integers(0, VOCAB, (1, length)).astype(np.int32)
+    embed = jnp.asarray(rng.standard_normal((VOCAB, config.hidden_size)), jnp.float32)
+    grid = AnchorGrid(length, 1, BLOCK)
+    positions = jnp.arange(length)[None]
+    segments = jnp.ones((1, length), jnp.int32)
+    block_ids = grid_ops.block_token_ids(ids, grid.anchors, BLOCK, config.mask_token_id)
+    expected = nnx.jit(lambda model: model(
+        features, embed[block_ids], positions, grid_ops.block_positions(positions, grid.anchors, BLOCK), segments,
+        segments[:, grid.anchors], grid))(drafter).reshape(length, BLOCK, -1)
+
+    add, draft = nnx.jit(add_context), nnx.jit(draft_block)
+    cache = add(drafter, init_drafter_cache(drafter, 1, 32), features[:, :5], 0)
+    cache = add(drafter, cache, jnp.asarray(rng.standard_normal((1, 5, width)), jnp.float32), 5)  # stale rows
+    for anchor, piece in ((1, None), (5, None), (9, 5), (14, 10)):  # before and after the window (5) is full
+        if piece is not None:  # the next 5 committed positions overwrite what was there
+            cache = add(drafter, cache, features[:, piece:piece + 5], piece)
+        hidden = draft(drafter, cache, embed[block_ids[:, anchor * BLOCK:(anchor + 1) * BLOCK]], anchor)
+        np.testing.assert_allclose(hidden[0], expected[anchor], rtol=1e-4, atol=1e-5, err_msg=f"anchor {anchor}")
+
+
+def test_speculative_output_is_plain_greedy(generators, prompts):
+    plain, speculative = generators["plain"], generators["speculative"]
+    for prompt in prompts:
+        for max_new_tokens in (1, 2, 23):
+            expected, got = plain.generate(prompt, max_new_tokens), speculative.generate(prompt, max_new_tokens)
+            np.testing.assert_array_equal(got.tokens, expected.tokens)
+            assert len(got.tokens) == max_new_tokens
+            assert sum(got.acceptance_lengths) == max_new_tokens - 1  # the first token is the prefill's
+
+
+def test_stop_tokens_end_both_modes_alike(generators, prompts):
+    reference = generators["plain"].generate(prompts[1], 23).tokens
+    first_stop = next(i for i in range(4, 23) if reference[i] not in reference[:i])  # a token new mid-way
+    stop = int(reference[first_stop])
+    report, plain_runs, speculative_runs = benchmark(generators["plain"], generators["speculative"], [prompts[1]],
+                                                     23, stop_token_ids=(stop,))
+    np.testing.assert_array_equal(plain_runs[0].tokens, reference[:first_stop + 1])
+    np.testing.assert_array_equal(speculative_runs[0].tokens, reference[:first_stop + 1])
+    assert report["outputs_differing_from_plain"] == 0 and report["tau"] >= 1
+    assert report["tokens_per_second"]["plain"] > 0 and report["speedup"] > 0
+
+
+def test_shape_limits_are_explained(target, generators):
+    with pytest.raises(ValueError, match="the prompt has 17 tokens; this generator takes 1 to 16"):
+        generators["plain"].generate(np.zeros(17, np.int32), 4)
+    with pytest.raises(ValueError, match=r"needs capacity >= 66, this generator has 64"):
+        generators["speculative"].generate(np.zeros(12, np.int32), 50)
+    with pytest.raises(ValueError, match=r"capacity \(8\) must be >= prefill_len \(16\)"):
+        SpeculativeGenerator(target, None, prefill_len=16, capacity=8)
