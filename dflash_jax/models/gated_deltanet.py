@@ -1,0 +1,112 @@
+"""Gated DeltaNet, the linear-attention mixer of Qwen3.5/3.6 (transformers `Qwen3_5GatedDeltaNet` in
+models/qwen3_5/modeling_qwen3_5.py; math in qwen_arch.md §4.4).
+
+x → in_proj_qkv → causal depthwise conv (K=4) + SiLU → q, k, v heads; q, k L2-normalised (eps added to Σx²),
+q scaled by dk^-0.5, key heads repeat-interleaved onto value heads; β = sigmoid(in_proj_b x);
+g = −exp(A_log)·softplus(in_proj_a x + dt_bias) in fp32; gated delta rule (fp32); per-head RMSNorm (plain w)
+gated by silu(in_proj_z x); out_proj. Conv and recurrent state restart at every packed-segment boundary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.models.layers import Linear
+from dflash_jax.ops.gated_delta import chunked_gated_delta_rule, segment_starts
+
+_L2_EPS = 1e-6  # transformers `l2norm` default, added to the sum of squares
+
+
+class CausalDepthwiseConv(nnx.Module):
+    """out[t, c] = Σ_j weight[c, j] · x[t − (K−1) + j, c], reading only earlier tokens of the same segment.
+
+    weight is [channels, K] (HF's [C, 1, K] squeezed); weight[:, K−1] multiplies the current token. No bias.
+    """
+
+    def __init__(self, channels: int, kernel_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        init = jax.random.normal(rngs.params(), (channels, kernel_size), param_dtype) * kernel_size**-0.5
+        self.weight = nnx.Param(init, out_sharding=("linear_qkv", "conv"))
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """x: [B, T, C]; segment_ids: [B, T]. Accumulates in fp32, returns the weight dtype."""
+        weight = self.weight[...].astype(jnp.float32)
+        kernel_size, length = weight.shape[1], x.shape[1]
+        x32 = x.astype(jnp.float32)
+        out = x32 * weight[:, kernel_size - 1]
+        for shift in range(1, min(kernel_size, length)):
+            # Token t reads token t − shift only when both lie in the same segment: the zero left padding
+            # of a fresh sequence, applied at every document start.
+            same = segment_ids[:, shift:] == segment_ids[:, :-shift]
+            earlier = jnp.where(same[..., None], x32[:, :-shift], 0.0)
+            out = out + jnp.pad(earlier, ((0, 0), (shift, 0), (0, 0))) * weight[:, kernel_size - 1 - shift]
+        return out.astype(self.weight.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """transformers `Qwen3_5RMSNormGated`: w · x̂ (x̂ in fp32, cast back before the plain-w multiply), then
+    · silu(z) in fp32, over the last axis (one value head). The weight starts at 1 and is shared by heads."""
+
+    def __init__(self, features: int, *, eps: float, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((features,), param_dtype), out_sharding=("head_dim",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+        scaled = self.weight[...].astype(x.dtype) * normed
+        return (scaled.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+def _l2_normalize(x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
+
+
+class GatedDeltaNet(nnx.Module):
+    """Linear-attention mixer. Projections are stored [in, out]; names follow the HF checkpoint."""
+
+    def __init__(self, hidden_size: int, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
+                 value_head_dim: int, conv_kernel_size: int, rms_norm_eps: float, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32):
+        self.num_key_heads, self.num_value_heads = num_key_heads, num_value_heads
+        self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
+        key_dim, value_dim = num_key_heads * key_head_dim, num_value_heads * value_head_dim
+        linear = lambda n_in, n_out, axes: Linear(n_in, n_out, axes=axes, rngs=rngs, param_dtype=param_dtype)
+        self.in_proj_qkv = linear(hidden_size, 2 * key_dim + value_dim, ("embed", "linear_qkv"))
+        self.in_proj_z = linear(hidden_size, value_dim, ("embed", "linear_value"))
+        self.in_proj_b = linear(hidden_size, num_value_heads, ("embed", "linear_heads"))
+        self.in_proj_a = linear(hidden_size, num_value_heads, ("embed", "linear_heads"))
+        self.conv1d = CausalDepthwiseConv(2 * key_dim + value_dim, conv_kernel_size, rngs=rngs,
+                                          param_dtype=param_dtype)
+        # The decay parameters stay fp32 whatever the model dtype (HF upcasts A_log; dt_bias enters the fp32
+        # softplus). Initial values as transformers: dt_bias = 1, A = exp(A_log) ~ U(1, 16).
+        self.dt_bias = nnx.Param(jnp.ones((num_value_heads,), jnp.float32), out_sharding=("linear_heads",))
+        decay_rate = jax.random.uniform(rngs.params(), (num_value_heads,), jnp.float32, 1.0, 16.0)
+        self.A_log = nnx.Param(jnp.log(decay_rate), out_sharding=("linear_heads",))
+        self.norm = GatedRMSNorm(value_head_dim, eps=rms_norm_eps, param_dtype=param_dtype)
+        self.out_proj = linear(value_dim, hidden_size, ("linear_value", "embed"))
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """x: [B, T, hidden] (already input-normed); segment_ids: [B, T]. Returns [B, T, hidden]."""
+        batch, length, _ = x.shape
+        key_dim = self.num_key_heads * self.key_head_dim
+        mixed = jax.nn.silu(self.conv1d(self.in_proj_qkv(x), segment_ids))
+        q = mixed[..., :key_dim].reshape(batch, length, self.num_key_heads, self.key_head_dim)
+        k = mixed[..., key_dim:2 * key_dim].reshape(batch, length, self.num_key_heads, self.key_head_dim)
+        v = mixed[..., 2 * key_dim:].reshape(batch, length, self.num_value_heads, self.value_head_dim)
+        # Value head j reads key head j // r (repeat_interleave, not tile).
+        ratio = self.num_value_heads // self.num_key_heads
+        q = jnp.repeat(_l2_normalize(q) * np.float32(self.key_head_dim**-0.5), ratio, axis=2)
+        k = jnp.repeat(_l2_normalize(k), ratio, axis=2)
+
+        beta = jax.nn.sigmoid(self.in_proj_b(x))  # in the model dtype, as HF
+        a = self.in_proj_a(x).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # log-decay ≤ 0, fp32
+
+        out, _ = chunked_gated_delta_rule(q, k, v, g, beta, segment_starts(segment_ids))
+        z = self.in_proj_z(x).reshape(batch, length, self.num_value_heads, self.value_head_dim)
+        out = self.norm(out.astype(x.dtype), z)
+        return self.out_proj(out.reshape(batch, length, self.num_value_heads * self.value_head_dim))

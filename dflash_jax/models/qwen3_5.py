@@ -1,0 +1,163 @@
+"""Qwen3.5/3.6 hybrid target (transformers models/qwen3_5/modeling_qwen3_5.py, text model) in Flax NNX.
+
+Layers follow `layer_types`: Gated DeltaNet (`gated_deltanet.py`) or gated full attention, each followed by a
+SwiGLU MLP, with zero-centred (1+w) RMSNorms throughout (qwen_arch.md §4). layer_types is a repetition of a
+period (27B: 16 × [GDN, GDN, GDN, attention]); the layers at each position of the period are stacked along a
+leading `layers` axis and one `nnx.scan` step runs one period, so compile time is that of one period whatever
+the depth. Requested feature layers are captured inside the scan into a small [n, B, T, H] buffer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.models.gated_deltanet import GatedDeltaNet
+from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
+from dflash_jax.models.qwen3_5_config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5Config
+from dflash_jax.models.target import TargetOutput
+from dflash_jax.ops.attention import causal_segment_mask, grouped_attention
+
+__all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "Qwen3_5", "Qwen3_5Config"]
+
+
+class GatedAttention(nnx.Module):
+    """`Qwen3_5Attention`: q_proj yields per head [query | gate]; (1+w) q_norm/k_norm; partial rotate-half
+    RoPE; GQA with scale head_dim^-0.5; o_proj(attn · sigmoid(gate))."""
+
+    def __init__(self, config: Qwen3_5Config, *, param_dtype, rngs: nnx.Rngs):
+        hidden, dim = config.hidden_size, config.head_dim
+        self.q_heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, dim
+        linear = lambda n_in, n_out, axes: Linear(n_in, n_out, axes=axes, rngs=rngs, param_dtype=param_dtype)
+        # Output rows are [h0 query, h0 gate, h1 query, ...]: a tensor split over heads keeps pairs together.
+        self.q_proj = linear(hidden, self.q_heads * dim * 2, ("embed", "q_heads"))
+        self.k_proj = linear(hidden, self.kv_heads * dim, ("embed", "kv_heads"))
+        self.v_proj = linear(hidden, self.kv_heads * dim, ("embed", "kv_heads"))
+        self.o_proj = linear(self.q_heads * dim, hidden, ("q_heads", "embed"))
+        norm = lambda: RMSNorm(dim, eps=config.rms_norm_eps, zero_centered=True, axis_name="head_dim",
+                               param_dtype=param_dtype)
+        self.q_norm, self.k_norm = norm(), norm()
+
+    def __call__(self, x, positions, visible, inv_freq):
+        batch, length, _ = x.shape
+        query_gate = self.q_proj(x).reshape(batch, length, self.q_heads, 2 * self.head_dim)
+        q, gate = query_gate[..., :self.head_dim], query_gate[..., self.head_dim:]
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out = grouped_attention(q, k, v, visible, self.head_dim**-0.5) * jax.nn.sigmoid(gate)
+        return self.o_proj(out.reshape(batch, length, self.q_heads * self.head_dim))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: x += mixer(norm(x)); x += mlp(norm(x)). The mixer attribute is named as in
+    the checkpoint: `linear_attn` (Gated DeltaNet) or `self_attn` (gated attention)."""
+
+    def __init__(self, config: Qwen3_5Config, layer_type: str, *, param_dtype, rngs: nnx.Rngs):
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(hidden, eps=eps, zero_centered=True, param_dtype=param_dtype)
+        if layer_type == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(
+                hidden, num_key_heads=config.linear_num_key_heads, num_value_heads=config.linear_num_value_heads,
+                key_head_dim=config.linear_key_head_dim, value_head_dim=config.linear_value_head_dim,
+                conv_kernel_size=config.linear_conv_kernel_dim, rms_norm_eps=eps, rngs=rngs,
+                param_dtype=param_dtype)
+        else:
+            self.self_attn = GatedAttention(config, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(hidden, eps=eps, zero_centered=True, param_dtype=param_dtype)
+        self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, x, positions, segment_ids, visible, inv_freq):
+        normed = self.input_layernorm(x)
+        if self.layer_type == LINEAR_ATTENTION:
+            x = x + self.linear_attn(normed, segment_ids)
+        else:
+            x = x + self.self_attn(normed, positions, visible, inv_freq)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LayerPeriod(nnx.Module):
+    """One period of layer_types: `layers[k]` is the k-th decoder layer of the period."""
+
+    def __init__(self, config: Qwen3_5Config, *, param_dtype, rngs: nnx.Rngs):
+        self.layers = nnx.List([DecoderLayer(config, layer_type, param_dtype=param_dtype, rngs=rngs)
+                                for layer_type in config.layer_period()])
+
+
+class Qwen3_5(nnx.Module):
+    """Qwen3_5ForCausalLM text model. `periods` holds the decoder layers: periods.layers[k] is stacked over
+    the repetitions of the period, so HF layer i is periods.layers[i % p][i // p] (p = period length)."""
+
+    def __init__(self, config: Qwen3_5Config, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, param_dtype=param_dtype)
+        repeats = config.num_hidden_layers // len(config.layer_period())
+
+        @nnx.split_rngs(splits=repeats)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_periods(period_rngs):
+            return LayerPeriod(config, param_dtype=param_dtype, rngs=period_rngs)
+
+        self.periods = make_periods(rngs)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=True,
+                            param_dtype=param_dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("embed", "vocab"), rngs=rngs,
+                                  param_dtype=param_dtype)
+
+    def embed(self, ids: jax.Array) -> jax.Array:
+        return self.embed_tokens(ids)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """LM head on final-normed hidden states ([..., H] -> [..., V])."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.attend(hidden)
+        return self.lm_head(hidden)
+
+    def lm_head_kernel(self) -> jax.Array:
+        """The LM head as an [H, V] matrix (the transposed embedding table when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                 feature_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+        """input_ids, positions, segment_ids: [B, T] (positions restart in each packed document; attention,
+        convolution and recurrent state never cross a segment boundary).
+
+        features[:, :, i] is the residual stream right after decoder layer feature_layer_ids[i]
+        (transformers `hidden_states[id + 1]`, except that HF's last entry is already final-normed).
+        """
+        num_layers, period = self.config.num_hidden_layers, len(self.config.layer_period())
+        for layer_id in feature_layer_ids:
+            if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) \
+                    or not 0 <= layer_id < num_layers:
+                raise ValueError(f"feature_layer_ids {tuple(feature_layer_ids)!r}: every id must be an integer "
+                                 f"in [0, {num_layers - 1}] for this {num_layers}-layer target")
+        # Layer i writes its output into buffer slot[i]; layers nobody asked for write to a spare last slot,
+        # so each layer costs one in-place dynamic update, not a select over the whole buffer.
+        wanted = sorted(set(int(i) for i in feature_layer_ids))
+        slot = np.full((num_layers,), len(wanted), np.int32)
+        slot[wanted] = np.arange(len(wanted), dtype=np.int32)
+
+        x = self.embed(input_ids)
+        visible = causal_segment_mask(segment_ids)  # built once, shared by every attention layer
+        inv_freq = rope_inverse_frequencies(self.config.rotary_dim, self.config.rope_theta)
+        buffer = jnp.zeros((len(wanted) + 1, *x.shape), x.dtype)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+        def run_period(carry, layer_period, period_slots):
+            hidden, features = carry
+            for position, layer in enumerate(layer_period.layers):
+                hidden = layer(hidden, positions, segment_ids, visible, inv_freq)
+                features = jax.lax.dynamic_update_index_in_dim(features, hidden, period_slots[position], axis=0)
+            return hidden, features
+
+        x, buffer = run_period((x, buffer), self.periods, jnp.asarray(slot.reshape(-1, period)))
+        order = np.asarray([wanted.index(int(i)) for i in feature_layer_ids], np.int32)
+        features = jnp.moveaxis(buffer[order], 0, 2)  # [B, T, n, H], in request order
+        return TargetOutput(hidden=self.norm(x), features=features)
