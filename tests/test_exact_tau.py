@@ -18,6 +18,7 @@ from dflash_jax.ops.mask import AnchorGrid
 from dflash_jax.weights.hf_qwen3 import load_qwen3
 from tests.hf_fixtures import qwen3_config, save_qwen3
 from tests.test_generate import BLOCK, VOCAB, drafter_config
+from tests.train_fixtures import fast_cpu_compiles
 
 NEW_TOKENS = 28
 
@@ -118,8 +119,9 @@ def train_briefly(target, drafter: Drafter, examples: list[Example], steps: int)
         optimizer.update(drafter, grads)
         return loss
 
-    for _ in range(steps):
-        step(drafter, optimizer)
+    with fast_cpu_compiles():
+        for _ in range(steps):
+            step(drafter, optimizer)
     return drafter
 
 

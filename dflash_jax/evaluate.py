@@ -1,0 +1,150 @@
+"""Evaluate a drafter (SPEC §9): exact greedy τ, its histogram, per-slot acceptance, DDTree τ, against an
+untrained baseline; optionally the KV-cached speculative generator's τ and speed against plain greedy.
+
+    python -m dflash_jax.evaluate --config configs/qwen3_8b.py --workdir /ckpt/run1 \
+        [--prompts eval.jsonl] [--json out.json] [--drafter EXPORT_DIR] [--step N] [--num_prompts 32] \
+        [--continuation generate|data] [--max_new_tokens 256] [--budgets 8,22] [--speed] [--config.<key>=...]
+
+The drafter is the latest (or --step) checkpoint of the training workdir, or an exported z-lab directory
+(--drafter). Prompts: JSONL records as for training (default config.eval_files); `generate` continues each
+prompt with the target's own KV-cached greedy decoding (Qwen3 dense targets), `data` uses the record's
+completion / last assistant turn. Run from the repository checkout (the workdir reader lives in convert/).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from absl import app, flags
+from absl import logging as absl_logging
+from flax import nnx
+from ml_collections import ConfigDict, config_flags
+from transformers import AutoTokenizer
+
+from convert.export_drafter import restore_drafter
+from dflash_jax.data import DataError
+from dflash_jax.eval.examples import read_examples, stop_token_ids, with_greedy_continuations
+from dflash_jax.eval.exact_tau import evaluate_drafter
+from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, generator_shapes
+from dflash_jax.eval.report import format_result, format_speed
+from dflash_jax.models.drafter import Drafter, DrafterConfig
+from dflash_jax.models.qwen3 import Qwen3
+from dflash_jax.models.target import load_target
+from dflash_jax.sharding import make_mesh, replicated
+from dflash_jax.train.validate import ConfigError, dtype_of
+from dflash_jax.weights.drafter_export import load_drafter_dir
+from dflash_jax.weights.safetensors_dir import CheckpointError
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "The training config file (e.g. configs/tiny.py).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir: drafter_config.json and checkpoints/.")
+_DRAFTER = flags.DEFINE_string("drafter", None, "An exported drafter directory (z-lab layout) instead of --workdir.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step of --workdir (default: the latest).")
+_PROMPTS = flags.DEFINE_list("prompts", None, "JSONL prompt files (default: config.eval_files).")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Records to evaluate (default: config.eval_prompts).")
+_CONTINUATION = flags.DEFINE_enum("continuation", "generate", ["generate", "data"],
+                                  "generate: the target's greedy continuation; data: the record's own.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Generated (or kept data) continuation tokens per prompt.")
+_BUDGETS = flags.DEFINE_list("budgets", ["8", "22"], "DDTree node budgets.")
+_SPEED = flags.DEFINE_bool("speed", False, "Also time the speculative generator against plain greedy decoding.")
+_JSON = flags.DEFINE_string("json", None, "Write every figure to this JSON file.")
+
+
+def _mesh(config: ConfigDict):
+    """The config's (data, fsdp, tensor) mesh, as training builds it: explicit sizes may use fewer devices."""
+    sizes = dict(config.mesh)
+    devices = jax.devices()
+    if -1 not in sizes.values():
+        devices = devices[:int(np.prod(list(sizes.values())))]
+    try:
+        return make_mesh(**sizes, devices=devices)
+    except ValueError as error:
+        raise ConfigError(f"config.mesh: {error}") from None
+
+
+def load_drafter(workdir: str | None, drafter_dir: str | None, step: int | None
+                 ) -> tuple[Drafter, DrafterConfig, str]:
+    """(fp32 drafter, its config, where it came from) from an export directory or a workdir checkpoint."""
+    if drafter_dir:
+        drafter, drafter_config = load_drafter_dir(drafter_dir)
+        return drafter, drafter_config, drafter_dir
+    if not workdir:
+        raise ConfigError("give --workdir (a training run) or --drafter (an exported drafter directory)")
+    drafter, drafter_config, step = restore_drafter(Path(workdir), step)
+    return drafter, drafter_config, f"{workdir} step {step}"
+
+
+def placed(drafter: Drafter, config: DrafterConfig, dtype, sharding) -> Drafter:
+    """The drafter's weights on `sharding`, computing in `dtype` as in training."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0), dtype=dtype)))
+    return nnx.merge(graphdef, jax.device_put(nnx.state(drafter), sharding))
+
+
+def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = None, step: int | None = None,
+        prompts: list[str] | None = None, num_prompts: int | None = None, continuation: str = "generate",
+        max_new_tokens: int = 256, budgets: tuple[int, ...] = (8, 22), speed: bool = False, log=print) -> dict:
+    """Everything the CLI prints, as a dict (see the module docstring)."""
+    if not config.target_dir:
+        raise ConfigError("config.target_dir is required: the target the drafter was trained against")
+    mesh = _mesh(config)
+    target, target_config = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
+    drafter, drafter_config, source = load_drafter(workdir, drafter_dir, step)
+    expected = (target_config.num_hidden_layers, target_config.vocab_size, target_config.hidden_size)
+    if (drafter_config.num_target_layers, drafter_config.vocab_size, drafter_config.hidden_size) != expected:
+        raise ConfigError(f"the drafter ({source}) was made for a target with (layers, vocab, hidden) = "
+                          f"{(drafter_config.num_target_layers, drafter_config.vocab_size, drafter_config.hidden_size)}"
+                          f", but {config.target_dir} has {expected}")
+    compute = dtype_of(config.compute_dtype)
+    drafter = placed(drafter, drafter_config, compute, replicated(mesh))
+    baseline = placed(Drafter(drafter_config, rngs=nnx.Rngs(0)), drafter_config, compute, replicated(mesh))
+
+    files = prompts or config.eval_files
+    examples = read_examples(files, tokenizer, num_prompts or config.eval_prompts, max_continuation=max_new_tokens,
+                             chat_template_kwargs=config.chat_template_kwargs)
+    stops = stop_token_ids(config.target_dir, tokenizer)
+    plain = None
+    if continuation == "generate" or speed:
+        if not isinstance(target, Qwen3):
+            raise ConfigError(f"--continuation=generate and --speed need the KV-cached generator, which supports "
+                              f"Qwen3 dense targets; {config.target_dir} is not one (use --continuation=data)")
+        shapes = generator_shapes([len(e.prompt_ids) for e in examples], max_new_tokens, drafter_config.block_size)
+        plain = SpeculativeGenerator(target, None, **shapes)
+    if continuation == "generate":
+        log(f"generating greedy continuations of {len(examples)} prompts (up to {max_new_tokens} tokens)")
+        examples = with_greedy_continuations(plain, examples, max_new_tokens, stops)
+
+    results = {"target_dir": config.target_dir, "drafter": source, "prompts": list(files),
+               "continuation": continuation, "max_new_tokens": max_new_tokens}
+    for name, model in (("trained", drafter), ("untrained", baseline)):
+        results[name] = evaluate_drafter(target, model, examples, budgets=budgets, vocab_chunk=config.vocab_chunk)
+        log(format_result(f"{name} drafter", results[name]))
+    if speed:
+        speculative = SpeculativeGenerator(target, drafter, **shapes)
+        results["speed"], _, _ = benchmark(plain, speculative, [e.prompt_ids for e in examples], max_new_tokens,
+                                           stops)
+        log(format_speed(results["speed"]))
+    return results
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    try:
+        results = run(_CONFIG.value, workdir=_WORKDIR.value, drafter_dir=_DRAFTER.value, step=_STEP.value,
+                      prompts=_PROMPTS.value, num_prompts=_NUM_PROMPTS.value, continuation=_CONTINUATION.value,
+                      max_new_tokens=_MAX_NEW.value, budgets=tuple(int(b) for b in _BUDGETS.value),
+                      speed=_SPEED.value)
+    except (ConfigError, DataError, CheckpointError) as error:  # a bad setup is a sentence, not a traceback
+        sys.exit(f"error: {error}")
+    if _JSON.value:
+        Path(_JSON.value).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["config"])
+    app.run(main)

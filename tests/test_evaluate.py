@@ -1,0 +1,88 @@
+"""The evaluation CLI (`python -m dflash_jax.evaluate`) and the train-loop hook, end to end on a tiny random
+target with a tokenizer and an exported drafter."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+from transformers import AutoTokenizer
+
+from dflash_jax import evaluate
+from dflash_jax.eval.examples import read_examples
+from dflash_jax.eval.train_hook import make_train_evaluator
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.target import load_target
+from dflash_jax.train import validate
+from dflash_jax.weights.drafter_export import export_drafter
+from tests.train_fixtures import make_target, tiny_config, write_corpus
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(config, exported drafter directory, its config) for a random target with the test tokenizer."""
+    base = tmp_path_factory.mktemp("evaluate")
+    target_dir = make_target(base / "target")
+    corpus = write_corpus(base / "eval.jsonl", count=5)
+    config = tiny_config(target_dir, corpus, eval_files=(str(corpus),), eval_prompts=3,
+                         **{"drafter.target_layer_ids": (1, 3)})
+    _, target_config = load_target(target_dir)
+    drafter_config = validate.resolve_drafter_config(config, target_config, AutoTokenizer.from_pretrained(target_dir))
+    export = export_drafter(Drafter(drafter_config, rngs=nnx.Rngs(1)), drafter_config, base / "export")
+    return config, export, drafter_config
+
+
+def test_examples_split_at_the_last_trained_span(setup):
+    config, _, _ = setup
+    tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
+    examples = read_examples(config.eval_files, tokenizer, limit=2, max_continuation=4)
+    records = [json.loads(line) for line in open(config.eval_files[0])][:2]
+    assert len(examples) == 2
+    for example, record in zip(examples, records):
+        assert tokenizer.decode(example.prompt_ids) == record["prompt"]
+        full = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
+        np.testing.assert_array_equal(example.continuation_ids, full[:4])
+
+
+def test_cli_reports_trained_and_untrained_figures_and_speed(setup, tmp_path):
+    config, export, drafter_config = setup
+    lines = []
+    results = evaluate.run(config, workdir=None, drafter_dir=str(export), max_new_tokens=12, budgets=(4, 8),
+                           speed=True, log=lines.append)
+    for name in ("trained", "untrained"):
+        result = results[name]
+        assert result["responses"] == 3 and result["greedy_agreement"] == 1.0  # generated continuations
+        assert len(result["accepted_histogram"]) == drafter_config.block_size
+        assert set(result["ddtree_tau"]) == {4, 8} and 1.0 <= result["tau"] <= drafter_config.block_size
+    assert results["speed"]["outputs_differing_from_plain"] == 0
+    assert results["speed"]["tau"] == pytest.approx(results["trained"]["tau"])  # exact τ is the generator's
+    assert any(line.startswith("untrained drafter: τ = ") for line in lines)
+    json.dumps(results)  # the --json output
+
+    data = evaluate.run(config, workdir=None, drafter_dir=str(export), continuation="data", max_new_tokens=12,
+                        log=lines.append)
+    assert data["continuation"] == "data" and "speed" not in data
+
+
+def test_train_hook_gives_flat_scalars(setup):
+    config, _, _ = setup
+    target, target_config = load_target(config.target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
+    drafter = Drafter(validate.resolve_drafter_config(config, target_config, tokenizer), rngs=nnx.Rngs(0))
+    metrics = make_train_evaluator(config, budgets=(8,))(100, drafter, target)
+    assert {"tau", "tau_pooled", "greedy_agreement", "acc_1", "acc_given_prev_1", "accepted_share_0",
+            "ddtree_tau_8"} <= set(metrics)
+    assert all(isinstance(value, float) for value in metrics.values())
+
+
+def test_setup_errors_are_sentences(setup):
+    config, export, drafter_config = setup
+    with pytest.raises(validate.ConfigError, match="give --workdir"):
+        evaluate.run(config, workdir=None)
+    other = dataclasses.replace(drafter_config, num_target_layers=3, target_layer_ids=(0, 2))
+    mismatched = export_drafter(Drafter(other, rngs=nnx.Rngs(0)), other, export.parent / "other")
+    with pytest.raises(validate.ConfigError, match=r"made for a target with \(layers, vocab, hidden\) = \(3,"):
+        evaluate.run(config, workdir=None, drafter_dir=str(mismatched))
