@@ -125,27 +125,21 @@ def train_briefly(target, drafter: Drafter, examples: list[Example], steps: int)
     return drafter
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """(target, briefly trained drafter, examples, plain generator)."""
-    directory = tmp_path_factory.mktemp("target")
-    save_qwen3(directory, qwen3_config(vocab_size=VOCAB), seed=5)
-    target = load_qwen3(directory, param_dtype=jnp.float32)[0]
+def test_exact_tau_equals_the_generators_tau(tmp_path):
+    """One test (one training run, whichever xdist worker gets it): a briefly trained drafter whose drafts
+    are partly accepted, the KV-cached generators, and the exact-τ forward over the same greedy texts."""
+    save_qwen3(tmp_path, qwen3_config(vocab_size=VOCAB), seed=5)
+    target = load_qwen3(tmp_path, param_dtype=jnp.float32)[0]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in rng.integers(3, 13, 8)]
     plain = SpeculativeGenerator(target, None, prefill_len=16, capacity=64)
     examples = [Example(p, plain.generate(p, NEW_TOKENS).tokens) for p in prompts]
     drafter = train_briefly(target, Drafter(drafter_config(), rngs=nnx.Rngs(0)), examples, steps=30)
-    return target, drafter, examples, plain
-
-
-def test_exact_tau_equals_the_generators_tau(trained):
-    target, drafter, examples, plain = trained
     speculative = SpeculativeGenerator(target, drafter, prefill_len=16, capacity=64)
-    report, plain_runs, speculative_runs = benchmark(plain, speculative, [e.prompt_ids for e in examples],
-                                                     NEW_TOKENS)
-    assert report["outputs_differing_from_plain"] == 0
     scorer = DraftScorer(target, drafter, top_k=8)
+
+    report, plain_runs, speculative_runs = benchmark(plain, speculative, prompts, NEW_TOKENS)
+    assert report["outputs_differing_from_plain"] == 0
     responses = [score_response(scorer, example, budgets=(3, 8)) for example in examples]
     for example, plain_run, speculative_run, response in zip(examples, plain_runs, speculative_runs, responses):
         np.testing.assert_array_equal(speculative_run.tokens, example.continuation_ids)
@@ -159,7 +153,16 @@ def test_exact_tau_equals_the_generators_tau(trained):
     assert summary["greedy_agreement"] == 1.0
     assert set(summary["ddtree_tau"]) == {3, 8} and summary["ddtree_tau"][8] >= 1.0
 
-    # DDTree with one candidate per depth and B-1 nodes is the block draft, from the real drafts too.
+    check_one_candidate_trees_are_block_drafts(scorer, examples, responses)
+    check_stop_tokens_end_responses_as_bonuses(scorer, speculative, examples, speculative_runs)
+    result = evaluate_drafter(target, drafter, examples[:3], budgets=(2, 8))  # top-k 8: the compiled forward
+    assert set(result) == {"responses", "verify_steps", "tau", "tau_pooled", "accepted_histogram",
+                           "slot_acceptance", "slot_acceptance_conditional", "ddtree_tau", "greedy_agreement"}
+    assert result["tau"] == pytest.approx(summarize(responses[:3], BLOCK)["tau"])
+
+
+def check_one_candidate_trees_are_block_drafts(scorer, examples, responses):
+    """DDTree with one candidate per depth and B-1 nodes is the block draft, on the real drafts too."""
     for example, response in zip(examples, responses):
         text = np.concatenate([example.prompt_ids, example.continuation_ids])
         _, tokens, log_probs = scorer(text)
@@ -168,10 +171,23 @@ def test_exact_tau_equals_the_generators_tau(trained):
         assert chain_steps == response.block_steps
 
 
-def test_evaluate_drafter_reports_every_figure(trained):
-    target, drafter, examples, _ = trained
-    result = evaluate_drafter(target, drafter, examples[:3], budgets=(2, 8))  # top-k 8: the forward above
-    assert set(result) == {"responses", "verify_steps", "tau", "tau_pooled", "accepted_histogram",
-                           "slot_acceptance", "slot_acceptance_conditional", "ddtree_tau", "greedy_agreement"}
-    assert len(result["accepted_histogram"]) == BLOCK and len(result["slot_acceptance"]) == BLOCK - 1
-    assert result["responses"] == 3 and set(result["ddtree_tau"]) == {2, 8}
+def check_stop_tokens_end_responses_as_bonuses(scorer, speculative, examples, runs):
+    """A stop token the drafter gets right is still committed as the step's bonus, so the generator's steps
+    stay those of exact τ on the continuation that ends at it."""
+    checked = 0
+    for example, run in zip(examples, runs):
+        position, drafted = 1, []  # continuation indices committed as accepted drafts
+        for length in run.acceptance_lengths:
+            drafted += range(position, position + length - 1)
+            position += length
+        continuation = example.continuation_ids
+        first_seen = [q for q in drafted if continuation[q] not in continuation[:q]]
+        if not first_seen:
+            continue
+        end = first_seen[len(first_seen) // 2] + 1
+        stopped = speculative.generate(example.prompt_ids, NEW_TOKENS, stop_token_ids=(continuation[end - 1],))
+        np.testing.assert_array_equal(stopped.tokens, continuation[:end])
+        expected = score_response(scorer, Example(example.prompt_ids, continuation[:end]), budgets=()).block_steps
+        assert [length - 1 for length in stopped.acceptance_lengths] == expected
+        checked += 1
+    assert checked >= 2

@@ -10,8 +10,9 @@ yet):
   3. accepted = the leading drafts equal to the posterior; commit them plus posterior[accepted] (the new
      bonus); crop the target cache to start + accepted + 1;
   4. the drafter caches the context K/V of the verified positions (its block K/V are never kept).
-Committed tokens never pass `max_new_tokens`: a step accepts at most what still fits with its bonus, so the
-output and the acceptance lengths are exactly those of `exact_tau` on the same greedy continuation.
+Committed tokens never pass `max_new_tokens`: a step accepts at most what still fits with its bonus, and a
+stop token is always committed as a bonus (drafts after it do not count), so the output and the acceptance
+lengths are exactly those of `exact_tau` on the same greedy continuation.
 Batch size 1 (one response at a time), as z-lab's benchmark.
 """
 
@@ -33,7 +34,7 @@ from dflash_jax.models.qwen3 import Qwen3
 
 @dataclasses.dataclass
 class Generation:
-    tokens: np.ndarray  # [<= max_new_tokens] generated ids (the prompt excluded), cut after a stop token
+    tokens: np.ndarray  # [<= max_new_tokens] generated ids (the prompt excluded), ending at a stop token if any
     acceptance_lengths: list[int]  # tokens committed per verification step: accepted drafts + 1
     decode_seconds: float  # wall time of the verification loop (prefill excluded, as z-lab's TPOT)
 
@@ -133,21 +134,21 @@ class SpeculativeGenerator:
         tokens = [int(bonus[0])]
         acceptance_lengths = []
         began = time.perf_counter()
-        while len(tokens) < max_new_tokens and not stop_token_ids.intersection(tokens[-self.block_size:]):
+        while len(tokens) < max_new_tokens and tokens[-1] not in stop_token_ids:
             # The accepted drafts and the new bonus must fit in max_new_tokens.
             limit = min(self.block_size - 1, max_new_tokens - len(tokens) - 1)
             cache, drafter_cache, block, posterior, accepted = self._step(
                 self._target_state, self._drafter_state, cache, drafter_cache, bonus, np.int32(limit))
             accepted = int(accepted)  # waits for the step, so the timing is honest
             block, posterior = np.asarray(block[0]), np.asarray(posterior[0])
+            stop = next((k for k in range(1, accepted + 1) if block[k] in stop_token_ids), None)
+            if stop is not None:  # the response ends there: the stop token is this step's bonus, as in exact_tau
+                accepted = stop - 1
             tokens.extend(int(t) for t in block[1:accepted + 1])
             tokens.append(int(posterior[accepted]))
             bonus = np.asarray([posterior[accepted]], np.int32)
             acceptance_lengths.append(accepted + 1)
         decode_seconds = time.perf_counter() - began
-        stops = [i for i, t in enumerate(tokens) if t in stop_token_ids]
-        if stops:
-            tokens = tokens[:stops[0] + 1]
         return Generation(np.asarray(tokens, np.int32), acceptance_lengths, decode_seconds)
 
 
