@@ -49,6 +49,8 @@ _CONTINUATION = flags.DEFINE_enum("continuation", "generate", ["generate", "data
                                   "generate: the target's greedy continuation; data: the record's own.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Generated (or kept data) continuation tokens per prompt.")
 _BUDGETS = flags.DEFINE_list("budgets", ["8", "22"], "DDTree node budgets.")
+flags.register_validator("budgets", lambda values: all(v.isdigit() and int(v) > 0 for v in values),
+                         "--budgets must be positive integers, e.g. --budgets=8,22")
 _SPEED = flags.DEFINE_bool("speed", False, "Also time the speculative generator against plain greedy decoding.")
 _JSON = flags.DEFINE_string("json", None, "Write every figure to this JSON file.")
 
@@ -65,14 +67,11 @@ def _mesh(config: ConfigDict):
         raise ConfigError(f"config.mesh: {error}") from None
 
 
-def load_drafter(workdir: str | None, drafter_dir: str | None, step: int | None
-                 ) -> tuple[Drafter, DrafterConfig, str]:
+def load_drafter(workdir: str | None, drafter_dir: str | None, step: int | None) -> tuple[Drafter, DrafterConfig, str]:
     """(fp32 drafter, its config, where it came from) from an export directory or a workdir checkpoint."""
     if drafter_dir:
         drafter, drafter_config = load_drafter_dir(drafter_dir)
         return drafter, drafter_config, drafter_dir
-    if not workdir:
-        raise ConfigError("give --workdir (a training run) or --drafter (an exported drafter directory)")
     drafter, drafter_config, step = restore_drafter(Path(workdir), step)
     return drafter, drafter_config, f"{workdir} step {step}"
 
@@ -89,6 +88,8 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
     """Everything the CLI prints, as a dict (see the module docstring)."""
     if not config.target_dir:
         raise ConfigError("config.target_dir is required: the target the drafter was trained against")
+    if not (workdir or drafter_dir):
+        raise ConfigError("give --workdir (a training run) or --drafter (an exported drafter directory)")
     mesh = _mesh(config)
     target, target_config = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
