@@ -1,4 +1,5 @@
-"""Qwen3.6-27B (same architecture as Qwen3.5-27B): the target's text-model shapes (qwen_arch.md §3.1/§3.2).
+"""Qwen3.6-27B (same architecture as Qwen3.5-27B): the target's text-model shapes (qwen_arch.md §3.1/§3.2), and
+the DFlash drafter trained against it (SPEC §11).
 
 64 layers = 16 × [Gated DeltaNet ×3, gated attention], H=5120, MLP 17408, attention 24/4 heads × 256 (q_proj
 out 12288 with the gate), GDN 16 key / 48 value heads × 128, conv 4, V=248320, RoPE θ=1e7 on the first 25%
@@ -6,6 +7,7 @@ of each head, untied LM head. 26,895,998,464 text parameters.
 """
 
 from dflash_jax.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5Config
+from dflash_jax.train.config import base_config
 
 
 def target_config() -> Qwen3_5Config:
@@ -17,3 +19,29 @@ def target_config() -> Qwen3_5Config:
         layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION) * 16,
         rms_norm_eps=1e-6, rope_theta=1e7, partial_rotary_factor=0.25, tie_word_embeddings=False,
         max_position_embeddings=262144)
+
+
+def get_config():
+    """SPEC §11 drafter for Qwen3.6-27B: 5 layers ([sliding W=2048] x 4, full), 32/8 heads x 128, I=17408,
+    feature ids [1,16,31,46,61], mask token 248070, B=16, γ=7, rope θ 1e7; T=4096 rows with 256 anchors.
+
+        python -m dflash_jax.train --config configs/qwen27b.py --workdir /ckpt/dflash-qwen27b \\
+            --config.target_dir=/ckpt/Qwen3.6-27B --config.train_files=/data/train.jsonl
+    """
+    config = base_config()
+    config.drafter.num_hidden_layers = 5
+    config.drafter.num_attention_heads = 32
+    config.drafter.num_key_value_heads = 8
+    config.drafter.head_dim = 128
+    config.drafter.intermediate_size = 17408
+    config.drafter.layer_types = ("sliding_attention",) * 4 + ("full_attention",)
+    config.drafter.sliding_window = 2048
+    config.drafter.num_feature_layers = 5
+    config.drafter.target_layer_ids = (1, 16, 31, 46, 61)  # = SPEC §2's default for L = 64
+    config.drafter.rope_theta = 1e7  # plain 1-D RoPE on the full head_dim, not the target's partial MRoPE
+    config.drafter.mask_token_id = 248070
+    config.block_size = 16
+    config.gamma = 7.0
+    config.seq_len = 4096
+    config.anchor_stride = 16  # N = 256 anchors per row
+    return config

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from configs import qwen3_8b, tiny
+import jax
+import numpy as np
+from flax import nnx
+
+from configs import qwen3_8b, qwen27b, tiny
+from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.qwen3 import Qwen3Config
 from dflash_jax.train.validate import ConfigError, resolve_drafter_config, validate_batch_layout, validate_config
 from tests.tokenizer_fixture import make_chat_tokenizer
@@ -123,10 +128,22 @@ def test_drafter_defaults_come_from_the_target():
 
 
 def test_shipped_configs_validate():
-    for module in (tiny, qwen3_8b):
+    for module in (tiny, qwen3_8b, qwen27b):
         c = module.get_config()
         c.target_dir, c.train_files = "/ckpt/target", ("train.jsonl",)
         validate_config(c)
+
+
+def test_qwen27b_drafter_is_the_spec_one():
+    resolved = resolve_drafter_config(qwen27b.get_config(), qwen27b.target_config(), tokenizer=None)
+    assert (resolved.hidden_size, resolved.intermediate_size, resolved.num_hidden_layers) == (5120, 17408, 5)
+    assert (resolved.num_attention_heads, resolved.num_key_value_heads, resolved.head_dim) == (32, 8, 128)
+    assert resolved.layer_types == ("sliding_attention",) * 4 + ("full_attention",) and resolved.sliding_window == 2048
+    assert resolved.target_layer_ids == (1, 16, 31, 46, 61) and resolved.mask_token_id == 248070
+    assert (resolved.block_size, resolved.rope_theta, resolved.rope_scaling) == (16, 1e7, None)
+    drafter = nnx.eval_shape(lambda: Drafter(resolved, rngs=nnx.Rngs(0)))
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
+    assert abs(params / 1e9 - 1.73) < 0.01, params  # SPEC §11: ≈1.73 B
 
 
 def test_cli_reports_a_config_error_as_one_line(tmp_path):

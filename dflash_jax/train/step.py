@@ -115,22 +115,27 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
 
     def train_step(state: TrainState, target_state: nnx.State, batch: dict[str, jax.Array]
                    ) -> tuple[TrainState, dict[str, jax.Array]]:
-        # Row r goes to micro-batch r % accum, so every micro-batch keeps an even share of each device's rows.
-        micro_batches = {key: jax.lax.with_sharding_constraint(
-            jnp.swapaxes(value.reshape(-1, accum, value.shape[-1]), 0, 1), micro_sharding)
-            for key, value in batch.items()}
         normaliser = trained_slot_count(grid_ops.slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block))
         rng, step_key = jax.random.split(jax.random.wrap_key_data(state.rng))
 
-        def accumulate(totals, inputs):
-            micro_batch, noise_key = inputs
+        def micro_step(micro_batch, noise_key):
             (loss, aux), grads = jax.value_and_grad(drafter_loss, has_aux=True)(
                 state.params, teacher(target_state, micro_batch), micro_batch, noise_key, normaliser)
-            return jax.tree.map(jnp.add, totals, (grads, loss, aux.slot_correct, aux.slot_count)), None
+            return grads, loss, aux.slot_correct, aux.slot_count
 
-        zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()), jnp.zeros(block), jnp.zeros(block))
-        (grads, loss, slot_correct, slot_count), _ = jax.lax.scan(
-            accumulate, zeros, (micro_batches, jax.random.split(step_key, accum)))
+        if accum == 1:
+            grads, loss, slot_correct, slot_count = micro_step(batch, step_key)
+        else:
+            def accumulate(totals, inputs):
+                return jax.tree.map(jnp.add, totals, micro_step(*inputs)), None
+
+            zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()), jnp.zeros(block), jnp.zeros(block))
+            # Row r goes to micro-batch r % accum: every micro-batch keeps an even share of each device's rows.
+            micro_batches = {key: jax.lax.with_sharding_constraint(
+                jnp.swapaxes(value.reshape(-1, accum, value.shape[-1]), 0, 1), micro_sharding)
+                for key, value in batch.items()}
+            (grads, loss, slot_correct, slot_count), _ = jax.lax.scan(
+                accumulate, zeros, (micro_batches, jax.random.split(step_key, accum)))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         metrics = {
             "loss": loss,

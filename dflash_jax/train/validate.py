@@ -102,9 +102,12 @@ def resolve_attention_impl(config: ConfigDict) -> str:
 
 def resolve_mask_token_id(config: ConfigDict, tokenizer, vocab_size: int) -> int:
     """Config value, else the tokenizer's mask token, else len(tokenizer) when it is an unused embedding row
-    (SPEC §10). Warns when the chosen id is a token the tokenizer actually produces."""
+    (SPEC §10). Warns when the chosen id is a token the tokenizer actually produces. `tokenizer` may be None
+    (e.g. a benchmark on abstract shapes) only when the config names the mask token."""
     mask_token_id = config.drafter.mask_token_id
     source = "config.drafter.mask_token_id"
+    if mask_token_id is None and tokenizer is None:
+        raise ConfigError("config.drafter.mask_token_id is not set and there is no tokenizer to take it from")
     if mask_token_id is None and tokenizer.mask_token_id is not None:
         mask_token_id, source = tokenizer.mask_token_id, "the tokenizer's mask token"
     if mask_token_id is None:
@@ -116,7 +119,7 @@ def resolve_mask_token_id(config: ConfigDict, tokenizer, vocab_size: int) -> int
     _require(0 <= mask_token_id < vocab_size,
              f"config.drafter.mask_token_id = {mask_token_id} ({source}) must lie in [0, target vocab_size = "
              f"{vocab_size})")
-    if mask_token_id < len(tokenizer) and mask_token_id not in set(tokenizer.all_special_ids):
+    if tokenizer is not None and mask_token_id < len(tokenizer) and mask_token_id not in set(tokenizer.all_special_ids):
         log.warning("config.drafter.mask_token_id = %d (%s) is a regular token the tokenizer produces (%r); the "
                     "drafter cannot tell a masked slot from that token", mask_token_id, source,
                     tokenizer.convert_ids_to_tokens(mask_token_id))
