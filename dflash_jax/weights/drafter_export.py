@@ -90,6 +90,11 @@ def export_drafter(drafter: Drafter, config: DrafterConfig, out_dir: str | Path,
     """
     if drafter.config != config:
         raise ValueError(f"export_drafter: the drafter was built with {drafter.config}, not with {config}")
+    ids = list(config.target_layer_ids)
+    if ids != sorted(set(ids)):
+        # vLLM captures the target layers sorted(set(ids)) and concatenates them in that order: repeated ids
+        # would give fc too few features, unsorted ones would silently feed fc's columns the wrong layers.
+        raise ValueError(f"target_layer_ids {ids} must be strictly increasing to be served by vLLM")
     out_dir = Path(out_dir)
     check_out_dir(out_dir, overwrite)
     for stale in [out_dir / CONFIG_FILE, out_dir / INDEX_FILE, *out_dir.glob("*.safetensors")]:

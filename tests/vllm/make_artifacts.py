@@ -1,0 +1,137 @@
+"""Step 1 of `make test-vllm` (project venv): a target, trained and exported drafters, held-out prompts.
+
+Target and data: the bundled toy target (dflash_jax/assets/toy_target, with toy_data/{train,eval}.jsonl)
+when it is present; else a tiny random HF Qwen3 with the test tokenizer, whose drafter data are the
+target's own greedy continuations (as in the real recipe) of random word prompts.
+Drafters, each trained briefly with the project's CLI (`python -m dflash_jax.train --config configs/tiny.py`)
+and exported with convert/export_drafter.py:
+  full     all full-attention layers (bidirectional blocks)
+  sliding  all sliding-window layers (causal blocks, window W)
+  mixed    sliding + full: exported untrained (no training run), since vLLM 0.32 on CPU refuses it
+           (see check_vllm.py)
+Writes OUT/artifacts.json for check_vllm.py: target, drafters {name: {dir, trained}}, block_size, prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import dataclasses
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from dflash_jax.weights.safetensors_dir import read_config  # noqa: E402
+
+TOY_TARGET, TOY_DATA = REPO / "dflash_jax/assets/toy_target", REPO / "dflash_jax/assets/toy_data"
+BLOCK_SIZE, WINDOW, TRAIN_STEPS = 8, 32, 300
+NUM_PROMPTS, NEW_TOKENS = 6, 64
+DRAFTERS = {"full": ("full_attention", "full_attention"), "sliding": ("sliding_attention", "sliding_attention"),
+            "mixed": ("sliding_attention", "full_attention")}
+
+
+def random_target_and_data(out: Path) -> tuple[Path, Path, list[list[int]]]:
+    """A random Qwen3 (head_dim 32: vLLM's CPU attention takes 32/64/80/...) + tokenizer, its greedy
+    continuations of 300 word prompts as training records, and 6 held-out prompts (token ids)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.hf_fixtures import qwen3_config, save_qwen3
+    from tests.tokenizer_fixture import _WORDS, make_chat_tokenizer
+
+    target = out / "target"
+    tokenizer = make_chat_tokenizer()
+    save_qwen3(target, qwen3_config(vocab_size=len(tokenizer) + 8, hidden_size=128, intermediate_size=256,
+                                    num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    max_position_embeddings=1024, tie_word_embeddings=True), seed=0)
+    tokenizer.save_pretrained(target)
+    tokenizer, model = AutoTokenizer.from_pretrained(target), AutoModelForCausalLM.from_pretrained(target).eval()
+    rng = random.Random(0)
+    prompts = [tokenizer(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(6, 16))))["input_ids"]
+               for _ in range(300 + NUM_PROMPTS)]
+    # One batched greedy generate over the left-padded prompts (the 8 spare vocabulary rows have no text).
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts[NUM_PROMPTS:]])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts[NUM_PROMPTS:]])
+    with torch.no_grad():
+        generated = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                   pad_token_id=0)[:, width:].tolist()
+    train_file = out / "train.jsonl"
+    with open(train_file, "w") as f:
+        for prompt, continuation in zip(prompts[NUM_PROMPTS:], generated):
+            completion = tokenizer.decode([i for i in continuation if i < len(tokenizer)])
+            f.write(json.dumps({"prompt": tokenizer.decode(prompt), "completion": completion}) + "\n")
+    return target, train_file, prompts[:NUM_PROMPTS]
+
+
+def toy_target_and_data() -> tuple[Path, Path, list[list[int]]]:
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(TOY_TARGET)
+    records = [json.loads(line) for line in (TOY_DATA / "eval.jsonl").read_text().splitlines()[:NUM_PROMPTS]]
+    prompts = [tokenizer(record["prompt"], add_special_tokens=False)["input_ids"] for record in records]
+    return TOY_TARGET, TOY_DATA / "train.jsonl", prompts
+
+
+def train_and_export(name: str, target: Path, train_file: Path, out: Path, steps: int) -> Path:
+    """`python -m dflash_jax.train` (configs/tiny.py, this drafter's layer types), then the export CLI."""
+    layers = read_config(target)["num_hidden_layers"]
+    # Distinct, increasing feature layers: vLLM captures sorted(set(ids)) (configs/tiny.py's default of two
+    # feature layers would repeat layer 1 on a 4-layer target).
+    feature_ids = (0, layers // 2 - 1, layers - 2)
+    overrides = {
+        "target_dir": str(target), "train_files": f"('{train_file}',)", "total_steps": steps,
+        "checkpoint_every": steps, "log_every": 50, "learning_rate": 3e-3, "block_size": BLOCK_SIZE,
+        "mesh.fsdp": 1, "drafter.head_dim": 32, "drafter.layer_types": repr(DRAFTERS[name]),
+        "drafter.sliding_window": WINDOW, "drafter.num_feature_layers": len(feature_ids),
+        "drafter.target_layer_ids": repr(feature_ids),
+    }
+    workdir = out / f"run_{name}"
+    shutil.rmtree(workdir, ignore_errors=True)  # train afresh (an existing workdir would be resumed)
+    subprocess.run([sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs/tiny.py"),
+                    "--workdir", str(workdir), *(f"--config.{key}={value}" for key, value in overrides.items())],
+                   check=True, cwd=REPO)
+    export = out / f"drafter_{name}"
+    subprocess.run([sys.executable, str(REPO / "convert/export_drafter.py"), "--workdir", str(workdir), "--out",
+                    str(export), "--overwrite"], check=True, cwd=REPO)
+    return export
+
+
+def export_untrained_mixed(out: Path) -> Path:
+    """The "full" run's drafter config with [sliding, full] layers, randomly initialised and exported."""
+    from flax import nnx
+
+    from dflash_jax.models.drafter import Drafter, DrafterConfig
+    from dflash_jax.weights.drafter_export import export_drafter
+    full = DrafterConfig(**json.loads((out / "run_full" / "drafter_config.json").read_text()))
+    config = dataclasses.replace(full, layer_types=DRAFTERS["mixed"], sliding_window=WINDOW)
+    return export_drafter(Drafter(config, rngs=nnx.Rngs(0)), config, out / "drafter_mixed", overwrite=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=TRAIN_STEPS, help="training steps per drafter")
+    args = parser.parse_args()
+    out = args.out.absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    toy = (TOY_TARGET / "config.json").is_file() and (TOY_DATA / "train.jsonl").is_file()
+    target, train_file, prompts = toy_target_and_data() if toy else random_target_and_data(out)
+    drafters = {name: {"dir": str(train_and_export(name, target, train_file, out, args.steps)), "trained": True}
+                for name in ("full", "sliding")}
+    drafters["mixed"] = {"dir": str(export_untrained_mixed(out)), "trained": False}
+    artifacts = {"target": str(target), "drafters": drafters, "block_size": BLOCK_SIZE, "prompts": prompts,
+                 "max_tokens": NEW_TOKENS}
+    (out / "artifacts.json").write_text(json.dumps(artifacts, indent=2) + "\n")
+    print(f"wrote {out / 'artifacts.json'} (target {target}, drafters {sorted(drafters)})")
+
+
+if __name__ == "__main__":
+    main()
