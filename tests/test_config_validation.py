@@ -154,3 +154,14 @@ def test_cli_reports_a_config_error_as_one_line(tmp_path):
     assert result.returncode == 1
     assert "error: config.block_size must be >= 2" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_workdir_refuses_a_different_drafter(tmp_path):
+    from dflash_jax.train.loop import _write_drafter_config  # what train() does before touching checkpoints
+
+    resolved = resolve_drafter_config(config(), TARGET, make_chat_tokenizer())
+    _write_drafter_config(tmp_path / "drafter_config.json", resolved)
+    _write_drafter_config(tmp_path / "drafter_config.json", resolved)  # the same drafter: a resume
+    other = resolve_drafter_config(config(block_size=4), TARGET, make_chat_tokenizer())
+    with pytest.raises(ConfigError, match=r"records a different drafter .*'block_size': \(8, 4\)"):
+        _write_drafter_config(tmp_path / "drafter_config.json", other)

@@ -139,10 +139,10 @@ def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None =
 def _mesh(config: ConfigDict):
     """The (data, fsdp, tensor) mesh; fully explicit sizes may use fewer devices than there are (warned)."""
     sizes = dict(config.mesh)
-    devices = jax.devices()
-    if -1 not in sizes.values() and int(np.prod(list(sizes.values()))) < len(devices):
-        log.warning("config.mesh %s uses %d of %d devices", sizes, int(np.prod(list(sizes.values()))), len(devices))
-        devices = devices[: int(np.prod(list(sizes.values())))]
+    devices, wanted = jax.devices(), int(np.prod(list(sizes.values())))
+    if -1 not in sizes.values() and wanted < len(devices):
+        log.warning("config.mesh %s uses %d of %d devices", sizes, wanted, len(devices))
+        devices = devices[:wanted]
     try:
         return make_mesh(**sizes, devices=devices)
     except ValueError as error:
@@ -151,11 +151,14 @@ def _mesh(config: ConfigDict):
 
 def _write_drafter_config(path: Path, drafter_config) -> None:
     """Saved for export/eval; a resumed run must have the same drafter (SPEC §12.5)."""
-    text = json.dumps(dataclasses.asdict(drafter_config), indent=2, sort_keys=True) + "\n"
-    if path.exists() and json.loads(path.read_text()) != json.loads(text):
-        raise validate.ConfigError(f"{path} records a different drafter than this config resolves to; use a new "
-                                   f"workdir or restore the original config.\nsaved: {path.read_text()}\nnow: {text}")
-    path.write_text(text)
+    fields = json.loads(json.dumps(dataclasses.asdict(drafter_config)))
+    if path.exists():
+        saved = json.loads(path.read_text())
+        changed = {key: (saved.get(key), value) for key, value in fields.items() if saved.get(key) != value}
+        if changed:
+            raise validate.ConfigError(f"{path} records a different drafter than this config gives ((saved, now): "
+                                       f"{changed}); use a new workdir or the original config")
+    path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
 def _log_record(step: int, pending: list[dict[str, jax.Array]], interval_start: float, interval_steps: int,
