@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
-from dflash_jax.models.target import TargetOutput
+from dflash_jax.models.target import EmbeddingAndHead, TargetOutput
 from dflash_jax.ops.attention import causal_segment_mask, grouped_attention
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -171,7 +171,7 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
 
-class Qwen3(nnx.Module):
+class Qwen3(EmbeddingAndHead, nnx.Module):
     """Qwen3ForCausalLM. `layers` holds all decoder layers stacked on a leading `layers` axis."""
 
     def __init__(self, config: Qwen3Config, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -188,21 +188,6 @@ class Qwen3(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("embed", "vocab"), rngs=rngs,
                                   param_dtype=param_dtype)
-
-    def embed(self, ids: jax.Array) -> jax.Array:
-        return self.embed_tokens(ids)
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """LM head on final-normed hidden states ([..., H] -> [..., V])."""
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.attend(hidden)
-        return self.lm_head(hidden)
-
-    def lm_head_kernel(self) -> jax.Array:
-        """The LM head as an [H, V] matrix (the transposed embedding table when tied)."""
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.embedding[...].T
-        return self.lm_head.kernel[...]
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                  feature_layer_ids: tuple[int, ...] = ()) -> TargetOutput:

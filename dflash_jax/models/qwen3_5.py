@@ -17,7 +17,7 @@ from flax import nnx
 from dflash_jax.models.gated_deltanet import GatedDeltaNet
 from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
 from dflash_jax.models.qwen3_5_config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5Config
-from dflash_jax.models.target import TargetOutput
+from dflash_jax.models.target import EmbeddingAndHead, TargetOutput
 from dflash_jax.ops.attention import causal_segment_mask, grouped_attention
 
 __all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "Qwen3_5", "Qwen3_5Config"]
@@ -88,7 +88,7 @@ class LayerPeriod(nnx.Module):
                                 for layer_type in config.layer_period()])
 
 
-class Qwen3_5(nnx.Module):
+class Qwen3_5(EmbeddingAndHead, nnx.Module):
     """Qwen3_5ForCausalLM text model. `periods` holds the decoder layers: periods.layers[k] is stacked over
     the repetitions of the period, so HF layer i is periods.layers[i % p][i // p] (p = period length)."""
 
@@ -108,21 +108,6 @@ class Qwen3_5(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("embed", "vocab"), rngs=rngs,
                                   param_dtype=param_dtype)
-
-    def embed(self, ids: jax.Array) -> jax.Array:
-        return self.embed_tokens(ids)
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """LM head on final-normed hidden states ([..., H] -> [..., V])."""
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.attend(hidden)
-        return self.lm_head(hidden)
-
-    def lm_head_kernel(self) -> jax.Array:
-        """The LM head as an [H, V] matrix (the transposed embedding table when tied)."""
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.embedding[...].T
-        return self.lm_head.kernel[...]
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                  feature_layer_ids: tuple[int, ...] = ()) -> TargetOutput:

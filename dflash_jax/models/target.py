@@ -17,6 +17,29 @@ class TargetOutput(NamedTuple):
     features: jax.Array  # [B, T, n, H] residual stream after each requested decoder layer, in request order
 
 
+class EmbeddingAndHead:
+    """The borrowed pieces every target exposes: `embed`, `logits` and the LM head as an [H, V] matrix.
+
+    Mixed into target modules that own `embed_tokens` (an `Embed`), `config.tie_word_embeddings`, and an
+    `lm_head` (a `Linear`) when untied.
+    """
+
+    def embed(self, ids: jax.Array) -> jax.Array:
+        return self.embed_tokens(ids)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """LM head on final-normed hidden states ([..., H] -> [..., V])."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.attend(hidden)
+        return self.lm_head(hidden)
+
+    def lm_head_kernel(self) -> jax.Array:
+        """The LM head as an [H, V] matrix (the transposed embedding table when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
+
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
 
 
