@@ -7,7 +7,7 @@ N·B × V fp32 logits they would otherwise need. The temporaries also hold thing
 with V (drafter activations, attention scores), so each anchor count is compiled twice, at V and at V/2:
 temp is affine in V, and 2 × (temp(V) − temp(V/2)) is the part that depends on V at all.
 To keep CPU compile time sane, the target keeps its real widths (H, V, heads, MLP) but only its first
-`--target-layers` layers; the drafter's 5 feature ids then all point into those layers (same fc width n·H).
+`--target-layers` layers; the drafter's 5 feature ids are spread over those (SPEC §2 rule), same fc width n·H.
 
     .venv/bin/python -m bench.bench_step_memory [--config configs/qwen27b.py] [--append bench/RESULTS.md]
 """
@@ -127,7 +127,7 @@ def report(results: list[dict], halves: list[dict], args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/qwen27b.py", help="needs get_config() and target_config()")
-    parser.add_argument("--target-layers", type=int, default=4, help="target layers kept (one hybrid period)")
+    parser.add_argument("--target-layers", type=int, default=8, help="target layers kept (two hybrid periods)")
     parser.add_argument("--strides", default="32,16,8", help="anchor strides: 128, 256, 512 anchors at T=4096")
     parser.add_argument("--append", default=None, help="append the markdown section to this file")
     args = parser.parse_args()

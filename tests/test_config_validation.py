@@ -75,6 +75,10 @@ def test_static_config_errors_name_their_field(overrides, message):
     ({"drafter.mask_token_id": 640}, "config.drafter.mask_token_id = 640 (config.drafter.mask_token_id) must lie "
                                      "in [0, target vocab_size = 640)"),
     ({"drafter.num_key_value_heads": 3}, "config.drafter: DrafterConfig.num_attention_heads (4) must be a multiple"),
+    ({"drafter.target_layer_ids": (5, 2)}, "config.drafter.target_layer_ids [5, 2] must be strictly increasing"),
+    ({"drafter.target_layer_ids": (3, 3)}, "config.drafter.target_layer_ids [3, 3] must be strictly increasing"),
+    ({"drafter.num_feature_layers": 12}, "config.drafter.target_layer_ids [1, 2, 2, 3, 4, 5, 5, 6, 7, 8, 8, 9] "
+                                         "must be strictly increasing"),
 ])
 def test_target_dependent_errors_name_their_field(overrides, message):
     c = config(**overrides)

@@ -13,13 +13,19 @@ from dflash_jax.ops.mask import AnchorGrid, position_mask
 from dflash_jax.train import flops
 from dflash_jax.train.state import learning_rate_schedule
 from dflash_jax.train.step import put_batch
-from tests.train_fixtures import build, fast_cpu_compiles, make_target, mesh_of, tiny_config, write_corpus
+from tests.train_fixtures import (build, fast_cpu_compiles, make_qwen3_5_target, make_target, mesh_of, tiny_config,
+                                  write_corpus)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_step")
     return make_target(root / "target"), write_corpus(root / "train.jsonl")
+
+
+@pytest.fixture(scope="module")
+def hybrid_target(tmp_path_factory):
+    return make_qwen3_5_target(tmp_path_factory.mktemp("train_step_qwen3_5") / "target")
 
 
 @pytest.fixture(autouse=True)
@@ -70,9 +76,10 @@ def reference_loss(setup, params, batch):
     return total / count, slot_correct, slot_count
 
 
-@pytest.mark.parametrize("labels", ["target", "data"])
-def test_step_loss_equals_dense_numpy_loss(files, labels):
-    setup = build(tiny_config(*files, labels=labels), mesh_of())
+@pytest.mark.parametrize("target_kind, labels", [("qwen3", "target"), ("qwen3", "data"), ("qwen3_5", "target")])
+def test_step_loss_equals_dense_numpy_loss(files, hybrid_target, target_kind, labels):
+    target_dir = hybrid_target if target_kind == "qwen3_5" else files[0]
+    setup = build(tiny_config(target_dir, files[1], labels=labels), mesh_of())
     batch = next(setup.loader)
     params = jax.tree.map(jnp.copy, setup.state.params)  # the step donates the state it is given
     _, metrics = setup.step.train_step(setup.state, setup.target_state, put_batch(batch, setup.mesh))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import jax
+import torch
 from flax import nnx
 from jax.sharding import Mesh
 from ml_collections import ConfigDict
@@ -29,10 +30,25 @@ from tests.tokenizer_fixture import _WORDS, make_chat_tokenizer
 TARGET_VOCAB = 640  # > len(tokenizer) (600), so the mask token defaults to len(tokenizer), an unused row
 
 
-def make_target(directory: Path, *, num_layers: int = 4, seed: int = 0) -> Path:
+def make_target(directory: Path, *, num_layers: int = 6, seed: int = 0) -> Path:
     """A random fp32 Qwen3 target (H=64) plus the test tokenizer, loadable by load_target/AutoTokenizer."""
     save_qwen3(directory, qwen3_config(vocab_size=TARGET_VOCAB, num_hidden_layers=num_layers,
                                        tie_word_embeddings=True), seed=seed)
+    make_chat_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def make_qwen3_5_target(directory: Path, *, seed: int = 0) -> Path:
+    """A random tiny Qwen3.5 hybrid target (2 x [GDN, GDN, GDN, gated attention], H=64) plus the test tokenizer."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(
+        vocab_size=TARGET_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+    Qwen3_5ForCausalLM(config).to(torch.float32).eval().save_pretrained(directory)
     make_chat_tokenizer().save_pretrained(directory)
     return directory
 

@@ -147,6 +147,11 @@ def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> Draf
         _require(len(layer_ids) == drafter.num_feature_layers,
                  f"config.drafter.target_layer_ids has {len(layer_ids)} ids but config.drafter.num_feature_layers is "
                  f"{drafter.num_feature_layers}: fc would read {len(layer_ids)}*H, not n*H = {width} columns")
+    # vLLM captures sorted(set(ids)) and concatenates them in that order (SPEC §10, §12.5): a drafter trained
+    # on repeated or unsorted ids could not be served, so refuse it before training rather than at export.
+    _require(list(layer_ids) == sorted(set(layer_ids)),
+             f"config.drafter.target_layer_ids {list(layer_ids)} must be strictly increasing to be served by vLLM "
+             f"(for this {num_target_layers}-layer target, set fewer config.drafter.num_feature_layers or explicit ids)")
     fields = dict(
         hidden_size=hidden,
         intermediate_size=drafter.intermediate_size or target_config.intermediate_size,
