@@ -40,4 +40,4 @@ $(VLLM_VENV)/.installed: tests/vllm/requirements.txt
 test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(PY) tests/vllm/make_artifacts.py --out out/vllm
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) tests/vllm/check_vllm.py out/vllm
-	$(PY) tests/vllm/compare_tau.py out/vllm
+	$(PY) tests/vllm/compare_with_project.py out/vllm

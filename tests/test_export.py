@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_jax.weights.drafter_export import drafter_config_from_zlab, export_drafter, load_drafter_dir, zlab_config
-from dflash_jax.weights.safetensors_dir import CheckpointError
 from dflash_jax.models.drafter import drafter_from_torch_layout, drafter_to_torch_layout
 from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.weights.drafter_export import drafter_config_from_zlab, export_drafter, load_drafter_dir, zlab_config
+from dflash_jax.weights.safetensors_dir import CheckpointError
 from tests.test_drafter import (BLOCK, FULL, HIDDEN, MASK_ID, SEQ_LEN, SLIDING, VOCAB, forward, make_config,
                                 packed_rows, random_weights, relative_error)
 from tests.torch_reference import ReferenceDrafter, block_ids, reference_logits
@@ -160,7 +160,8 @@ def test_import_refuses_missing_extra_and_misshapen_tensors(tmp_path):
     tensors = load_numpy(out / "model.safetensors")
     save_file({k: v for k, v in tensors.items() if k != "norm.weight"} | {"lm_head.weight": tensors["fc.weight"]},
               str(out / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"all_full: .*missing \['norm.weight'\], unexpected \['lm_head.weight'\]"):
+    with pytest.raises(CheckpointError,
+                       match=r"all_full: .*missing \['norm.weight'\], unexpected \['lm_head.weight'\]"):
         load_drafter_dir(out)
     save_file(tensors | {"layers.0.mlp.up_proj.weight": tensors["layers.0.mlp.down_proj.weight"]},
               str(out / "model.safetensors"))

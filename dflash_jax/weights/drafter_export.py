@@ -153,8 +153,9 @@ def drafter_config_from_zlab(raw: dict, where: Path | str = CONFIG_FILE) -> Draf
         raise CheckpointError(f"{where}: missing field(s) {', '.join(missing)}")
     sizes = {raw.get("block_size"), dflash.get("block_size")} - {None}
     if len(sizes) != 1:
-        raise CheckpointError(f"{where}: block_size must be given at top level or in dflash_config (equal if both); "
-                              f"got {raw.get('block_size')!r} and dflash_config.block_size {dflash.get('block_size')!r}")
+        raise CheckpointError(f"{where}: block_size must be given at top level or in dflash_config (equal if "
+                              f"both); got {raw.get('block_size')!r} and dflash_config.block_size "
+                              f"{dflash.get('block_size')!r}")
     mask_token_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
     if mask_token_id is None:
         raise CheckpointError(f"{where}: no mask_token_id (neither in dflash_config nor top-level)")
