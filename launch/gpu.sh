@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Train a DFlash drafter on one GPU host (all its GPUs form the mesh: fsdp over every device by default).
+#
+#   launch/gpu.sh configs/qwen3_8b.py /ckpt/dflash-qwen3-8b \
+#       --config.target_dir=/ckpt/Qwen3-8B --config.train_files=/data/train.jsonl
+#
+# Rerun the same command to resume. Installs the project with its CUDA extra on first use.
+set -euo pipefail
+config=${1:?usage: launch/gpu.sh CONFIG WORKDIR [--config.key=value ...]}
+workdir=${2:?usage: launch/gpu.sh CONFIG WORKDIR [--config.key=value ...]}
+shift 2
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+  .venv/bin/pip install -q -e '.[gpu]'
+fi
+# Let XLA use most of each GPU's memory for the frozen target, the drafter and the step's temporaries.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+exec .venv/bin/python -m dflash_jax.train --config "$config" --workdir "$workdir" "$@"
