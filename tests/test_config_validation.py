@@ -17,7 +17,8 @@ from flax import nnx
 from configs import qwen3_8b, qwen27b, tiny
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.qwen3 import Qwen3Config
-from dflash_jax.train.validate import ConfigError, resolve_drafter_config, validate_batch_layout, validate_config
+from dflash_jax.train.validate import (ConfigError, resolve_drafter_config, validate_batch_layout, validate_config,
+                                      validate_eval_files)
 from tests.tokenizer_fixture import make_chat_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,6 +87,12 @@ def test_target_dependent_errors_name_their_field(overrides, message):
     with pytest.raises(ConfigError) as error:
         resolve_drafter_config(c, TARGET, make_chat_tokenizer())
     assert message in str(error.value)
+
+
+def test_evaluation_during_training_needs_eval_files():
+    validate_eval_files(config(eval_every=100, eval_files=("eval.jsonl",)))
+    with pytest.raises(ConfigError, match="config.eval_every = 100 needs config.eval_files"):
+        validate_eval_files(config(eval_every=100))
 
 
 def test_batch_must_split_over_the_batch_mesh_axes():

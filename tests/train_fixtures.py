@@ -20,6 +20,7 @@ from configs import tiny
 from dflash_jax.data import BatchLoader
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.models.target import load_target
+from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.train import validate
 from dflash_jax.train.state import StateSpec, TrainState, init_train_state, state_spec
@@ -110,7 +111,7 @@ def build(config: ConfigDict, mesh: Mesh) -> Setup:
                                         mesh=mesh)
     tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
-    attention_impl = validate.resolve_attention_impl(config)
+    attention_impl = resolve_attention_impl(config.attention_impl)
     spec = state_spec(drafter_config, config, attention_impl, mesh)
     state = init_train_state(drafter_config, config, attention_impl, spec)
     target_graphdef, target_state = nnx.split(target)

@@ -17,8 +17,9 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from dflash_jax.data import DataError
+from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.train.loop import train
-from dflash_jax.train.validate import ConfigError
+from dflash_jax.train.validate import ConfigError, validate_config, validate_eval_files
 from dflash_jax.weights.safetensors_dir import CheckpointError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file under configs/ (e.g. configs/tiny.py).",
@@ -32,8 +33,13 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.getLogger("dflash_jax").setLevel(logging.INFO)
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every checkpoint phase at INFO
+    config = _CONFIG.value
     try:
-        train(_CONFIG.value, _WORKDIR.value)
+        validate_config(config)
+        validate_eval_files(config)
+        # Exact τ on config.eval_files every config.eval_every steps (SPEC §9), logged as eval/* metrics.
+        evaluate = make_train_evaluator(config) if config.eval_every else None
+        train(config, _WORKDIR.value, evaluate=evaluate)
     except (ConfigError, DataError, CheckpointError) as error:  # a bad setup is a sentence, not a traceback
         sys.exit(f"error: {error}")
 

@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from dflash_jax.data import BatchLoader
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import load_target
+from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import BATCH_AXES, make_mesh, state_shardings
 from dflash_jax.train import flops, validate
 from dflash_jax.train.checkpoint import Checkpointer, StopRequest
@@ -56,7 +57,7 @@ def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None =
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
     _write_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-    attention_impl = validate.resolve_attention_impl(config)
+    attention_impl = resolve_attention_impl(config.attention_impl)
     log.info("drafter: %s (attention: %s)", drafter_config, attention_impl)
 
     # Train state: restored from the newest checkpoint, else freshly initialised.
@@ -114,8 +115,11 @@ def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None =
                     pending, interval_start, interval_steps = [], time.perf_counter(), 0
 
                 if evaluate is not None and config.eval_every and step % config.eval_every == 0:
+                    eval_start = time.perf_counter()
                     eval_metrics = evaluate(step, nnx.merge(spec.graphdef, state.params), target)
+                    interval_start += time.perf_counter() - eval_start  # step times exclude evaluation
                     if eval_metrics:
+                        log.info("eval at step %d: %s", step, json.dumps(eval_metrics))
                         record = {"step": step, **{f"eval/{name}": value for name, value in eval_metrics.items()}}
                         metrics_file.write(json.dumps(record) + "\n")
                         metrics_file.flush()

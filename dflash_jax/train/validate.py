@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import logging
 
-import jax
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from dflash_jax.models.drafter import ATTENTION_IMPLS, LAYER_TYPES, DrafterConfig, default_target_layer_ids
+from dflash_jax.models.drafter import LAYER_TYPES, DrafterConfig, default_target_layer_ids
+from dflash_jax.ops.backends import ATTENTION_CHOICES
 
 log = logging.getLogger(__name__)
 
 LABEL_SOURCES = ("target", "data")
-ATTENTION_CHOICES = ("auto", "splash", "xla")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -78,26 +77,18 @@ def validate_config(config: ConfigDict) -> None:
              f"config.drafter.num_feature_layers must be >= 1, got {drafter.num_feature_layers}")
 
 
+def validate_eval_files(config: ConfigDict) -> None:
+    """The CLI's evaluation during training (config.eval_every > 0) measures τ on config.eval_files."""
+    _require(not config.eval_every or bool(config.eval_files),
+             f"config.eval_every = {config.eval_every} needs config.eval_files (JSONL records to measure τ on)")
+
+
 def validate_batch_layout(config: ConfigDict, num_batch_shards: int) -> None:
     """Each micro-batch must split evenly over the mesh's batch axes (data x fsdp)."""
     micro_batch = config.batch_size // config.grad_accum_steps
     _require(micro_batch % num_batch_shards == 0,
              f"config.batch_size / config.grad_accum_steps = {micro_batch} rows per micro-batch must be a multiple "
              f"of the mesh's data x fsdp size ({num_batch_shards}); see config.mesh")
-
-
-def resolve_attention_impl(config: ConfigDict) -> str:
-    """"auto" = splash attention on TPU when it is available, the XLA implementation elsewhere (SPEC §5)."""
-    if config.attention_impl == "auto":
-        if jax.default_backend() == "tpu" and "splash" in ATTENTION_IMPLS:
-            return "splash"
-        if jax.default_backend() == "tpu":
-            log.warning("config.attention_impl='auto': splash attention is not available, using 'xla'")
-        return "xla"
-    _require(config.attention_impl in ATTENTION_IMPLS,
-             f"config.attention_impl={config.attention_impl!r} is not available in this build; available: "
-             f"{sorted(ATTENTION_IMPLS)}")
-    return config.attention_impl
 
 
 def resolve_mask_token_id(config: ConfigDict, tokenizer, vocab_size: int) -> int:
