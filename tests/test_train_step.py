@@ -169,3 +169,17 @@ def test_peak_flops_come_from_config_then_the_device_table(files):
     assert flops.peak_tflops(config, Device()) is None
     config.peak_tflops_per_device = 100.0
     assert flops.peak_tflops(config, Device()) == 100.0
+
+
+def test_init_from_an_exported_drafter_starts_from_its_weights(files, tmp_path):
+    from dflash_jax.models.drafter import Drafter, drafter_to_torch_layout
+    from dflash_jax.weights.drafter_export import export_drafter
+
+    fresh = build(tiny_config(*files), mesh_of())
+    source = Drafter(fresh.drafter_config, rngs=nnx.Rngs(7))
+    export_drafter(source, fresh.drafter_config, tmp_path / "export")
+    setup = build(tiny_config(*files, **{"drafter.init_from": str(tmp_path / "export")}), mesh_of())
+    loaded = drafter_to_torch_layout(nnx.merge(setup.spec.graphdef, setup.state.params))
+    for name, value in drafter_to_torch_layout(source).items():  # the export is bf16
+        np.testing.assert_array_equal(loaded[name], np.asarray(jnp.asarray(value, jnp.bfloat16), np.float32))
+    assert int(setup.state.step) == 0

@@ -62,7 +62,7 @@ class StateSpec(NamedTuple):
 
 
 def state_spec(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str, mesh: Mesh) -> StateSpec:
-    abstract = jax.eval_shape(lambda: _init(drafter_config, config, attention_impl)[1])
+    abstract = jax.eval_shape(lambda: _init(drafter_config, config, attention_impl))
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: make_drafter(drafter_config, config, attention_impl)))
     shardings = state_shardings(abstract, mesh)
     with_shardings = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shardings,
@@ -73,7 +73,7 @@ def state_spec(drafter_config: DrafterConfig, config: ConfigDict, attention_impl
 def init_train_state(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str,
                      spec: StateSpec) -> TrainState:
     """The step-0 state, created directly on its shardings (no host copy of the full drafter)."""
-    state = jax.jit(lambda: _init(drafter_config, config, attention_impl)[1], out_shardings=spec.shardings)()
+    state = jax.jit(lambda: _init(drafter_config, config, attention_impl), out_shardings=spec.shardings)()
     if config.drafter.init_from:
         state = state._replace(params=_load_params(config.drafter.init_from, drafter_config, spec))
         state = state._replace(opt_state=jax.jit(make_optimizer(config).init,
@@ -81,12 +81,12 @@ def init_train_state(drafter_config: DrafterConfig, config: ConfigDict, attentio
     return state
 
 
-def _init(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str) -> tuple[Drafter, TrainState]:
+def _init(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str) -> TrainState:
     drafter = make_drafter(drafter_config, config, attention_impl, seed=config.seed)
     params = nnx.state(drafter, nnx.Param)
     # The noise stream is seeded apart from the weight init (fold_in), so changing one leaves the other.
     rng = jax.random.key_data(jax.random.fold_in(jax.random.key(config.seed), 1))
-    return drafter, TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(config).init(params), rng)
+    return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(config).init(params), rng)
 
 
 def _load_params(directory: str, drafter_config: DrafterConfig, spec: StateSpec) -> nnx.State:
