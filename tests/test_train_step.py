@@ -135,9 +135,11 @@ def test_step_on_an_8_device_mesh_matches_one_device(files):
         np.testing.assert_allclose(eight["grad_norm"], one["grad_norm"], rtol=1e-4)
 
 
-def test_gradient_accumulation_matches_the_full_batch(files):
-    full = one_step(tiny_config(*files), mesh_of())
-    accumulated = one_step(tiny_config(*files, grad_accum_steps=2), mesh_of())
+@pytest.mark.parametrize("target_kind", ["qwen3", "qwen3_5"])
+def test_gradient_accumulation_matches_the_full_batch(files, hybrid_target, target_kind):
+    target_dir = hybrid_target if target_kind == "qwen3_5" else files[0]
+    full = one_step(tiny_config(target_dir, *files[1:]), mesh_of())
+    accumulated = one_step(tiny_config(target_dir, *files[1:], grad_accum_steps=2), mesh_of())
     for one, two in zip(full, accumulated):
         np.testing.assert_array_equal(two["slot_count"], one["slot_count"])
         np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5)

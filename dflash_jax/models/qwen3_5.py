@@ -134,7 +134,9 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
         inv_freq = rope_inverse_frequencies(self.config.rotary_dim, self.config.rope_theta)
         buffer = jnp.zeros((len(wanted) + 1, *x.shape), x.dtype)
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+        # Tree mode, as in qwen3.py: also works when a caller's trace (jit, an accumulation scan) closes over
+        # the model.
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, graph=False)
         def run_period(carry, layer_period, period_slots):
             hidden, features = carry
             for position, layer in enumerate(layer_period.layers):
