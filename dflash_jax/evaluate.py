@@ -18,14 +18,12 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 from absl import app, flags
 from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import ConfigDict, config_flags
 from transformers import AutoTokenizer
 
-from convert.export_drafter import restore_drafter
 from dflash_jax.data import DataError
 from dflash_jax.eval.examples import read_examples, stop_token_ids, with_greedy_continuations
 from dflash_jax.eval.exact_tau import evaluate_drafter
@@ -34,8 +32,9 @@ from dflash_jax.eval.report import format_result, format_speed
 from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.models.qwen3 import Qwen3
 from dflash_jax.models.target import load_target
-from dflash_jax.sharding import make_mesh, replicated
-from dflash_jax.train.validate import ConfigError, dtype_of
+from dflash_jax.sharding import replicated
+from dflash_jax.train.checkpoint import restore_drafter
+from dflash_jax.train.validate import ConfigError, dtype_of, mesh_from_config
 from dflash_jax.weights.drafter_export import load_drafter_dir
 from dflash_jax.weights.safetensors_dir import CheckpointError
 
@@ -54,17 +53,6 @@ flags.register_validator("budgets", lambda values: all(v.isdigit() and int(v) > 
 _SPEED = flags.DEFINE_bool("speed", False, "Also time the speculative generator against plain greedy decoding.")
 _JSON = flags.DEFINE_string("json", None, "Write every figure to this JSON file.")
 
-
-def _mesh(config: ConfigDict):
-    """The config's (data, fsdp, tensor) mesh, as training builds it: explicit sizes may use fewer devices."""
-    sizes = dict(config.mesh)
-    devices = jax.devices()
-    if -1 not in sizes.values():
-        devices = devices[:int(np.prod(list(sizes.values())))]
-    try:
-        return make_mesh(**sizes, devices=devices)
-    except ValueError as error:
-        raise ConfigError(f"config.mesh: {error}") from None
 
 
 def load_drafter(workdir: str | None, drafter_dir: str | None, step: int | None) -> tuple[Drafter, DrafterConfig, str]:
@@ -90,7 +78,7 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
         raise ConfigError("config.target_dir is required: the target the drafter was trained against")
     if not (workdir or drafter_dir):
         raise ConfigError("give --workdir (a training run) or --drafter (an exported drafter directory)")
-    mesh = _mesh(config)
+    mesh = mesh_from_config(config)
     target, target_config = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
     drafter, drafter_config, source = load_drafter(workdir, drafter_dir, step)

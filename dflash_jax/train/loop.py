@@ -25,9 +25,9 @@ from dflash_jax.data import BatchLoader
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import load_target
 from dflash_jax.ops.backends import resolve_attention_impl
-from dflash_jax.sharding import BATCH_AXES, make_mesh, state_shardings
+from dflash_jax.sharding import BATCH_AXES, state_shardings
 from dflash_jax.train import flops, validate
-from dflash_jax.train.checkpoint import Checkpointer, StopRequest
+from dflash_jax.train.checkpoint import DRAFTER_CONFIG_FILE, Checkpointer, StopRequest
 from dflash_jax.train.loss import acceptance_metrics
 from dflash_jax.train.state import init_train_state, state_spec
 from dflash_jax.train.step import make_step, put_batch
@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 # evaluate(step, drafter, target) -> metrics to log under "eval/<name>"; called every config.eval_every steps.
 EvaluateFn = Callable[[int, Drafter, nnx.Module], dict[str, float]]
 
-DRAFTER_CONFIG_FILE = "drafter_config.json"
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -46,7 +45,7 @@ def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None =
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     validate.validate_config(config)
-    mesh = _mesh(config)
+    mesh = validate.mesh_from_config(config)
     validate.validate_batch_layout(config, int(np.prod([mesh.shape[axis] for axis in BATCH_AXES])))
 
     # The frozen target and its tokenizer; the drafter's architecture follows from them and the config.
@@ -139,18 +138,6 @@ def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None =
     log.info("summary: %s", json.dumps(summary))
     return summary
 
-
-def _mesh(config: ConfigDict):
-    """The (data, fsdp, tensor) mesh; fully explicit sizes may use fewer devices than there are (warned)."""
-    sizes = dict(config.mesh)
-    devices, wanted = jax.devices(), int(np.prod(list(sizes.values())))
-    if -1 not in sizes.values() and wanted < len(devices):
-        log.warning("config.mesh %s uses %d of %d devices", sizes, wanted, len(devices))
-        devices = devices[:wanted]
-    try:
-        return make_mesh(**sizes, devices=devices)
-    except ValueError as error:
-        raise validate.ConfigError(f"config.mesh: {error}") from None
 
 
 def _write_drafter_config(path: Path, drafter_config) -> None:

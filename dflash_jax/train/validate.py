@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import logging
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from ml_collections import ConfigDict
 
 from dflash_jax.models.drafter import LAYER_TYPES, DrafterConfig, default_target_layer_ids
 from dflash_jax.ops.backends import ATTENTION_CHOICES
+from dflash_jax.sharding import make_mesh
 
 log = logging.getLogger(__name__)
 
@@ -177,3 +180,16 @@ def _rope_scaling(configured, target_config) -> dict | None:
 
 def dtype_of(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+def mesh_from_config(config: ConfigDict):
+    """The (data, fsdp, tensor) mesh; fully explicit sizes may use fewer devices than there are (warned)."""
+    sizes = dict(config.mesh)
+    devices, wanted = jax.devices(), int(np.prod(list(sizes.values())))
+    if -1 not in sizes.values() and wanted < len(devices):
+        log.warning("config.mesh %s uses %d of %d devices", sizes, wanted, len(devices))
+        devices = devices[:wanted]
+    try:
+        return make_mesh(**sizes, devices=devices)
+    except ValueError as error:
+        raise ConfigError(f"config.mesh: {error}") from None
