@@ -8,7 +8,7 @@ untrained baseline; optionally the KV-cached speculative generator's τ and spee
 The drafter is the latest (or --step) checkpoint of the training workdir, or an exported z-lab directory
 (--drafter). Prompts: JSONL records as for training (default config.eval_files); `generate` continues each
 prompt with the target's own KV-cached greedy decoding (Qwen3 dense targets), `data` uses the record's
-completion / last assistant turn. Run from the repository checkout (the workdir reader lives in convert/).
+completion / last assistant turn.
 """
 
 from __future__ import annotations
