@@ -14,11 +14,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
-from dflash_jax.models.target import EmbeddingAndHead, TargetOutput
+from dflash_jax.models.target import EmbeddingAndHead, TargetOutput, feature_slots
 from dflash_jax.ops.attention import causal_segment_mask, grouped_attention
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -196,7 +195,7 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         features[:, :, i] is the residual stream right after decoder layer feature_layer_ids[i]
         (transformers `hidden_states[id + 1]`, except that HF's last entry is already final-normed).
         """
-        wanted, slot, order = self._feature_slots(feature_layer_ids)
+        wanted, slot, order = feature_slots(feature_layer_ids, self.config.num_hidden_layers)
         x = self.embed(input_ids)
         visible = causal_segment_mask(segment_ids)  # built once, shared by every layer
         inv_freq = rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
@@ -210,7 +209,7 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
             hidden = layer(hidden, positions, visible, inv_freq)
             return hidden, jax.lax.dynamic_update_index_in_dim(features, hidden, layer_slot, axis=0)
 
-        x, buffer = run_layer((x, buffer), self.layers, slot)
+        x, buffer = run_layer((x, buffer), self.layers, jnp.asarray(slot))
         return TargetOutput(hidden=self.norm(x), features=jnp.moveaxis(buffer[order], 0, 2))
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
@@ -227,7 +226,7 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         `__call__` on the whole text would for these t tokens, and the cache grown by t. Crop it with
         `cache._replace(length=n)` to drop rejected tokens. The caller keeps cache.length + t <= capacity
         (a write past the end would be clamped by XLA onto earlier columns)."""
-        wanted, slot, order = self._feature_slots(feature_layer_ids)
+        wanted, slot, order = feature_slots(feature_layer_ids, self.config.num_hidden_layers)
         start = cache.length
         x = self.embed(input_ids)
         positions = jnp.broadcast_to(start + jnp.arange(input_ids.shape[1]), input_ids.shape)
@@ -240,24 +239,6 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
             hidden, keys, values = layer.cached(hidden, positions, inv_freq, keys, values, start)
             return (hidden, jax.lax.dynamic_update_index_in_dim(features, hidden, layer_slot, axis=0)), keys, values
 
-        (x, buffer), keys, values = run_layer((x, buffer), self.layers, slot, cache.keys, cache.values)
+        (x, buffer), keys, values = run_layer((x, buffer), self.layers, jnp.asarray(slot), cache.keys, cache.values)
         out = TargetOutput(hidden=self.norm(x), features=jnp.moveaxis(buffer[order], 0, 2))
         return out, KVCache(keys, values, start + input_ids.shape[1])
-
-    def _feature_slots(self, feature_layer_ids: tuple[int, ...]) -> tuple[list[int], jax.Array, np.ndarray]:
-        """Validate the ids; return (sorted distinct ids, the buffer slot each layer writes, request order).
-
-        Layer l writes its output into slot[l] of the buffer; layers nobody asked for write to a spare last
-        slot, so each step is one in-place dynamic update instead of a select over the whole buffer.
-        """
-        num_layers = self.config.num_hidden_layers
-        for layer_id in feature_layer_ids:
-            if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) \
-                    or not 0 <= layer_id < num_layers:
-                raise ValueError(f"feature_layer_ids {tuple(feature_layer_ids)!r}: every id must be an integer "
-                                 f"in [0, {num_layers - 1}] for this {num_layers}-layer target")
-        wanted = sorted(set(int(i) for i in feature_layer_ids))
-        slot = np.full((num_layers,), len(wanted), np.int32)
-        slot[wanted] = np.arange(len(wanted), dtype=np.int32)
-        order = np.asarray([wanted.index(int(i)) for i in feature_layer_ids], np.int32)
-        return wanted, jnp.asarray(slot), order

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dflash_jax.models.gated_deltanet import GatedDeltaNet
 from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
 from dflash_jax.models.qwen3_5_config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5Config
-from dflash_jax.models.target import EmbeddingAndHead, TargetOutput
+from dflash_jax.models.target import EmbeddingAndHead, TargetOutput, feature_slots
 from dflash_jax.ops.attention import causal_segment_mask, grouped_attention
 
 __all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "Qwen3_5", "Qwen3_5Config"]
@@ -118,16 +117,7 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
         (transformers `hidden_states[id + 1]`, except that HF's last entry is already final-normed).
         """
         num_layers, period = self.config.num_hidden_layers, len(self.config.layer_period())
-        for layer_id in feature_layer_ids:
-            if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) \
-                    or not 0 <= layer_id < num_layers:
-                raise ValueError(f"feature_layer_ids {tuple(feature_layer_ids)!r}: every id must be an integer "
-                                 f"in [0, {num_layers - 1}] for this {num_layers}-layer target")
-        # Layer i writes its output into buffer slot[i]; layers nobody asked for write to a spare last slot,
-        # so each layer costs one in-place dynamic update, not a select over the whole buffer.
-        wanted = sorted(set(int(i) for i in feature_layer_ids))
-        slot = np.full((num_layers,), len(wanted), np.int32)
-        slot[wanted] = np.arange(len(wanted), dtype=np.int32)
+        wanted, slot, order = feature_slots(feature_layer_ids, num_layers)
 
         x = self.embed(input_ids)
         visible = causal_segment_mask(segment_ids)  # built once, shared by every attention layer
@@ -145,6 +135,5 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
             return hidden, features
 
         x, buffer = run_period((x, buffer), self.periods, jnp.asarray(slot.reshape(-1, period)))
-        order = np.asarray([wanted.index(int(i)) for i in feature_layer_ids], np.int32)
         features = jnp.moveaxis(buffer[order], 0, 2)  # [B, T, n, H], in request order
         return TargetOutput(hidden=self.norm(x), features=features)

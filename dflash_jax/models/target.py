@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from dflash_jax.weights.safetensors_dir import CheckpointError, read_config
@@ -15,6 +16,25 @@ from dflash_jax.weights.safetensors_dir import CheckpointError, read_config
 class TargetOutput(NamedTuple):
     hidden: jax.Array  # [B, T, H] last decoder layer output after the final norm (input of lm_head)
     features: jax.Array  # [B, T, n, H] residual stream after each requested decoder layer, in request order
+
+
+def feature_slots(feature_layer_ids: tuple[int, ...], num_layers: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Validate feature ids; return (sorted distinct ids, the buffer slot each layer writes, request order).
+
+    Targets capture features inside their layer scan: layer l writes its output into slot[l] of a small
+    [n+1, B, T, H] buffer, and layers nobody asked for write to the spare last slot, so each layer costs one
+    in-place dynamic update rather than a select over the whole buffer; buffer[order] is the request order.
+    """
+    for layer_id in feature_layer_ids:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) \
+                or not 0 <= layer_id < num_layers:
+            raise ValueError(f"feature_layer_ids {tuple(feature_layer_ids)!r}: every id must be an integer "
+                             f"in [0, {num_layers - 1}] for this {num_layers}-layer target")
+    wanted = sorted(set(int(i) for i in feature_layer_ids))
+    slot = np.full((num_layers,), len(wanted), np.int32)
+    slot[wanted] = np.arange(len(wanted), dtype=np.int32)
+    order = np.asarray([wanted.index(int(i)) for i in feature_layer_ids], np.int32)
+    return wanted, slot, order
 
 
 class EmbeddingAndHead:
