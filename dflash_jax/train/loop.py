@@ -91,7 +91,8 @@ def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None =
         with StopRequest() as stop:
             while step < config.total_steps and not stop.requested:
                 batch = next(loader)
-                state, metrics = step_fns.train_step(state, target_state, put_batch(batch, mesh))
+                with jax.set_mesh(mesh):  # so splash attention traces per shard (ops/splash_attention.py)
+                    state, metrics = step_fns.train_step(state, target_state, put_batch(batch, mesh))
                 step += 1
                 interval_steps += 1
                 pending.append(metrics)
