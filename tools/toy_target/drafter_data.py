@@ -1,0 +1,131 @@
+"""The drafter's data for the toy target: code prefixes from held-out files as prompts, the target's own
+greedy continuations as completions (target-regenerated data), and how varied those continuations are."""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+import numpy as np
+
+from dflash_jax.eval.generate import SpeculativeGenerator, generator_shapes
+from dflash_jax.models.qwen3 import Qwen3
+from tools.toy_target.corpus import EOS, encode
+
+PROMPT_MIN, PROMPT_MAX = 64, 192  # prompt tokens; prompt + completion must fit the LM's trained length
+
+
+def cut_points(text: str) -> list[int]:
+    """Offsets of line ends (the '\\n' itself) after a non-blank character.
+
+    Cutting just before such a newline is a pre-tokenizer boundary (the newline starts a new whitespace
+    piece), so the prompt tokenizes exactly as it does inside the whole file, and the completion starts
+    with the newline. Cutting after the newline would split the '\\n    ' indentation piece.
+    """
+    return [i for i, char in enumerate(text) if char == "\n" and i > 0 and not text[i - 1].isspace()]
+
+
+def line_starts(text: str) -> list[int]:
+    """Offsets where a non-blank line begins."""
+    starts, offset = [], 0
+    for line in text.split("\n"):
+        if line.strip():
+            starts.append(offset)
+        offset += len(line) + 1
+    return starts
+
+
+def sample_prompts(files: list[tuple[str, str]], tokenizer, count: int, rng: np.random.Generator,
+                   min_tokens: int = PROMPT_MIN, max_tokens: int = PROMPT_MAX) -> tuple[list[dict], int]:
+    """`count` distinct prompts: text from a random line start to a line end, min..max tokens long.
+
+    Files are drawn in proportion to their length. Returns the prompts and how many draws were rejected.
+    """
+    weights = np.asarray([len(text) for _, text in files], np.float64)
+    cuts = [cut_points(text) for _, text in files]
+    starts = [line_starts(text) for _, text in files]
+    prompts, seen, rejected = [], set(), 0
+    while len(prompts) < count:
+        index = int(rng.choice(len(files), p=weights / weights.sum()))
+        source, text = files[index]
+        ends = cuts[index]
+        start = starts[index][int(rng.integers(0, len(starts[index])))]
+        wanted = int(rng.integers(min_tokens, max_tokens + 1))
+        prompt = None
+        for end in ends[np.searchsorted(ends, start):]:  # grow line by line up to `wanted` tokens
+            tokens = len(encode(tokenizer, text[start:end]))
+            if tokens > max_tokens:
+                break
+            if tokens >= min_tokens:
+                prompt = text[start:end]
+            if tokens >= wanted:
+                break
+        if prompt is None or (source, start) in seen:
+            rejected += 1
+            continue
+        seen.add((source, start))
+        prompts.append({"source": source, "prompt": prompt, "ids": encode(tokenizer, prompt),
+                        "reference": text[start + len(prompt):][:4000]})
+    return prompts, rejected
+
+
+def greedy_continuations(model: Qwen3, prompts: list[list[int]], new_tokens: int, eos_id: int) -> list[list[int]]:
+    """The target's greedy continuation of each prompt (at most new_tokens, ending at eos if it comes), from
+    the project's KV-cached generator without a drafter (plain greedy decoding)."""
+    generator = SpeculativeGenerator(model, None, **generator_shapes([PROMPT_MAX], new_tokens, block_size=1))
+    return [generator.generate(ids, new_tokens, stop_token_ids=(eos_id,)).tokens.tolist() for ids in prompts]
+
+
+def make_records(prompts: list[dict], generations: list[list[int]], tokenizer) -> tuple[list[dict], dict]:
+    """JSONL records (completion cut at <|endoftext|>) and round-trip counts."""
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    records, counts = [], collections.Counter()
+    for prompt, generated in zip(prompts, generations):
+        if eos in generated:
+            generated = generated[:generated.index(eos)]
+            counts["stopped_at_eos"] += 1
+        if not generated:
+            counts["dropped_empty"] += 1
+            continue
+        completion = tokenizer.decode(generated)
+        counts["exact_roundtrip"] += encode(tokenizer, completion) == generated
+        counts["prompt_roundtrip"] += encode(tokenizer, prompt["prompt"]) == prompt["ids"]
+        counts["kept"] += 1
+        records.append({"prompt": prompt["prompt"], "completion": completion, "source": prompt["source"],
+                        "ids": generated, "reference": prompt["reference"]})
+    return records, dict(counts)
+
+
+def diversity(token_lists: list[list[int]]) -> dict:
+    """How varied continuations are: distinct tokens / tokens overall, and per continuation the distinct
+    token and 4-gram fractions."""
+    all_tokens = [t for ids in token_lists for t in ids]
+    per_token, per_4gram = [], []
+    for ids in token_lists:
+        grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
+        per_token.append(len(set(ids)) / max(1, len(ids)))
+        if grams:
+            per_4gram.append(len(set(grams)) / len(grams))
+    return {"distinct_token_ratio": len(set(all_tokens)) / max(1, len(all_tokens)),
+            "mean_distinct_token_fraction": float(np.mean(per_token)),
+            "mean_distinct_4gram_fraction": float(np.mean(per_4gram)),
+            "tokens": len(all_tokens)}
+
+
+def repeated_line_fraction(texts: list[str]) -> float:
+    """Of all non-blank lines, the share that repeat an earlier line of the same continuation."""
+    repeats = total = 0
+    for text in texts:
+        lines = [line.strip() for line in text.split("\n") if line.strip()]
+        repeats += len(lines) - len(set(lines))
+        total += len(lines)
+    return repeats / max(1, total)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        for record in records:
+            row = {"prompt": record["prompt"], "completion": record["completion"], "source": record["source"]}
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
