@@ -3,7 +3,6 @@ SIGTERM sent to `python -m dflash_jax.train` leaves a checkpoint that the rerun 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,11 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.train.checkpoint import Checkpointer
 from dflash_jax.train.loop import train
-from dflash_jax.train.state import state_spec
-from tests.train_fixtures import fast_cpu_compiles, make_target, mesh_of, tiny_config, write_corpus
+from tests.train_fixtures import fast_cpu_compiles, losses, make_target, restore_last, tiny_config, write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,22 +25,6 @@ REPO = Path(__file__).resolve().parents[1]
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_resume")
     return make_target(root / "target"), write_corpus(root / "train.jsonl")
-
-
-def losses(workdir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {record["step"]: record["loss"] for record in records if "loss" in record}
-
-
-def restore_last(workdir: Path, config):
-    """(step, state, data position) of the newest checkpoint, restored as the loop would restore it."""
-    drafter_config = DrafterConfig(**json.loads((workdir / "drafter_config.json").read_text()))
-    abstract = state_spec(drafter_config, config, "xla", mesh_of()).abstract
-    checkpointer = Checkpointer(workdir, keep=1)
-    step = checkpointer.latest_step()
-    state, data = checkpointer.restore(step, abstract)
-    checkpointer.close()
-    return step, jax.device_get(state), data
 
 
 def test_stop_at_step_10_and_rerun_matches_a_straight_run(files, tmp_path):

@@ -23,6 +23,7 @@ from dflash_jax.models.target import load_target
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.train import validate
+from dflash_jax.train.checkpoint import DRAFTER_CONFIG_FILE, Checkpointer
 from dflash_jax.train.state import StateSpec, TrainState, init_train_state, state_spec
 from dflash_jax.train.step import StepFunctions, make_step
 from tests.hf_fixtures import qwen3_config, save_qwen3
@@ -88,6 +89,23 @@ def tiny_config(target_dir: Path, train_file: Path, **overrides) -> ConfigDict:
             target = target[parent]
         target[leaf] = value
     return config
+
+
+def losses(workdir: Path) -> dict[int, float]:
+    """step -> loss, from a run's metrics.jsonl."""
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {record["step"]: record["loss"] for record in records if "loss" in record}
+
+
+def restore_last(workdir: Path, config: ConfigDict) -> tuple[int, TrainState, dict]:
+    """(step, state on the host, data position) of a run's newest checkpoint, restored as the loop would."""
+    drafter_config = DrafterConfig(**json.loads((workdir / DRAFTER_CONFIG_FILE).read_text()))
+    abstract = state_spec(drafter_config, config, "xla", mesh_of()).abstract
+    checkpointer = Checkpointer(workdir, keep=1)
+    step = checkpointer.latest_step()
+    state, data = checkpointer.restore(step, abstract)
+    checkpointer.close()
+    return step, jax.device_get(state), data
 
 
 class Setup(NamedTuple):
