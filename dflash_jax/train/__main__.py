@@ -5,6 +5,7 @@
 
 Rerun the same command with the same --workdir to resume after a stop (SIGTERM/SIGINT save a checkpoint
 first). Outputs in the workdir: checkpoints/, metrics.jsonl, drafter_config.json, config.json.
+On several hosts, run the same command on each (see config.distributed and train/distributed.py).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import logging
 import sys
 
+import jax
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from dflash_jax.data import DataError
 from dflash_jax.eval.train_hook import make_train_evaluator
+from dflash_jax.train import distributed
 from dflash_jax.train.loop import train
 from dflash_jax.train.validate import ConfigError, validate_config, validate_eval_files
 from dflash_jax.weights.safetensors_dir import CheckpointError
@@ -35,6 +38,9 @@ def main(argv: list[str]) -> None:
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every checkpoint phase at INFO
     config = _CONFIG.value
     try:
+        distributed.initialize(config.distributed)  # before any other JAX call
+        if jax.process_index() > 0:  # process 0 speaks for the run; the others only warn and fail
+            logging.getLogger("dflash_jax").setLevel(logging.WARNING)
         validate_config(config)
         validate_eval_files(config)
         # Exact τ on config.eval_files every config.eval_every steps (SPEC §9), logged as eval/* metrics.

@@ -81,6 +81,10 @@ def base_config() -> ConfigDict:
 
     # Mesh: one of the sizes may be -1 (take the remaining devices).
     config.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+    # Several processes (multi-host pods), joined by jax.distributed.initialize before anything else:
+    # "auto" = when JAX_COORDINATOR_ADDRESS is set (with JAX_NUM_PROCESSES, JAX_PROCESS_ID); "on" = always,
+    # JAX detecting the rest (Cloud TPU pod slices, Slurm, Open MPI); "off" = one process.
+    config.distributed = "auto"
 
     # Bookkeeping.
     config.log_every = 10

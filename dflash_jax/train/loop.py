@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,7 @@ def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None =
     """Train (or resume) the run in `workdir`; returns the summary that is also logged at the end."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    main = jax.process_index() == 0  # of several processes (train/distributed.py), one writes the run files
     validate.validate_config(config)
     mesh = validate.mesh_from_config(config)
     validate.validate_batch_layout(config, int(np.prod([mesh.shape[axis] for axis in BATCH_AXES])))
@@ -54,8 +56,9 @@ def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None =
                                         mesh=mesh)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
-    _write_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+    _write_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config, write=main)
+    if main:
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
     attention_impl = resolve_attention_impl(config.attention_impl)
     log.info("drafter: %s (attention: %s)", drafter_config, attention_impl)
 
@@ -81,12 +84,14 @@ def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None =
     peak = flops.peak_tflops(config, jax.devices()[0])
     tokens_per_step = config.batch_size * config.seq_len
 
-    metrics_file = open(workdir / METRICS_FILE, "a")
+    # One metrics file per run: the other processes compute the same (replicated) records and drop them.
+    metrics_file = open(workdir / METRICS_FILE if main else os.devnull, "a")
     pending: list[dict[str, jax.Array]] = []  # device metrics since the last log line (no host sync per step)
     history: list[dict[str, Any]] = []
     interval_start, interval_steps, compile_seconds = time.perf_counter(), 0, None
     step = start_step
-    progress = tqdm(total=config.total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+    progress = tqdm(total=config.total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                    disable=not main)
     try:
         with StopRequest() as stop:
             while step < config.total_steps and not stop.requested:
@@ -141,8 +146,10 @@ def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None =
 
 
 
-def _write_drafter_config(path: Path, drafter_config) -> None:
-    """Saved for export/eval; a resumed run must have the same drafter (SPEC §12.5)."""
+def _write_drafter_config(path: Path, drafter_config, write: bool = True) -> None:
+    """Saved for export/eval; a resumed run must have the same drafter (SPEC §12.5). Every process checks,
+    so all of them stop on a mismatch; only the one with `write` writes (atomically, so that none of the
+    others can read a half-written file)."""
     fields = json.loads(json.dumps(dataclasses.asdict(drafter_config)))
     if path.exists():
         saved = json.loads(path.read_text())
@@ -150,7 +157,10 @@ def _write_drafter_config(path: Path, drafter_config) -> None:
         if changed:
             raise validate.ConfigError(f"{path} records a different drafter than this config gives ((saved, now): "
                                        f"{changed}); use a new workdir or the original config")
-    path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    if write:
+        partial = path.with_name(path.name + ".tmp")
+        partial.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+        partial.replace(path)
 
 
 def _log_record(step: int, pending: list[dict[str, jax.Array]], interval_start: float, interval_steps: int,

@@ -156,5 +156,15 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
 
 
 def put_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """Host batch -> device arrays split over the batch axes (single process: the whole global batch)."""
-    return {key: jax.device_put(batch[key], batch_sharding(mesh)) for key in BATCH_KEYS}
+    """The global host batch -> global device arrays split over the batch axes; each process copies only the
+    rows its own devices hold (with one process: all of them).
+
+    Every process packs the same deterministic global row stream, so the loader position saved in a
+    checkpoint is the same on all of them and resume stays exact; the cost is that every host tokenizes and
+    packs every row of the global batch, not just its own share."""
+    sharding = batch_sharding(mesh)
+
+    def rows_of(value: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    return {key: rows_of(batch[key]) for key in BATCH_KEYS}

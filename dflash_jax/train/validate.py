@@ -187,6 +187,10 @@ def mesh_from_config(config: ConfigDict):
     sizes = dict(config.mesh)
     devices, wanted = jax.devices(), int(np.prod(list(sizes.values())))
     if -1 not in sizes.values() and wanted < len(devices):
+        # Every process must hold part of the mesh: it feeds its own devices' rows and joins every step.
+        _require(jax.process_count() == 1,
+                 f"config.mesh {sizes} uses {wanted} of the {len(devices)} devices, but a run of "
+                 f"{jax.process_count()} processes must use all of them (set one size to -1)")
         log.warning("config.mesh %s uses %d of %d devices", sizes, wanted, len(devices))
         devices = devices[:wanted]
     try:
