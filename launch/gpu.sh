@@ -5,6 +5,8 @@
 #       --config.target_dir=/ckpt/Qwen3-8B --config.train_files=/data/train.jsonl
 #
 # Rerun the same command to resume. Installs the project with its CUDA extra on first use.
+# Several hosts: run it on each with JAX_COORDINATOR_ADDRESS=<host 0>:<port>, JAX_NUM_PROCESSES=<hosts> and
+# JAX_PROCESS_ID=<0..hosts-1> set, and a workdir every host sees (see README, "Multi-host pods").
 set -euo pipefail
 config=${1:?usage: launch/gpu.sh CONFIG WORKDIR [--config.key=value ...]}
 workdir=${2:?usage: launch/gpu.sh CONFIG WORKDIR [--config.key=value ...]}

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Train a DFlash drafter on a single-host Cloud TPU VM (e.g. v5p-8, v6e-8): every local chip is in the mesh;
-# the drafter's attention runs as splash attention (attention_impl=auto picks it on TPU).
+# Train a DFlash drafter on a Cloud TPU VM, one host (v5p-8, v6e-8) or a multi-host pod slice (v5p-64, ...):
+# every chip of the slice is in the mesh; the drafter's attention runs as splash attention (attention_impl=auto
+# picks it on TPU). On a pod, run the same command on every worker (--worker=all): JAX reads the slice's
+# workers from the TPU metadata (--config.distributed=on). The repository must be at the same path on every
+# worker, and the workdir on storage they all see (NFS, Filestore, a gcsfuse mount): each writes its shards
+# of every checkpoint there.
 #
-#   gcloud compute tpus tpu-vm ssh $TPU --zone $ZONE --command \
-#     "cd dflash_jax && launch/tpu_vm.sh configs/qwen27b.py /mnt/ckpt/dflash-27b \
-#        --config.target_dir=/mnt/Qwen3.6-27B-orbax --config.train_files=/mnt/data/train.jsonl"
+#   gcloud compute tpus tpu-vm ssh $TPU --zone $ZONE --worker=all --command \
+#     "cd dflash_jax && launch/tpu_vm.sh configs/qwen27b.py /mnt/shared/dflash-27b \
+#        --config.target_dir=/mnt/shared/Qwen3.6-27B-orbax --config.train_files=/mnt/shared/data/train.jsonl"
 #
 # The target is best converted once with convert/hf_to_orbax.py so each chip restores only its shards.
 # Rerun the same command to resume (SIGTERM from a preemption saves a checkpoint first).
@@ -17,4 +21,4 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
   .venv/bin/pip install -q -e '.[tpu]'
 fi
-exec .venv/bin/python -m dflash_jax.train --config "$config" --workdir "$workdir" "$@"
+exec .venv/bin/python -m dflash_jax.train --config "$config" --workdir "$workdir" --config.distributed=on "$@"
