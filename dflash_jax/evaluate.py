@@ -79,7 +79,10 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
     if not (workdir or drafter_dir):
         raise ConfigError("give --workdir (a training run) or --drafter (an exported drafter directory)")
     mesh = mesh_from_config(config)
-    target, target_config = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh)
+    # config.attention_impl picks the backend of the target's full forward (exact τ); the KV-cached generator
+    # and the drafters here run in XLA.
+    target, target_config = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh,
+                                        attention_impl=config.attention_impl)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
     drafter, drafter_config, source = load_drafter(workdir, drafter_dir, step)
     expected = (target_config.num_hidden_layers, target_config.vocab_size, target_config.hidden_size)

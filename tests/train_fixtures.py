@@ -125,11 +125,11 @@ class Setup(NamedTuple):
 def build(config: ConfigDict, mesh: Mesh) -> Setup:
     """Target, tokenizer, drafter config, initial state, step functions and loader, as `train` builds them."""
     validate.validate_config(config)
+    attention_impl = resolve_attention_impl(config.attention_impl)
     target, target_config = load_target(config.target_dir, param_dtype=validate.dtype_of(config.target_dtype),
-                                        mesh=mesh)
+                                        mesh=mesh, attention_impl=attention_impl)
     tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
-    attention_impl = resolve_attention_impl(config.attention_impl)
     spec = state_spec(drafter_config, config, attention_impl, mesh)
     state = init_train_state(drafter_config, config, attention_impl, spec)
     target_graphdef, target_state = nnx.split(target)

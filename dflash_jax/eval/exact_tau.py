@@ -17,6 +17,7 @@ DDTree τ walks the same way with accepted(p) = the depth the continuation reach
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from dflash_jax.data import anchors as grid_ops
 from dflash_jax.eval.ddtree import accepted_depth, build_tree
@@ -60,6 +62,10 @@ class DraftScorer:
         target_def, self._target_state = nnx.split(target)
         drafter_def, self._drafter_state = nnx.split(drafter)
         self._static = (target_def, drafter_def, min(top_k, drafter.config.vocab_size), row_chunk, vocab_chunk)
+        # The forward is traced under the mesh the target's weights live on, so that its splash attention (if
+        # chosen) runs per shard: a Pallas kernel on several chips must (ops/splash_attention.py `_on_mesh`).
+        sharding = jax.tree.leaves(self._target_state)[0].sharding
+        self._mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
 
     def __call__(self, sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """sequence [L] -> (target greedy token after each position [L], drafted top-k tokens and their
@@ -67,8 +73,9 @@ class DraftScorer:
         length = len(sequence)
         padded = np.zeros((1, -(-length // self.length_bucket) * self.length_bucket), np.int32)
         padded[0, :length] = sequence  # padding sits after the text: causal, so it changes nothing before
-        greedy, tokens, log_probs = jax.device_get(
-            _score(*self._static, self._target_state, self._drafter_state, padded))
+        with jax.set_mesh(self._mesh) if self._mesh is not None else contextlib.nullcontext():
+            scores = _score(*self._static, self._target_state, self._drafter_state, padded)
+        greedy, tokens, log_probs = jax.device_get(scores)
         return greedy[:length], tokens[:length], log_probs[:length]
 
 

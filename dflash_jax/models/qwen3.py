@@ -2,8 +2,9 @@
 
 Decoder layers are stacked along a leading `layers` axis and run with `nnx.scan`, so compile time does not
 grow with depth. Requested feature layers are captured inside the scan into a small [n, B, T, H] buffer.
-`extend` is the KV-cached path for incremental decoding (speculative decoding's prefill and verification,
-SPEC §9).
+`__call__` runs the full-sequence attention on the backend chosen at construction (`attention_impl`: query
+chunks in XLA, or splash on TPU); `extend` is the KV-cached path for incremental decoding (speculative
+decoding's prefill and verification, SPEC §9), always dense XLA.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
-from dflash_jax.models.target import EmbeddingAndHead, TargetOutput, feature_slots
-from dflash_jax.ops.attention import causal_segment_mask, grouped_attention
+from dflash_jax.models.target import CAUSAL_ATTENTION_IMPLS, EmbeddingAndHead, TargetOutput, feature_slots
+from dflash_jax.ops.attention import grouped_attention
+from dflash_jax.ops.backends import resolve_attention_impl
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -109,9 +111,10 @@ class KVCache(NamedTuple):
 class Attention(nnx.Module):
     """Qwen3Attention: per-head RMSNorm on q and k before RoPE, GQA, scale head_dim^-0.5, no biases."""
 
-    def __init__(self, config: Qwen3Config, *, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: Qwen3Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str):
         hidden, dim = config.hidden_size, config.head_dim
         self.q_heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, dim
+        self.attention_impl = attention_impl
         self.q_proj = Linear(hidden, self.q_heads * dim, axes=("embed", "q_heads"), rngs=rngs,
                              param_dtype=param_dtype)
         self.k_proj = Linear(hidden, self.kv_heads * dim, axes=("embed", "kv_heads"), rngs=rngs,
@@ -130,13 +133,13 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def _output(self, q, k, v, visible):
-        out = grouped_attention(q, k, v, visible, self.head_dim**-0.5)
-        return self.o_proj(out.reshape(*q.shape[:2], self.q_heads * self.head_dim))
+    def _output(self, out):
+        return self.o_proj(out.reshape(*out.shape[:2], self.q_heads * self.head_dim))
 
-    def __call__(self, x, positions, visible, inv_freq):
+    def __call__(self, x, positions, segment_ids, inv_freq):
         q, k, v = self._qkv(x, positions, inv_freq)
-        return self._output(q, k, v, visible)
+        attention = CAUSAL_ATTENTION_IMPLS[self.attention_impl]
+        return self._output(attention(q, k, v, segment_ids, self.head_dim**-0.5))
 
     def cached(self, x, positions, inv_freq, keys, values, start):
         """x: [b, t, H] new tokens at cache columns start..start+t-1 (column = position: one document per
@@ -147,21 +150,21 @@ class Attention(nnx.Module):
         keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), start, axis=1)
         values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), start, axis=1)
         visible = jnp.arange(keys.shape[1])[None, None, :] <= positions[:, :, None]
-        return self._output(q, keys, values, visible), keys, values
+        return self._output(grouped_attention(q, keys, values, visible, self.head_dim**-0.5)), keys, values
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: x += attn(norm(x)); x += mlp(norm(x))."""
 
-    def __init__(self, config: Qwen3Config, *, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: Qwen3Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
-        self.self_attn = Attention(config, param_dtype=param_dtype, rngs=rngs)
+        self.self_attn = Attention(config, param_dtype=param_dtype, rngs=rngs, attention_impl=attention_impl)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
         self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x, positions, visible, inv_freq):
-        x = x + self.self_attn(self.input_layernorm(x), positions, visible, inv_freq)
+    def __call__(self, x, positions, segment_ids, inv_freq):
+        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids, inv_freq)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def cached(self, x, positions, inv_freq, keys, values, start):
@@ -171,16 +174,21 @@ class DecoderLayer(nnx.Module):
 
 
 class Qwen3(EmbeddingAndHead, nnx.Module):
-    """Qwen3ForCausalLM. `layers` holds all decoder layers stacked on a leading `layers` axis."""
+    """Qwen3ForCausalLM. `layers` holds all decoder layers stacked on a leading `layers` axis.
 
-    def __init__(self, config: Qwen3Config, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    attention_impl: the backend of `__call__`'s attention, "xla" (query chunks), "splash" (the TPU kernel; the
+    Pallas interpreter elsewhere) or "auto" (splash on TPU, else xla; ops/backends.py).
+    """
+
+    def __init__(self, config: Qwen3Config, *, param_dtype=jnp.float32, rngs: nnx.Rngs, attention_impl: str = "xla"):
         self.config = config
+        attention_impl = resolve_attention_impl(attention_impl)
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, param_dtype=param_dtype)
 
         @nnx.split_rngs(splits=config.num_hidden_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_layers(layer_rngs):
-            return DecoderLayer(config, param_dtype=param_dtype, rngs=layer_rngs)
+            return DecoderLayer(config, param_dtype=param_dtype, rngs=layer_rngs, attention_impl=attention_impl)
 
         self.layers = make_layers(rngs)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
@@ -197,7 +205,6 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         """
         wanted, slot, order = feature_slots(feature_layer_ids, self.config.num_hidden_layers)
         x = self.embed(input_ids)
-        visible = causal_segment_mask(segment_ids)  # built once, shared by every layer
         inv_freq = rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         buffer = jnp.zeros((len(wanted) + 1, *x.shape), x.dtype)
 
@@ -206,7 +213,7 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, graph=False)
         def run_layer(carry, layer, layer_slot):
             hidden, features = carry
-            hidden = layer(hidden, positions, visible, inv_freq)
+            hidden = layer(hidden, positions, segment_ids, inv_freq)
             return hidden, jax.lax.dynamic_update_index_in_dim(features, hidden, layer_slot, axis=0)
 
         x, buffer = run_layer((x, buffer), self.layers, jnp.asarray(slot))

@@ -4,7 +4,8 @@ Layers follow `layer_types`: Gated DeltaNet (`gated_deltanet.py`) or gated full 
 SwiGLU MLP, with zero-centred (1+w) RMSNorms throughout (qwen_arch.md §4). layer_types is a repetition of a
 period (27B: 16 × [GDN, GDN, GDN, attention]); the layers at each position of the period are stacked along a
 leading `layers` axis and one `nnx.scan` step runs one period, so compile time is that of one period whatever
-the depth. Requested feature layers are captured inside the scan into a small [n, B, T, H] buffer.
+the depth. Requested feature layers are captured inside the scan into a small [n, B, T, H] buffer. The
+attention layers run on the backend chosen at construction (`attention_impl`, as in `qwen3.py`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from flax import nnx
 from dflash_jax.models.gated_deltanet import GatedDeltaNet
 from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
 from dflash_jax.models.qwen3_5_config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5Config
-from dflash_jax.models.target import EmbeddingAndHead, TargetOutput, feature_slots
-from dflash_jax.ops.attention import causal_segment_mask, grouped_attention
+from dflash_jax.models.target import CAUSAL_ATTENTION_IMPLS, EmbeddingAndHead, TargetOutput, feature_slots
+from dflash_jax.ops.backends import resolve_attention_impl
 
 __all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "Qwen3_5", "Qwen3_5Config"]
 
@@ -26,9 +27,10 @@ class GatedAttention(nnx.Module):
     """`Qwen3_5Attention`: q_proj yields per head [query | gate]; (1+w) q_norm/k_norm; partial rotate-half
     RoPE; GQA with scale head_dim^-0.5; o_proj(attn · sigmoid(gate))."""
 
-    def __init__(self, config: Qwen3_5Config, *, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: Qwen3_5Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str):
         hidden, dim = config.hidden_size, config.head_dim
         self.q_heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, dim
+        self.attention_impl = attention_impl
         linear = lambda n_in, n_out, axes: Linear(n_in, n_out, axes=axes, rngs=rngs, param_dtype=param_dtype)
         # Output rows are [h0 query, h0 gate, h1 query, ...]: a tensor split over heads keeps pairs together.
         self.q_proj = linear(hidden, self.q_heads * dim * 2, ("embed", "q_heads"))
@@ -39,7 +41,7 @@ class GatedAttention(nnx.Module):
                                param_dtype=param_dtype)
         self.q_norm, self.k_norm = norm(), norm()
 
-    def __call__(self, x, positions, visible, inv_freq):
+    def __call__(self, x, positions, segment_ids, inv_freq):
         batch, length, _ = x.shape
         query_gate = self.q_proj(x).reshape(batch, length, self.q_heads, 2 * self.head_dim)
         q, gate = query_gate[..., :self.head_dim], query_gate[..., self.head_dim:]
@@ -47,7 +49,8 @@ class GatedAttention(nnx.Module):
         k = self.k_norm(self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out = grouped_attention(q, k, v, visible, self.head_dim**-0.5) * jax.nn.sigmoid(gate)
+        attention = CAUSAL_ATTENTION_IMPLS[self.attention_impl]
+        out = attention(q, k, v, segment_ids, self.head_dim**-0.5) * jax.nn.sigmoid(gate)
         return self.o_proj(out.reshape(batch, length, self.q_heads * self.head_dim))
 
 
@@ -55,7 +58,7 @@ class DecoderLayer(nnx.Module):
     """Pre-norm residual block: x += mixer(norm(x)); x += mlp(norm(x)). The mixer attribute is named as in
     the checkpoint: `linear_attn` (Gated DeltaNet) or `self_attn` (gated attention)."""
 
-    def __init__(self, config: Qwen3_5Config, layer_type: str, *, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: Qwen3_5Config, layer_type: str, *, param_dtype, rngs: nnx.Rngs, attention_impl: str):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.layer_type = layer_type
         self.input_layernorm = RMSNorm(hidden, eps=eps, zero_centered=True, param_dtype=param_dtype)
@@ -66,40 +69,44 @@ class DecoderLayer(nnx.Module):
                 conv_kernel_size=config.linear_conv_kernel_dim, rms_norm_eps=eps, rngs=rngs,
                 param_dtype=param_dtype)
         else:
-            self.self_attn = GatedAttention(config, param_dtype=param_dtype, rngs=rngs)
+            self.self_attn = GatedAttention(config, param_dtype=param_dtype, rngs=rngs, attention_impl=attention_impl)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, zero_centered=True, param_dtype=param_dtype)
         self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x, positions, segment_ids, visible, inv_freq):
+    def __call__(self, x, positions, segment_ids, inv_freq):
         normed = self.input_layernorm(x)
         if self.layer_type == LINEAR_ATTENTION:
             x = x + self.linear_attn(normed, segment_ids)
         else:
-            x = x + self.self_attn(normed, positions, visible, inv_freq)
+            x = x + self.self_attn(normed, positions, segment_ids, inv_freq)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LayerPeriod(nnx.Module):
     """One period of layer_types: `layers[k]` is the k-th decoder layer of the period."""
 
-    def __init__(self, config: Qwen3_5Config, *, param_dtype, rngs: nnx.Rngs):
-        self.layers = nnx.List([DecoderLayer(config, layer_type, param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, config: Qwen3_5Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str):
+        self.layers = nnx.List([DecoderLayer(config, layer_type, param_dtype=param_dtype, rngs=rngs,
+                                             attention_impl=attention_impl)
                                 for layer_type in config.layer_period()])
 
 
 class Qwen3_5(EmbeddingAndHead, nnx.Module):
     """Qwen3_5ForCausalLM text model. `periods` holds the decoder layers: periods.layers[k] is stacked over
-    the repetitions of the period, so HF layer i is periods.layers[i % p][i // p] (p = period length)."""
+    the repetitions of the period, so HF layer i is periods.layers[i % p][i // p] (p = period length).
+    attention_impl: the attention layers' backend, "xla", "splash" or "auto" (see `Qwen3`)."""
 
-    def __init__(self, config: Qwen3_5Config, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, config: Qwen3_5Config, *, param_dtype=jnp.float32, rngs: nnx.Rngs,
+                 attention_impl: str = "xla"):
         self.config = config
+        attention_impl = resolve_attention_impl(attention_impl)
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, param_dtype=param_dtype)
         repeats = config.num_hidden_layers // len(config.layer_period())
 
         @nnx.split_rngs(splits=repeats)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_periods(period_rngs):
-            return LayerPeriod(config, param_dtype=param_dtype, rngs=period_rngs)
+            return LayerPeriod(config, param_dtype=param_dtype, rngs=period_rngs, attention_impl=attention_impl)
 
         self.periods = make_periods(rngs)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=True,
@@ -120,7 +127,6 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
         wanted, slot, order = feature_slots(feature_layer_ids, num_layers)
 
         x = self.embed(input_ids)
-        visible = causal_segment_mask(segment_ids)  # built once, shared by every attention layer
         inv_freq = rope_inverse_frequencies(self.config.rotary_dim, self.config.rope_theta)
         buffer = jnp.zeros((len(wanted) + 1, *x.shape), x.dtype)
 
@@ -130,7 +136,7 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
         def run_period(carry, layer_period, period_slots):
             hidden, features = carry
             for position, layer in enumerate(layer_period.layers):
-                hidden = layer(hidden, positions, segment_ids, visible, inv_freq)
+                hidden = layer(hidden, positions, segment_ids, inv_freq)
                 features = jax.lax.dynamic_update_index_in_dim(features, hidden, period_slots[position], axis=0)
             return hidden, features
 

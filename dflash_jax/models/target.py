@@ -10,7 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from dflash_jax.ops.attention import causal_attention
+from dflash_jax.ops.splash_attention import causal_attention_splash
 from dflash_jax.weights.safetensors_dir import CheckpointError, read_config
+
+# The full-sequence attention of the targets by resolved `attention_impl` (ops/backends.py): query chunks in
+# XLA, or the splash kernel. The KV-cached decoding path always uses the dense `grouped_attention`.
+CAUSAL_ATTENTION_IMPLS = {"xla": causal_attention, "splash": causal_attention_splash}
 
 
 class TargetOutput(NamedTuple):
@@ -63,21 +69,24 @@ class EmbeddingAndHead:
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
 
 
-def load_target(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None):
+def load_target(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None,
+                attention_impl: str = "xla"):
     """Load a Hugging Face target checkpoint directory into its NNX model; returns (model, config).
 
     With a mesh, every weight is placed on its sharding (from the logical-axis rule table) as it is read.
     An Orbax target directory (written by convert/hf_to_orbax.py) is restored shard by shard instead.
+    attention_impl ("xla", "splash" or "auto") picks the backend of the model's full-sequence forward.
     """
     from dflash_jax.weights.orbax_target import is_orbax_target, load_orbax_target
+    options = dict(param_dtype=param_dtype, mesh=mesh, attention_impl=attention_impl)
     if is_orbax_target(checkpoint_dir):
-        return load_orbax_target(checkpoint_dir, param_dtype=param_dtype, mesh=mesh)
+        return load_orbax_target(checkpoint_dir, **options)
     model_type = read_config(checkpoint_dir).get("model_type")
     if model_type == "qwen3":
         from dflash_jax.weights.hf_qwen3 import load_qwen3
-        return load_qwen3(checkpoint_dir, param_dtype=param_dtype, mesh=mesh)
+        return load_qwen3(checkpoint_dir, **options)
     if model_type in ("qwen3_5", "qwen3_5_text"):
         from dflash_jax.weights.hf_qwen3_5 import load_qwen3_5
-        return load_qwen3_5(checkpoint_dir, param_dtype=param_dtype, mesh=mesh)
+        return load_qwen3_5(checkpoint_dir, **options)
     raise CheckpointError(f"{Path(checkpoint_dir) / 'config.json'}: unsupported model_type {model_type!r}; "
                           f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")

@@ -1,8 +1,9 @@
-"""Which SPEC §5 attention backend runs: `attention_impl = auto | splash | xla`.
+"""Which attention backend runs, for the drafter's SPEC §5 attention and the targets' full-sequence causal
+attention: `attention_impl = auto | splash | xla`.
 
 "auto" is splash on TPU (the block-sparse kernel skipping empty tiles) and the chunked XLA implementation
 elsewhere. An explicit "splash" off TPU is honoured in the Pallas interpreter (correct but slow, with a logged
-warning; see `dflash_attention_splash`), which is how the tests compare the two backends on CPU.
+warning; see `ops/splash_attention.py`), which is how the tests compare the two backends on CPU.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""DFlash attention (SPEC §5) on the TPU splash-attention kernel, skipping the mask's empty tiles.
+"""Attention on the TPU splash-attention kernel, skipping the mask's empty tiles: the drafter's DFlash attention
+(SPEC §5, `dflash_attention_splash`) and the targets' causal attention within segments (`causal_attention_splash`).
 
 The static position mask of `position_mask` becomes the kernel's NumPy mask: the kernel reduces it once to
 per-tile info (empty / partial / full) and never visits an empty (query-tile, key-tile) pair, forward or
@@ -18,12 +19,16 @@ Kernel constraints (jax 0.10 `splash_attention_kernel`, enforced in interpret mo
   k/v are never repeated;
 - the kernel does not scale q; we scale it here;
 - jit does not partition a Pallas kernel over a device mesh: see `_on_mesh`.
+
+The targets' attention is the kernel's lazy causal mask (its tile info is computed, not read from a [T, T]
+array) with the documents as segment ids; it is built without backward tiles, as the targets are frozen.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +105,21 @@ def _kernel(grid: AnchorGrid, window: int | None, num_heads: int, interpret: boo
                                           interpret=interpret)
 
 
+def _interpret(interpret: bool | None) -> bool:
+    """None -> the Pallas interpreter unless the backend is TPU (correct but slow, so it is logged)."""
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+        if interpret:
+            log.warning("splash attention on %s runs in the Pallas interpreter (slow); use attention_impl='xla' "
+                        "off TPU", jax.default_backend())
+    return interpret
+
+
+def _kernel_layout(x: jax.Array, length: int) -> jax.Array:
+    """[b, len, heads, D] -> the kernel's per-example [heads, len, D], padded at the end to length."""
+    return jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, length - x.shape[1]), (0, 0)))
+
+
 def dflash_attention_splash(
     q: jax.Array,
     k_ctx: jax.Array,
@@ -131,20 +151,11 @@ def dflash_attention_splash(
         if tuple(array.shape[:2]) != (batch, length):
             raise ValueError(f"dflash_attention_splash: {name} has shape {tuple(array.shape)}, expected leading "
                              f"dimensions {(batch, length)} for {grid}")
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
-        if interpret:
-            log.warning("splash attention on %s runs in the Pallas interpreter (slow); use attention_impl='xla' "
-                        "off TPU", jax.default_backend())
+    interpret = _interpret(interpret)
     padded_queries, padded_keys = _padded_lengths(grid)
-
-    def kernel_layout(x, length):
-        """[b, len, heads, D] -> the kernel's per-example [heads, len, D], padded at the end to length."""
-        return jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, length - x.shape[1]), (0, 0)))
-
-    q_scaled = kernel_layout((q * scale).astype(q.dtype), padded_queries)
-    keys = kernel_layout(jnp.concatenate([k_ctx, k_blk], axis=1), padded_keys)
-    values = kernel_layout(jnp.concatenate([v_ctx, v_blk], axis=1), padded_keys)
+    q_scaled = _kernel_layout((q * scale).astype(q.dtype), padded_queries)
+    keys = _kernel_layout(jnp.concatenate([k_ctx, k_blk], axis=1), padded_keys)
+    values = _kernel_layout(jnp.concatenate([v_ctx, v_blk], axis=1), padded_keys)
     # Edge padding gives padded queries the last block's segment, matching the one key they see.
     query_segment = jnp.repeat(anchor_segment_ids.astype(jnp.int32), grid.block_size, axis=1)
     key_segment = jnp.concatenate([context_segment_ids.astype(jnp.int32), query_segment], axis=1)
@@ -152,27 +163,62 @@ def dflash_attention_splash(
         q=jnp.pad(query_segment, ((0, 0), (0, padded_queries - queries)), mode="edge"),
         kv=jnp.pad(key_segment, ((0, 0), (0, padded_keys - key_segment.shape[1])), mode="edge"))
 
-    out = _on_mesh(functools.partial(_attend, grid, window, interpret), keys.shape[1])(
-        q_scaled, keys, values, segment_ids)
+    kernel = functools.partial(_kernel, grid, window, interpret=interpret)
+    out = _on_mesh(functools.partial(_attend, kernel), batch, keys.shape[1])(q_scaled, keys, values, segment_ids)
     return jnp.swapaxes(out[:, :, :queries], 1, 2).astype(q.dtype)
 
 
-def _attend(grid: AnchorGrid, window: int | None, interpret: bool, q, k, v, segment_ids) -> jax.Array:
-    """The kernel over a batch: [b, Hq, Lq, D] queries, [b, Hkv, Lk, D] keys/values (local shapes)."""
-    return jax.vmap(_kernel(grid, window, q.shape[1], interpret))(q, k, v, segment_ids)
+@functools.lru_cache(maxsize=16)
+def _causal_kernel(length: int, num_heads: int, interpret: bool):
+    """The forward-only splash kernel of a causal mask over `length` (a multiple of 128) positions. Without
+    backward tiles it has no gradient, which the frozen targets never need."""
+    tile = _tile(length)
+    block_sizes = kernel_lib.BlockSizes(block_q=tile, block_kv=tile, block_kv_compute=tile)
+    mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((length, length))] * num_heads)
+    with jax.ensure_compile_time_eval():  # as in `_kernel`: shared by the traces of every target layer
+        return kernel_lib.make_splash_mha(mask, block_sizes=block_sizes, head_shards=1, q_seq_shards=1,
+                                          interpret=interpret)
 
 
-def _on_mesh(attend, num_kv_heads: int):
-    """Under a device mesh (`jax.set_mesh`), run `attend` per shard: jit does not partition a Pallas kernel,
-    it would gather the whole batch onto every device. Rows split over the batch axes, heads over `tensor`
+def causal_attention_splash(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, scale: float, *,
+                            interpret: bool | None = None) -> jax.Array:
+    """Same contract as `causal_attention` (ops/attention.py: q [B, T, Hq, D], k, v [B, T, Hkv, D], segment_ids
+    [B, T], GQA, fp32 softmax), forward only, on the splash kernel. interpret: as for `dflash_attention_splash`.
+
+    T is padded at the end to a multiple of 128. Padded positions take the last segment (edge padding), so a
+    padded query sees at least itself (the kernel needs every row to see a key); a padded key lies after every
+    real query, so the causal mask already hides it from them.
+    """
+    interpret = _interpret(interpret)
+    length = q.shape[1]
+    padded = _round_up(length, LANES)
+    segments = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - length)), mode="edge")
+    kernel = functools.partial(_causal_kernel, padded, interpret=interpret)
+    out = _on_mesh(functools.partial(_attend, kernel), q.shape[0], k.shape[2])(
+        _kernel_layout((q * scale).astype(q.dtype), padded), _kernel_layout(k, padded), _kernel_layout(v, padded),
+        kernel_lib.SegmentIds(q=segments, kv=segments))
+    return jnp.swapaxes(out[:, :, :length], 1, 2).astype(q.dtype)
+
+
+def _attend(kernel, q, k, v, segment_ids) -> jax.Array:
+    """`kernel(num_heads)` over a batch: [b, Hq, Lq, D] queries, [b, Hkv, Lk, D] keys/values (local shapes, so
+    under `_on_mesh` the kernel is built for the shard's own heads)."""
+    return jax.vmap(kernel(q.shape[1]))(q, k, v, segment_ids)
+
+
+def _on_mesh(attend, rows: int, num_kv_heads: int):
+    """Under a device mesh (`jax.set_mesh`), run `attend` per shard: jit cannot partition a Pallas kernel (on a
+    multi-chip TPU it refuses to compile one outside shard_map). The `rows` rows split over the batch axes when
+    they divide evenly (else, e.g. evaluation's single row, every shard takes them all), heads over `tensor`
     when the kv heads divide evenly (else every tensor shard computes all heads). Without a mesh: unchanged."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return attend
     batch_axes = tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
+    row_axes = batch_axes if rows % math.prod(mesh.shape[axis] for axis in batch_axes) == 0 else None
     tensor = mesh.shape.get("tensor", 1)
     head_axis = "tensor" if tensor > 1 and num_kv_heads % tensor == 0 else None
-    heads, rows = PartitionSpec(batch_axes, head_axis), PartitionSpec(batch_axes)
-    segments = kernel_lib.SegmentIds(q=rows, kv=rows)
+    heads, row_spec = PartitionSpec(row_axes, head_axis), PartitionSpec(row_axes)
+    segments = kernel_lib.SegmentIds(q=row_spec, kv=row_spec)
     # check_vma=False: pallas_call has no replication rule.
     return jax.shard_map(attend, in_specs=(heads, heads, heads, segments), out_specs=heads, check_vma=False)

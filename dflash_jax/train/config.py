@@ -56,7 +56,8 @@ def base_config() -> ConfigDict:
     config.vocab_chunk = 8192  # vocabulary chunk for the target's greedy labels
     config.loss_row_chunk = 512  # block tokens per batch row in one LM head + cross-entropy chunk
 
-    # Attention: "auto" = splash on TPU, XLA elsewhere.
+    # Attention of the drafter (SPEC §5 mask) and of the target's forward (causal within documents):
+    # "auto" = splash on TPU, XLA elsewhere (the target's XLA path walks 512-query chunks).
     config.attention_impl = "auto"
     config.query_chunk_blocks = 16  # blocks per query chunk in the XLA drafter attention
 

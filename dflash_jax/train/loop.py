@@ -50,16 +50,17 @@ def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None =
     mesh = validate.mesh_from_config(config)
     validate.validate_batch_layout(config, int(np.prod([mesh.shape[axis] for axis in BATCH_AXES])))
 
-    # The frozen target and its tokenizer; the drafter's architecture follows from them and the config.
-    log.info("loading target %s onto mesh %s", config.target_dir, dict(mesh.shape))
+    # The frozen target and its tokenizer; the drafter's architecture follows from them and the config. One
+    # attention backend for both models' full-sequence attention.
+    attention_impl = resolve_attention_impl(config.attention_impl)
+    log.info("loading target %s onto mesh %s (attention: %s)", config.target_dir, dict(mesh.shape), attention_impl)
     target, target_config = load_target(config.target_dir, param_dtype=validate.dtype_of(config.target_dtype),
-                                        mesh=mesh)
+                                        mesh=mesh, attention_impl=attention_impl)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
     _write_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config, write=main)
     if main:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-    attention_impl = resolve_attention_impl(config.attention_impl)
     log.info("drafter: %s (attention: %s)", drafter_config, attention_impl)
 
     # Train state: restored from the newest checkpoint, else freshly initialised.

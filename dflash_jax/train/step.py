@@ -4,9 +4,10 @@ One step = one optimizer update over `batch_size` packed rows, optionally as `gr
 micro-batches whose gradients are summed in a scan (the loss is normalised by the whole batch's trained-slot
 count, so accumulation gives exactly the full-batch gradient). Per micro-batch:
 
-1. `teacher`: the frozen target runs on the rows (no gradient) and yields the feature layers, its greedy
-   labels argmax(lm_head(final_norm(h)))[a+k-1] (or the data's input_ids[a+k]), the block embeddings
-   (slot 0 = the real token at the anchor, other slots = mask_token_id) and the LM head kernel.
+1. `teacher`: the frozen target runs on the rows (no gradient; its attention on the backend it was loaded
+   with, config.attention_impl in train/loop.py) and yields the feature layers, its greedy labels
+   argmax(lm_head(final_norm(h)))[a+k-1] (or the data's input_ids[a+k]), the block embeddings (slot 0 =
+   the real token at the anchor, other slots = mask_token_id) and the LM head kernel.
 2. `drafter_loss`: optional uniform noise on the raw features (never on the labels' path), the drafter
    forward, the borrowed LM head + cross-entropy in row chunks, the slot mask and position weights.
 """

@@ -42,9 +42,10 @@ def qwen3_weight_rules(config: Qwen3Config) -> list[WeightRule]:
     return rules
 
 
-def load_qwen3(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16,
-               mesh: Mesh | None = None) -> tuple[Qwen3, Qwen3Config]:
+def load_qwen3(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None,
+               attention_impl: str = "xla") -> tuple[Qwen3, Qwen3Config]:
     """Read config.json and the safetensors weights; with a mesh each weight is placed on its sharding.
+    attention_impl: the backend of the model's full-sequence forward (see `Qwen3`).
 
     Raises CheckpointError (naming the file, tensor and shapes involved) for anything unusable.
     """
@@ -57,7 +58,8 @@ def load_qwen3(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16,
     except ValueError as error:
         raise CheckpointError(f"{config_path}: {error}") from None
     reader = CheckpointReader(checkpoint_dir)
-    abstract = nnx.eval_shape(lambda: Qwen3(config, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Qwen3(config, param_dtype=param_dtype, rngs=nnx.Rngs(0),
+                                            attention_impl=attention_impl))
     shardings = state_shardings(nnx.state(abstract), mesh) if mesh is not None else None
     # Tied checkpoints normally omit lm_head.weight; if one is present anyway, the embedding wins (as in HF).
     ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()

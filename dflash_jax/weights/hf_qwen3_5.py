@@ -69,9 +69,10 @@ def weight_rules(config: Qwen3_5Config, prefix: str) -> list[WeightRule]:
     return rules
 
 
-def load_qwen3_5(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16,
-                 mesh: Mesh | None = None) -> tuple[Qwen3_5, Qwen3_5Config]:
-    """Read config.json and the safetensors into a `Qwen3_5`; returns (model, config).
+def load_qwen3_5(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None,
+                 attention_impl: str = "xla") -> tuple[Qwen3_5, Qwen3_5Config]:
+    """Read config.json and the safetensors into a `Qwen3_5`; returns (model, config). attention_impl: the
+    backend of its attention layers (see `Qwen3_5`).
 
     A_log and dt_bias stay fp32 whatever param_dtype. With a mesh, each weight goes straight to its sharding.
     Raises CheckpointError naming missing tensors, unexpected tensors and shape mismatches.
@@ -91,7 +92,8 @@ def load_qwen3_5(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16,
     ignored = SKIPPED_PREFIXES
     if config.tie_word_embeddings:
         ignored += ("lm_head.weight",)  # a tied checkpoint may still carry the copy
-    abstract = nnx.eval_shape(lambda: Qwen3_5(config, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Qwen3_5(config, param_dtype=param_dtype, rngs=nnx.Rngs(0),
+                                              attention_impl=attention_impl))
     shardings = state_shardings(nnx.state(abstract), mesh) if mesh is not None else None
     model = load_weights(abstract, reader, weight_rules(config, prefix), ignore_prefixes=ignored,
                          shardings=shardings)

@@ -156,7 +156,8 @@ def _check_tensor_names(reader: CheckpointReader, rules: list[WeightRule], skipp
         raise CheckpointError(f"{reader.dir}: missing tensors {missing}, unexpected tensors {unexpected}")
 
 
-def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None):
+def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None,
+                      attention_impl: str = "xla"):
     """Restore a directory written by `write_orbax_target`; returns (model, config) like `load_target`.
 
     With a mesh each variable is restored directly onto its sharding from the logical-axis rules (each
@@ -169,7 +170,8 @@ def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: 
         raise CheckpointError(f"{directory / MARKER_FILE}: format {marker.get('format')!r} version "
                               f"{marker.get('version')!r}, expected {FORMAT!r} version {VERSION}")
     family, config = _family_and_config(read_config(directory), directory / "config.json")
-    abstract = nnx.eval_shape(lambda: family.model(config, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: family.model(config, param_dtype=param_dtype, rngs=nnx.Rngs(0),
+                                                   attention_impl=attention_impl))
     graphdef, state = nnx.split(abstract)
     if mesh is not None:
         shardings = {path: s.get_value() for path, s in nnx.to_flat_state(state_shardings(state, mesh))}
