@@ -1,0 +1,140 @@
+"""The bundled toy target (dflash_jax/assets/toy_target) and its drafter data (dflash_jax/assets/toy_data).
+
+Both are built by tools/make_toy_target.py; these checks only read them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.data.records import CompletionRecord, parse_record
+from dflash_jax.eval.generate import SpeculativeGenerator, generator_shapes
+from dflash_jax.weights.hf_qwen3 import load_qwen3
+from dflash_jax.weights.safetensors_dir import CheckpointReader
+from tools.toy_target.corpus import split_of
+
+ASSETS = Path(__file__).resolve().parents[1] / "dflash_jax" / "assets"
+TARGET, DATA = ASSETS / "toy_target", ASSETS / "toy_data"
+
+CODE = (
+    "import os\n\n\n"
+    "def read_lines(path):\n"
+    '    """Return the lines of the file at path."""\n'
+    "    with open(path) as handle:\n"
+    "        return handle.read().splitlines()\n\n\n"
+    "class Counter:\n"
+    "    def __init__(self, start=0):\n"
+    "        self.value = start\n\n"
+    "    def increment(self):\n"
+    "        self.value += 1\n"
+    "        return self.value\n"
+)
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(TARGET)
+
+
+def _jax_logits(model, ids: list[int]) -> np.ndarray:
+    input_ids = jnp.asarray([ids], jnp.int32)
+    positions = jnp.arange(len(ids))[None]
+    hidden = model(input_ids, positions, jnp.zeros_like(positions)).hidden
+    return np.asarray(model.logits(hidden), np.float32)[0]
+
+
+def test_loads_with_load_qwen3_and_transformers_same_logits():
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    ids = _tokenizer()(CODE, add_special_tokens=False)["input_ids"]
+    model, config = load_qwen3(TARGET, param_dtype=jnp.float32)
+    got = _jax_logits(model, ids)
+    hf_model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert hf_model.config.model_type == "qwen3" and config.tie_word_embeddings
+
+
+def test_is_a_trained_model_of_code():
+    # A random model scores about log(vocab) ~ 8.3 nats/token; the trained one is far below that.
+    ids = _tokenizer()(CODE, add_special_tokens=False)["input_ids"]
+    model, _ = load_qwen3(TARGET, param_dtype=jnp.float32)
+    log_probs = np.asarray(jax.nn.log_softmax(_jax_logits(model, ids)[:-1], axis=-1))
+    loss = -np.mean(log_probs[np.arange(len(ids) - 1), ids[1:]])
+    assert loss < 3.0, loss
+
+
+def test_config_and_weights_are_bf16_qwen3():
+    config = json.loads((TARGET / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    reader = CheckpointReader(TARGET)
+    assert "lm_head.weight" not in reader  # tied embeddings
+    assert reader.read("model.embed_tokens.weight").dtype.name == "bfloat16"
+    assert reader.shape("model.embed_tokens.weight") == (config["vocab_size"], config["hidden_size"])
+    generation = json.loads((TARGET / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == config["eos_token_id"]
+
+
+def test_tokenizer_has_chat_template_and_mask_token():
+    tokenizer = _tokenizer()
+    vocab_size = json.loads((TARGET / "config.json").read_text())["vocab_size"]
+    assert tokenizer.chat_template
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                             add_generation_prompt=True)
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.mask_token == "<|mask|>"
+    assert tokenizer.eos_token == "<|endoftext|>"
+    assert tokenizer.mask_token_id < len(tokenizer) < vocab_size
+    for token in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"):
+        assert len(tokenizer(token, add_special_tokens=False)["input_ids"]) == 1, token
+    assert tokenizer.decode(tokenizer(CODE, add_special_tokens=False)["input_ids"]) == CODE
+
+
+def _records(name: str) -> list[dict]:
+    path = DATA / f"{name}.jsonl"
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        assert isinstance(parse_record(line, f"{path}:{number}"), CompletionRecord)
+    return [json.loads(line) for line in lines]
+
+
+def test_toy_data_parses_and_comes_from_disjoint_heldout_files():
+    train, evaluation = _records("train"), _records("eval")
+    assert len(train) >= 1000 and len(evaluation) >= 32
+    for record in train + evaluation:
+        assert set(record) == {"prompt", "completion", "source"}
+        assert record["prompt"] and record["completion"] and record["source"].endswith(".py")
+    train_files = {r["source"] for r in train}
+    eval_files = {r["source"] for r in evaluation}
+    assert not train_files & eval_files
+    # Both come from files held out of the toy target's training; eval files are a fixed sub-split.
+    assert {split_of(source) for source in train_files} == {"drafter_train"}
+    assert {split_of(source) for source in eval_files} == {"drafter_eval"}
+
+
+def test_toy_data_completions_are_the_targets_greedy_continuations():
+    tokenizer = _tokenizer()
+    model, _ = load_qwen3(TARGET, param_dtype=jnp.float32)
+    records = _records("eval")[:3]
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in records]
+    generator = SpeculativeGenerator(model, None, **generator_shapes([len(p) for p in prompts], 128, 1))
+    for record, prompt in zip(records, prompts):
+        generated = generator.generate(prompt, 128, stop_token_ids=(tokenizer.eos_token_id,)).tokens.tolist()
+        if generated[-1] == tokenizer.eos_token_id:
+            generated = generated[:-1]
+        assert tokenizer.decode(generated) == record["completion"]
+
+
+def test_assets_stay_small():
+    size = lambda path: sum(f.stat().st_size for f in path.rglob("*") if f.is_file())  # noqa: E731
+    assert size(TARGET) < 10.5e6
+    assert size(DATA) < 3e6
