@@ -5,7 +5,8 @@ when it is present; else a tiny random HF Qwen3 with the test tokenizer, whose d
 target's own greedy continuations (as in the real recipe) of random word prompts.
 Drafters, each trained briefly with the project's CLI (`python -m dflash_jax.train --config configs/tiny.py`)
 and exported with convert/export_drafter.py:
-  full     all full-attention layers (bidirectional blocks)
+  full     all full-attention layers (bidirectional blocks); with the toy target, the `make demo` drafter
+           (configs/toy.py as it is)
   sliding  all sliding-window layers (causal blocks, window W)
   mixed    sliding + full: exported untrained (no training run), since vLLM 0.32 on CPU refuses it
            (see check_vllm.py)
@@ -78,22 +79,26 @@ def toy_target_and_data() -> tuple[Path, Path, list[list[int]]]:
     return TOY_TARGET, TOY_DATA / "train.jsonl", prompts
 
 
-def train_and_export(name: str, target: Path, train_file: Path, out: Path, steps: int) -> Path:
-    """`python -m dflash_jax.train` (configs/tiny.py, this drafter's layer types), then the export CLI."""
+def tiny_overrides(name: str, target: Path, train_file: Path, steps: int, seq_len: int) -> dict:
+    """configs/tiny.py overrides for this drafter's layer types, rows of seq_len tokens."""
     layers = read_config(target)["num_hidden_layers"]
     # Distinct, increasing feature layers: vLLM captures sorted(set(ids)) (configs/tiny.py's default of two
     # feature layers would repeat layer 1 on a 4-layer target).
     feature_ids = (0, layers // 2 - 1, layers - 2)
-    overrides = {
+    return {
         "target_dir": str(target), "train_files": f"('{train_file}',)", "total_steps": steps,
-        "checkpoint_every": steps, "log_every": 50, "learning_rate": 3e-3, "block_size": BLOCK_SIZE,
-        "mesh.fsdp": 1, "drafter.head_dim": 32, "drafter.layer_types": repr(DRAFTERS[name]),
+        "checkpoint_every": steps, "log_every": 50, "seq_len": seq_len, "learning_rate": 3e-3,
+        "block_size": BLOCK_SIZE, "mesh.fsdp": 1, "drafter.head_dim": 32, "drafter.layer_types": repr(DRAFTERS[name]),
         "drafter.sliding_window": WINDOW, "drafter.num_feature_layers": len(feature_ids),
         "drafter.target_layer_ids": repr(feature_ids),
     }
+
+
+def train_and_export(name: str, config_file: Path, overrides: dict, out: Path) -> Path:
+    """`python -m dflash_jax.train --config config_file` with the overrides, then the export CLI."""
     workdir = out / f"run_{name}"
     shutil.rmtree(workdir, ignore_errors=True)  # train afresh (an existing workdir would be resumed)
-    subprocess.run([sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs/tiny.py"),
+    subprocess.run([sys.executable, "-m", "dflash_jax.train", "--config", str(config_file),
                     "--workdir", str(workdir), *(f"--config.{key}={value}" for key, value in overrides.items())],
                    check=True, cwd=REPO)
     export = out / f"drafter_{name}"
@@ -124,8 +129,13 @@ def main() -> None:
 
     toy = (TOY_TARGET / "config.json").is_file() and (TOY_DATA / "train.jsonl").is_file()
     target, train_file, prompts = toy_target_and_data() if toy else random_target_and_data(out)
-    drafters = {name: {"dir": str(train_and_export(name, target, train_file, out, args.steps)), "trained": True}
-                for name in ("full", "sliding")}
+    seq_len = 512 if toy else 128  # a toy record (prompt <= 192 + completion <= 128) fits one row
+    runs = {name: (REPO / "configs/tiny.py", tiny_overrides(name, target, train_file, args.steps, seq_len))
+            for name in ("full", "sliding")}
+    if toy:  # the full-attention drafter is exactly the one `make demo` trains and exports
+        runs["full"] = (REPO / "configs/toy.py", {"mesh.fsdp": 1})
+    drafters = {name: {"dir": str(train_and_export(name, config_file, overrides, out)), "trained": True}
+                for name, (config_file, overrides) in runs.items()}
     drafters["mixed"] = {"dir": str(export_untrained_mixed(out)), "trained": False}
     artifacts = {"target": str(target), "drafters": drafters, "block_size": BLOCK_SIZE, "prompts": prompts,
                  "max_tokens": NEW_TOKENS}
