@@ -61,7 +61,8 @@ def test_exported_toy_drafter_reloads_with_the_trained_weights(demo):
     trained, trained_config, _ = restore_drafter(workdir, None)
     loaded, loaded_config = load_drafter_dir(export)
     assert loaded_config == trained_config
-    for (path, ours), (loaded_path, exported) in zip(*(nnx.state(m, nnx.Param).flat_state() for m in (trained, loaded))):
+    trained_params, loaded_params = (nnx.state(m, nnx.Param).flat_state() for m in (trained, loaded))
+    for (path, ours), (loaded_path, exported) in zip(trained_params, loaded_params):
         assert path == loaded_path
         # The export stores bf16 (SPEC §10): the reloaded weights are the trained ones rounded to bf16.
         np.testing.assert_array_equal(np.asarray(ours[...].astype(jnp.bfloat16).astype(jnp.float32)),
