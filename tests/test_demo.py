@@ -1,9 +1,9 @@
 """`make demo`'s job, run as the demo runs it: train with configs/toy.py, evaluate exact τ on the held-out toy
-prompts (the target's own greedy continuations) against the untrained drafter, export and reload.
-Slow (about five minutes on 2 CPU cores): run by `make test-slow`.
+prompts (the target's own greedy continuations) against the untrained drafter, export and reload; and the
+same training five times longer (configs/toy.py:long, `make demo-long`), which must reach the τ target.
 
-The floor below is what the demo's five-minute training reliably reaches (τ 1.21 measured, see
-bench/RESULTS.md "Toy drafter"); the goal of τ >= 2.0 needs a longer run and is not asserted here."""
+The demo (about five minutes on 2 CPU cores) runs in `make test-slow`; the long run (about twenty-five
+minutes) in `make test-long`. Measured figures: bench/RESULTS.md "Toy drafter"."""
 
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slow
-
 
 def run(*args: str) -> None:
     # Single CPU device, as `make demo` runs on a laptop (the suite's conftest simulates 8).
@@ -27,29 +25,43 @@ def run(*args: str) -> None:
     subprocess.run([sys.executable, *args], check=True, cwd=REPO, env=env)
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo")
-    workdir, export = out / "run", out / "drafter"
-    run("-m", "dflash_jax.train", "--config", "configs/toy.py", "--workdir", str(workdir))
-    run("-m", "dflash_jax.evaluate", "--config", "configs/toy.py", "--workdir", str(workdir),
+def toy_job(config: str, out: Path) -> tuple[dict, Path]:
+    """Train and evaluate as `make demo` does; returns the evaluation and the workdir."""
+    workdir = out / "run"
+    run("-m", "dflash_jax.train", "--config", config, "--workdir", str(workdir))
+    run("-m", "dflash_jax.evaluate", "--config", config, "--workdir", str(workdir),
         "--max_new_tokens", "128", "--json", str(out / "eval.json"))
-    run("convert/export_drafter.py", "--workdir", str(workdir), "--out", str(export))
-    return json.loads((out / "eval.json").read_text()), workdir, export
+    return json.loads((out / "eval.json").read_text()), workdir
 
 
-def test_demo_training_raises_tau_above_the_untrained_drafter(demo):
-    results, _, _ = demo
+def check_evaluation(results: dict) -> None:
+    """What every toy evaluation must show, trained for however long."""
     trained, untrained = results["trained"], results["untrained"]
     assert results["continuation"] == "generate" and trained["responses"] == 64
     assert trained["greedy_agreement"] == 1.0  # τ of the target's own greedy decoding
     assert untrained["tau"] < 1.02, untrained["tau"]
-    assert trained["tau"] >= 1.15, trained["tau"]
-    assert trained["slot_acceptance"][0] >= 0.1, trained["slot_acceptance"]
     # A tree of candidates never accepts less than the single greedy chain.
     assert trained["ddtree_tau"]["22"] >= trained["ddtree_tau"]["8"] >= trained["tau"] - 1e-9
 
 
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    results, workdir = toy_job("configs/toy.py", out)
+    export = out / "drafter"
+    run("convert/export_drafter.py", "--workdir", str(workdir), "--out", str(export))
+    return results, workdir, export
+
+
+@pytest.mark.slow
+def test_demo_training_raises_tau_above_the_untrained_drafter(demo):
+    results, _, _ = demo
+    check_evaluation(results)
+    assert results["trained"]["tau"] >= 1.15, results["trained"]["tau"]
+    assert results["trained"]["slot_acceptance"][0] >= 0.1, results["trained"]["slot_acceptance"]
+
+
+@pytest.mark.slow
 def test_exported_toy_drafter_reloads_with_the_trained_weights(demo):
     import jax.numpy as jnp
     from flax import nnx
@@ -67,3 +79,12 @@ def test_exported_toy_drafter_reloads_with_the_trained_weights(demo):
         # The export stores bf16 (SPEC §10): the reloaded weights are the trained ones rounded to bf16.
         np.testing.assert_array_equal(np.asarray(ours[...].astype(jnp.bfloat16).astype(jnp.float32)),
                                       np.asarray(exported[...]))
+
+
+@pytest.mark.long
+def test_long_toy_training_reaches_the_tau_target(tmp_path):
+    """The issue's target: exact τ >= 2.0 at B = 8 and >= 1.5x the untrained drafter's."""
+    results, _ = toy_job("configs/toy.py:long", tmp_path)
+    check_evaluation(results)
+    trained, untrained = results["trained"]["tau"], results["untrained"]["tau"]
+    assert trained >= 2.0 and trained >= 1.5 * untrained, (trained, untrained)

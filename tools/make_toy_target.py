@@ -149,7 +149,8 @@ def main() -> None:
     model, loaded_config = load_qwen3(target_dir, param_dtype=jnp.float32)
     if loaded_config != config:
         raise SystemExit(f"the saved config differs from the tokenizer's: {loaded_config} vs {config}")
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(target_dir)
+    if not args.data_only:  # the tokenizer as saved; --data-only loaded it from there already
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(target_dir)
     hf_diff = language_model.check_against_transformers(target_dir, model, tokenizer, heldout_files[0][1][:4000])
     log(f"{target_dir}: transformers vs load_qwen3 max |logit diff| {hf_diff:.2e}")
     if hf_diff > 1e-3:
@@ -163,14 +164,14 @@ def main() -> None:
 
     started = time.time()
     eos = tokenizer.convert_tokens_to_ids(corpus.EOS)
+    everything = prompts["train"] + prompts["eval"]  # one generation pass: one compile
+    generations = drafter_data.greedy_continuations(model, [p["ids"] for p in everything], args.new_tokens, eos)
+    log(f"generated up to {args.new_tokens} tokens for each of {len(everything)} prompts in "
+        f"{time.time() - started:.0f}s")
+    generated = {"train": generations[:len(prompts["train"])], "eval": generations[len(prompts["train"]):]}
     report_records, all_records = {}, {}
     for name in ("train", "eval"):
-        t0 = time.time()
-        generations = drafter_data.greedy_continuations(model, [p["ids"] for p in prompts[name]],
-                                                        args.new_tokens, eos)
-        log(f"{name}: generated up to {args.new_tokens} tokens for each of {len(generations)} prompts in "
-            f"{time.time() - t0:.0f}s")
-        records, counts = drafter_data.make_records(prompts[name], generations, tokenizer)
+        records, counts = drafter_data.make_records(prompts[name], generated[name], tokenizer)
         counts["prompts"] = len(prompts[name])
         log(f"{name}: {counts}")
         drafter_data.write_jsonl(data_dir / f"{name}.jsonl", records)
