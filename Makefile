@@ -33,7 +33,7 @@ clean:
 # trained and the untrained drafter on the held-out prompts, export it for vLLM (the export prints the
 # `vllm serve` command). A rerun starts a fresh run. One CPU device (no simulated mesh): what a laptop has.
 # `make demo` takes about five minutes on 2 CPU cores; `make demo-long` trains five times longer (about
-# twenty-five minutes), long enough for the τ target (README).
+# twenty minutes), long enough for the τ target (README).
 # $(call toy_job,CONFIG,RUN_DIR,EXPORT_DIR)
 define toy_job
 	rm -rf $(2)

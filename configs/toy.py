@@ -5,10 +5,10 @@ target-regenerated data (dflash_jax/assets/toy_data). `make demo` runs, from the
     python -m dflash_jax.evaluate --config configs/toy.py --workdir out/toy_run --max_new_tokens 128
     python convert/export_drafter.py --workdir out/toy_run --out out/toy_drafter --overwrite
 
-`configs/toy.py` (the default, "demo") trains for about four minutes on 2 CPU cores; `configs/toy.py:long`
-(`make demo-long`) runs the same training five times longer, about twenty minutes, which the τ target needs:
-the drafter sits on a plateau (every slot predicts the token that follows the anchor) for its first few
-hundred steps. Paths are resolved from this file, so it runs from any directory.
+`configs/toy.py` (the default, "demo") trains for about four minutes on 2 CPU cores. `configs/toy.py:long`
+(`make demo-long`) runs the same training five times longer, about twenty minutes, as the τ target needs: for
+its first few hundred steps the drafter sits on a plateau where every slot predicts the token that follows
+the anchor. Paths are resolved from this file, so it runs from any directory.
 """
 
 from pathlib import Path

@@ -13,7 +13,6 @@ from dflash_jax.data import (
     Cursor,
     Document,
     RowPacker,
-    anchor_positions,
     anchor_utilisation,
     anchor_validity,
     block_positions,
@@ -23,6 +22,7 @@ from dflash_jax.data import (
     row_capacity,
     slot_mask,
 )
+from dflash_jax.ops.mask import AnchorGrid
 
 MASK_TOKEN_ID = 999
 
@@ -88,7 +88,7 @@ def grid_outputs(batch: dict[str, jax.Array | np.ndarray], anchors: np.ndarray, 
 @pytest.mark.parametrize("mode", ["numpy", "jax", "jit"])
 def test_anchor_grid_matches_the_spec_loop(seq_len: int, stride: int, block_size: int, mode: str):
     batch = random_batch(seq_len, stride, batch=8, seed=seq_len + stride + block_size)
-    anchors = anchor_positions(seq_len, stride)
+    anchors = AnchorGrid(seq_len, stride, block_size).anchors
     if mode == "numpy":
         got = grid_outputs(batch, anchors, block_size)
     elif mode == "jax":
@@ -104,19 +104,19 @@ def test_anchor_grid_matches_the_spec_loop(seq_len: int, stride: int, block_size
     assert expected["valid"].any() and expected["slots"].any() and not expected["valid"].all()  # a real test
 
 
-def test_anchor_positions_is_the_static_grid():
-    anchors = anchor_positions(16, 4)
+def test_anchor_grid_anchors_are_the_static_grid():
+    anchors = AnchorGrid(16, 4, 2).anchors
     assert isinstance(anchors, np.ndarray) and anchors.dtype == np.int32
     assert anchors.tolist() == [0, 4, 8, 12]
-    with pytest.raises(ValueError, match=r"seq_len \(18\) must be a positive multiple of the anchor stride \(4\)"):
-        anchor_positions(18, 4)
+    with pytest.raises(ValueError, match=r"seq_len \(18\) must be a multiple of AnchorGrid.stride \(4\)"):
+        AnchorGrid(18, 4, 2)
 
 
 def test_slots_stop_at_document_boundaries_and_the_row_end():
     # One row: [pad, doc 1 (4 tokens, all trained), doc 2 (3 tokens, first untrained)], T = 8, anchors 0 and 4.
     loss_mask = np.array([[0, 1, 1, 1, 1, 0, 1, 1]])
     segment_ids = np.array([[0, 1, 1, 1, 1, 2, 2, 2]])
-    anchors = anchor_positions(8, 2)  # 0, 2, 4, 6
+    anchors = AnchorGrid(8, 2, 4).anchors  # 0, 2, 4, 6
     assert anchor_validity(loss_mask, anchors).tolist() == [[False, True, False, True]]
     slots = np.asarray(slot_mask(loss_mask, segment_ids, anchors, 4))
     assert slots[0, 1].tolist() == [False, True, True, False]  # a=2: slots 3, 4 in doc 1; 5 is doc 2

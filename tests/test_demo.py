@@ -2,7 +2,7 @@
 prompts (the target's own greedy continuations) against the untrained drafter, export and reload; and the
 same training five times longer (configs/toy.py:long, `make demo-long`), which must reach the τ target.
 
-The demo (about five minutes on 2 CPU cores) runs in `make test-slow`; the long run (about twenty-five
+The demo (about five minutes on 2 CPU cores) runs in `make test-slow`; the long run (about twenty
 minutes) in `make test-long`. Measured figures: bench/RESULTS.md "Toy drafter"."""
 
 from __future__ import annotations

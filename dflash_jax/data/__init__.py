@@ -1,7 +1,6 @@
 """Training data: JSONL records -> tokens + loss mask -> packed, phase-shifted rows -> batches; anchor grid."""
 
 from dflash_jax.data.anchors import (
-    anchor_positions,
     anchor_utilisation,
     anchor_validity,
     block_positions,
@@ -25,7 +24,6 @@ __all__ = [
     "Document",
     "PackedRow",
     "RowPacker",
-    "anchor_positions",
     "anchor_utilisation",
     "anchor_validity",
     "block_positions",

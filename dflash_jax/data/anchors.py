@@ -2,8 +2,8 @@
 
 Anchors sit at a_j = j*S for j < N = T/S in every row; the loader's phase shift moves the content instead of
 the grid, so everything indexed by anchors here has static shapes. Inputs are [batch, T] arrays (NumPy or
-JAX); `anchors` is the static NumPy array from `anchor_positions`. Slot k of block j sits at position a_j + k
-and is flattened as index j*B + k in [batch, N*B] outputs.
+JAX); `anchors` is the static NumPy array `AnchorGrid.anchors` (ops/mask.py). Slot k of block j sits at
+position a_j + k and is flattened as index j*B + k in [batch, N*B] outputs.
 """
 
 from __future__ import annotations
@@ -11,13 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-
-def anchor_positions(seq_len: int, stride: int) -> np.ndarray:
-    """a_j = j*stride for j < seq_len/stride, as a static int32 NumPy array."""
-    if stride < 1 or seq_len % stride:
-        raise ValueError(f"seq_len ({seq_len}) must be a positive multiple of the anchor stride ({stride})")
-    return np.arange(0, seq_len, stride, dtype=np.int32)
 
 
 def _slot_indices(seq_len: int, anchors: np.ndarray, block_size: int) -> tuple[jax.Array, jax.Array]:
