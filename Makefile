@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: venv test test-slow demo clean
+.PHONY: venv test test-slow test-long demo demo-long clean
 
 # The package alone (what `make demo` needs), then the test extras (torch for the PyTorch references, pytest).
 $(VENV)/.base-installed: pyproject.toml
@@ -42,8 +42,6 @@ define toy_job
 		--json $(2)/eval.json
 	env -u XLA_FLAGS $(PY) convert/export_drafter.py --workdir $(2) --out $(3) --overwrite
 endef
-
-.PHONY: demo-long test-long
 
 demo: $(VENV)/.base-installed
 	$(call toy_job,configs/toy.py,out/toy_run,out/toy_drafter)
