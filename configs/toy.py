@@ -52,7 +52,6 @@ def get_config(length: str = "demo"):
     config.warmup_ratio = 0.05
     config.vocab_chunk = 4096
 
-    config.log_every = 10
     config.eval_prompts = 64
     config.checkpoint_every = 600
     config.keep_checkpoints = 1
