@@ -16,9 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
 
+from dflash_jax.errors import CheckpointError  # noqa: E402
 from dflash_jax.train.checkpoint import restore_drafter  # noqa: E402
 from dflash_jax.weights.drafter_export import check_out_dir, export_drafter, serve_command  # noqa: E402
-from dflash_jax.weights.safetensors_dir import CheckpointError  # noqa: E402
 
 TRAIN_CONFIG_FILE = "config.json"
 

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import jax.numpy as jnp  # noqa: E402
 
+from dflash_jax.errors import CheckpointError  # noqa: E402
 from dflash_jax.weights.orbax_target import write_orbax_target  # noqa: E402
-from dflash_jax.weights.safetensors_dir import CheckpointError  # noqa: E402
 
 DTYPES = ("bfloat16", "float32", "float16")
 

@@ -24,7 +24,7 @@ from flax import nnx
 from ml_collections import ConfigDict, config_flags
 from transformers import AutoTokenizer
 
-from dflash_jax.data import DataError
+from dflash_jax.errors import CheckpointError, ConfigError, DataError
 from dflash_jax.eval.examples import read_examples, stop_token_ids, with_greedy_continuations
 from dflash_jax.eval.exact_tau import evaluate_drafter
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, generator_shapes
@@ -34,9 +34,8 @@ from dflash_jax.models.qwen3 import Qwen3
 from dflash_jax.models.target import load_target
 from dflash_jax.sharding import replicated
 from dflash_jax.train.checkpoint import restore_drafter
-from dflash_jax.train.validate import ConfigError, dtype_of, mesh_from_config
+from dflash_jax.train.validate import dtype_of, mesh_from_config
 from dflash_jax.weights.drafter_export import load_drafter_dir
-from dflash_jax.weights.safetensors_dir import CheckpointError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The training config file (e.g. configs/tiny.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir: drafter_config.json and checkpoints/.")

@@ -15,9 +15,10 @@ import numpy as np
 from flax import nnx
 
 from configs import qwen3_8b, qwen27b, tiny
+from dflash_jax.errors import ConfigError
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.qwen3 import Qwen3Config
-from dflash_jax.train.validate import (ConfigError, resolve_drafter_config, validate_batch_layout, validate_config,
+from dflash_jax.train.validate import (resolve_drafter_config, validate_batch_layout, validate_config,
                                       validate_eval_files)
 from tests.tokenizer_fixture import make_chat_tokenizer
 

@@ -17,13 +17,13 @@ from dflash_jax.data import (
     ChatRecord,
     CompletionRecord,
     Cursor,
-    DataError,
     Document,
     RowPacker,
     place_row,
     row_capacity,
     tokenize_record,
 )
+from dflash_jax.errors import DataError
 from tests.tokenizer_fixture import make_chat_tokenizer
 
 SYSTEM_USER_ASSISTANT = [

@@ -12,6 +12,7 @@ from flax import nnx
 from transformers import AutoTokenizer
 
 from dflash_jax import evaluate
+from dflash_jax.errors import ConfigError
 from dflash_jax.eval.examples import read_examples
 from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.models.drafter import Drafter
@@ -80,9 +81,9 @@ def test_train_hook_gives_flat_scalars(setup):
 
 def test_setup_errors_are_sentences(setup):
     config, export, drafter_config = setup
-    with pytest.raises(validate.ConfigError, match="give --workdir"):
+    with pytest.raises(ConfigError, match="give --workdir"):
         evaluate.run(config, workdir=None)
     other = dataclasses.replace(drafter_config, num_target_layers=3, target_layer_ids=(0, 2))
     mismatched = export_drafter(Drafter(other, rngs=nnx.Rngs(0)), other, export.parent / "other")
-    with pytest.raises(validate.ConfigError, match=r"made for a target with \(layers, vocab, hidden\) = \(3,"):
+    with pytest.raises(ConfigError, match=r"made for a target with \(layers, vocab, hidden\) = \(3,"):
         evaluate.run(config, workdir=None, drafter_dir=str(mismatched))

@@ -13,10 +13,10 @@ import torch
 from jax.sharding import PartitionSpec
 from safetensors.torch import load_file, save_file
 
+from dflash_jax.errors import CheckpointError
 from dflash_jax.models.target import load_target
 from dflash_jax.sharding import make_mesh
 from dflash_jax.weights.hf_qwen3 import load_qwen3
-from dflash_jax.weights.safetensors_dir import CheckpointError
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
 WEIGHTS = "model.safetensors"

@@ -13,10 +13,10 @@ import pytest
 from flax import nnx
 
 from convert.hf_to_orbax import main as hf_to_orbax
+from dflash_jax.errors import CheckpointError
 from dflash_jax.models.target import load_target
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.weights.orbax_target import MARKER_FILE, write_orbax_target
-from dflash_jax.weights.safetensors_dir import CheckpointError
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
 

@@ -15,9 +15,9 @@ import jax
 import numpy as np
 import pytest
 
+from dflash_jax.errors import ConfigError
 from dflash_jax.train import distributed
 from dflash_jax.train.loop import train
-from dflash_jax.train.validate import ConfigError
 from tests.train_fixtures import fast_cpu_compiles, losses, make_target, restore_last, tiny_config, write_corpus
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from dflash_jax.data.anchors import (
 from dflash_jax.data.corpus import Corpus
 from dflash_jax.data.loader import BatchLoader
 from dflash_jax.data.packing import Cursor, PackedRow, RowPacker, place_row, row_capacity, row_phase
-from dflash_jax.data.records import ChatRecord, CompletionRecord, DataError, parse_record
+from dflash_jax.data.records import ChatRecord, CompletionRecord, parse_record
 from dflash_jax.data.tokenize import Document, check_chat_tokenizer, tokenize_record
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "CompletionRecord",
     "Corpus",
     "Cursor",
-    "DataError",
     "Document",
     "PackedRow",
     "RowPacker",

@@ -17,7 +17,8 @@ from typing import BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-from dflash_jax.data.records import ChatRecord, DataError, Record, parse_record
+from dflash_jax.data.records import ChatRecord, Record, parse_record
+from dflash_jax.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash_jax.data.corpus import Corpus
 from dflash_jax.data.packing import ROW_KEYS, Cursor, PackedRow, RowPacker, place_row, row_capacity, row_phase
-from dflash_jax.data.records import DataError
 from dflash_jax.data.tokenize import Document, check_chat_tokenizer, tokenize_record
+from dflash_jax.errors import DataError
 
 log = logging.getLogger(__name__)
 

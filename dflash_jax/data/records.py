@@ -12,14 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-
-class DataError(ValueError):
-    """A bad record or corpus, reported as `where: reason` (where = `path:line` when known)."""
-
-    def __init__(self, where: str, reason: str):
-        super().__init__(f"{where}: {reason}")
-        self.where = where
-        self.reason = reason
+from dflash_jax.errors import DataError
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ import jinja2
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from dflash_jax.data.records import ChatRecord, CompletionRecord, DataError, Record
+from dflash_jax.data.records import ChatRecord, CompletionRecord, Record
+from dflash_jax.errors import DataError
 
 
 @dataclass(frozen=True)

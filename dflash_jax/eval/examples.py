@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from dflash_jax.data import DataError, parse_record, tokenize_record
+from dflash_jax.data import parse_record, tokenize_record
+from dflash_jax.errors import DataError
 from dflash_jax.eval.exact_tau import Example
 from dflash_jax.eval.generate import SpeculativeGenerator
 

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from dflash_jax.errors import CheckpointError
 from dflash_jax.ops.attention import causal_attention
 from dflash_jax.ops.splash_attention import causal_attention_splash
-from dflash_jax.weights.safetensors_dir import CheckpointError, read_config
+from dflash_jax.weights.safetensors_dir import read_config
 
 # The full-sequence attention of the targets by resolved `attention_impl` (ops/backends.py): query chunks in
 # XLA, or the splash kernel. The KV-cached decoding path always uses the dense `grouped_attention`.

@@ -18,12 +18,11 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from dflash_jax.data import DataError
+from dflash_jax.errors import CheckpointError, ConfigError, DataError
 from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.train import distributed
 from dflash_jax.train.loop import train
-from dflash_jax.train.validate import ConfigError, validate_config, validate_eval_files
-from dflash_jax.weights.safetensors_dir import CheckpointError
+from dflash_jax.train.validate import validate_config, validate_eval_files
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file under configs/ (e.g. configs/tiny.py).",
                                           lock_config=True)

@@ -18,9 +18,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
+from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.train.state import TrainState
-from dflash_jax.weights.safetensors_dir import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import os
 
 import jax
 
-from dflash_jax.train.validate import ConfigError
+from dflash_jax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from dflash_jax.data import BatchLoader
+from dflash_jax.errors import ConfigError
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import load_target
 from dflash_jax.ops.backends import resolve_attention_impl
@@ -156,7 +157,7 @@ def _write_drafter_config(path: Path, drafter_config, write: bool = True) -> Non
         saved = json.loads(path.read_text())
         changed = {key: (saved.get(key), value) for key, value in fields.items() if saved.get(key) != value}
         if changed:
-            raise validate.ConfigError(f"{path} records a different drafter than this config gives ((saved, now): "
+            raise ConfigError(f"{path} records a different drafter than this config gives ((saved, now): "
                                        f"{changed}); use a new workdir or the original config")
     if write:
         partial = path.with_name(path.name + ".tmp")

@@ -17,10 +17,11 @@ from flax import nnx
 from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
+from dflash_jax.errors import CheckpointError, ConfigError
 from dflash_jax.models.drafter import Drafter, DrafterConfig, drafter_from_torch_layout
 from dflash_jax.sharding import state_shardings
-from dflash_jax.train.validate import ConfigError, dtype_of
-from dflash_jax.weights.safetensors_dir import CheckpointError, CheckpointReader
+from dflash_jax.train.validate import dtype_of
+from dflash_jax.weights.safetensors_dir import CheckpointReader
 
 
 class TrainState(NamedTuple):

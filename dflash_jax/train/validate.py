@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
+from dflash_jax.errors import ConfigError
 from dflash_jax.models.drafter import LAYER_TYPES, DrafterConfig, default_target_layer_ids
 from dflash_jax.ops.backends import ATTENTION_CHOICES
 from dflash_jax.sharding import make_mesh
@@ -23,10 +24,6 @@ log = logging.getLogger(__name__)
 
 LABEL_SOURCES = ("target", "data")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """A training config that cannot work; the message names the field."""
 
 
 def _require(condition: bool, message: str) -> None:

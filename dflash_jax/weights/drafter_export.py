@@ -18,8 +18,9 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import Drafter, DrafterConfig, drafter_from_torch_layout, drafter_to_torch_layout
-from dflash_jax.weights.safetensors_dir import INDEX_FILE, SINGLE_FILE, CheckpointError, CheckpointReader, read_config
+from dflash_jax.weights.safetensors_dir import INDEX_FILE, SINGLE_FILE, CheckpointReader, read_config
 
 CONFIG_FILE = "config.json"
 SLIDING = "sliding_attention"

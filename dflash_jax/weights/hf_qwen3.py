@@ -8,10 +8,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from dflash_jax.errors import CheckpointError
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
 from dflash_jax.sharding import state_shardings
 from dflash_jax.weights.mapping import WeightRule, identity, load_weights, transpose
-from dflash_jax.weights.safetensors_dir import CheckpointError, CheckpointReader, read_config
+from dflash_jax.weights.safetensors_dir import CheckpointReader, read_config
 
 # HF name under `model.layers.{layer}.` -> NNX path under `layers` (stacked over layers), fix-up.
 _LAYER_TENSORS = (

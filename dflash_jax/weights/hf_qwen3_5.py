@@ -14,10 +14,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from dflash_jax.errors import CheckpointError
 from dflash_jax.models.qwen3_5 import LINEAR_ATTENTION, Qwen3_5, Qwen3_5Config
 from dflash_jax.sharding import state_shardings
 from dflash_jax.weights.mapping import WeightRule, identity, load_weights, transpose
-from dflash_jax.weights.safetensors_dir import CheckpointError, CheckpointReader, read_config
+from dflash_jax.weights.safetensors_dir import CheckpointReader, read_config
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 MULTIMODAL_PREFIX, TEXT_ONLY_PREFIX = "model.language_model.", "model."

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dflash_jax.weights.safetensors_dir import CheckpointError, CheckpointReader
+from dflash_jax.errors import CheckpointError
+from dflash_jax.weights.safetensors_dir import CheckpointReader
 
 
 def transpose(x: np.ndarray) -> np.ndarray:

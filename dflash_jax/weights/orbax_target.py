@@ -28,9 +28,10 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from orbax.checkpoint import v1 as ocp
 from tqdm import tqdm
 
+from dflash_jax.errors import CheckpointError
 from dflash_jax.sharding import state_shardings
 from dflash_jax.weights.mapping import WeightRule
-from dflash_jax.weights.safetensors_dir import INDEX_FILE, CheckpointError, CheckpointReader, read_config, read_json
+from dflash_jax.weights.safetensors_dir import INDEX_FILE, CheckpointReader, read_config, read_json
 
 MARKER_FILE = "dflash_target.json"
 PARAMS_DIR = "params"

@@ -14,6 +14,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from dflash_jax.errors import CheckpointError
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -21,10 +23,6 @@ _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory or file that cannot be used, with the reason."""
 
 
 def read_json(path: Path) -> dict:

@@ -1,0 +1,28 @@
+"""The errors a user can cause, each reported by the command-line entry points as one `error: ...` line.
+
+Every class derives from `UserError` (a `ValueError`), so an entry point catches that one class; anything
+else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """A bad input the user can fix: the message is a complete sentence naming what and where."""
+
+
+class ConfigError(UserError):
+    """A training or evaluation config that cannot work; the message names the field."""
+
+
+class DataError(UserError):
+    """A bad record or corpus, reported as `where: reason` (where = `path:line` when known)."""
+
+    def __init__(self, where: str, reason: str):
+        super().__init__(f"{where}: {reason}")
+        self.where = where
+        self.reason = reason
+
+
+class CheckpointError(UserError):
+    """A checkpoint directory or file that cannot be used, with the reason."""
