@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 
 from dflash_jax.errors import CheckpointError  # noqa: E402
-from dflash_jax.train.checkpoint import restore_drafter  # noqa: E402
+from dflash_jax.train.checkpoint import restore_drafter, workdir_path  # noqa: E402
 from dflash_jax.weights.drafter_export import check_out_dir, export_drafter, serve_command  # noqa: E402
 
 TRAIN_CONFIG_FILE = "config.json"
@@ -25,7 +25,8 @@ TRAIN_CONFIG_FILE = "config.json"
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", type=Path, required=True, help="the training run's --workdir")
+    parser.add_argument("--workdir", type=workdir_path, required=True,
+                        help="the training run's --workdir (a local path or a bucket URI such as gs://bucket/run)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the latest)")
     parser.add_argument("--out", type=Path, required=True, help="export directory (config.json, model.safetensors)")
     parser.add_argument("--overwrite", action="store_true",

@@ -59,7 +59,7 @@ def load_drafter(workdir: str | None, drafter_dir: str | None, step: int | None)
     if drafter_dir:
         drafter, drafter_config = load_drafter_dir(drafter_dir)
         return drafter, drafter_config, drafter_dir
-    drafter, drafter_config, step = restore_drafter(Path(workdir), step)
+    drafter, drafter_config, step = restore_drafter(workdir, step)
     return drafter, drafter_config, f"{workdir} step {step}"
 
 

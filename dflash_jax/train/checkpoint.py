@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
-from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
@@ -27,12 +28,20 @@ log = logging.getLogger(__name__)
 DRAFTER_CONFIG_FILE, CHECKPOINTS_DIR = "drafter_config.json", "checkpoints"
 
 
+def workdir_path(workdir: str | os.PathLike) -> epath.Path:
+    """A run directory as every reader and writer of it addresses it: an `epath.Path` (what Orbax uses), so
+    that a bucket URI such as gs://bucket/run stays one (pathlib would turn it into the local path
+    gs:/bucket/run); local paths are made absolute, as Orbax requires."""
+    text = os.fspath(workdir)
+    return epath.Path(text) if "://" in text else epath.Path(os.path.expanduser(text)).absolute()
+
+
 class Checkpointer:
     """<workdir>/checkpoints/<step>/{state, data}; keeps the newest `keep` checkpoints."""
 
-    def __init__(self, workdir: str | Path, keep: int):
+    def __init__(self, workdir: str | os.PathLike, keep: int):
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-        self._manager = ocp.CheckpointManager(Path(workdir).absolute() / CHECKPOINTS_DIR, options=options,
+        self._manager = ocp.CheckpointManager(workdir_path(workdir) / CHECKPOINTS_DIR, options=options,
                                               item_names=("state", "data"))
 
     def latest_step(self) -> int | None:
@@ -85,13 +94,14 @@ class StopRequest:
         log.warning("%s received: saving a checkpoint and stopping after the current step", name)
 
 
-def restore_drafter(workdir: Path, step: int | None) -> tuple[Drafter, DrafterConfig, int]:
+def restore_drafter(workdir: str | os.PathLike, step: int | None) -> tuple[Drafter, DrafterConfig, int]:
     """The fp32 drafter saved at `step` (None: the latest) of a `python -m dflash_jax.train` workdir."""
+    workdir = workdir_path(workdir)
     config_path = workdir / DRAFTER_CONFIG_FILE
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: not found; is {workdir} a training workdir?")
     config = DrafterConfig(**json.loads(config_path.read_text()))
-    manager = ocp.CheckpointManager(workdir.absolute() / CHECKPOINTS_DIR, item_names=("state", "data"),
+    manager = ocp.CheckpointManager(workdir / CHECKPOINTS_DIR, item_names=("state", "data"),
                                     options=ocp.CheckpointManagerOptions(create=False, read_only=True))
     steps = sorted(manager.all_steps())
     if not steps:

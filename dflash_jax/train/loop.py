@@ -12,11 +12,11 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 from flax import nnx
 from ml_collections import ConfigDict
 from tqdm import tqdm
@@ -29,7 +29,7 @@ from dflash_jax.models.target import load_target
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import BATCH_AXES, state_shardings
 from dflash_jax.train import flops, validate
-from dflash_jax.train.checkpoint import DRAFTER_CONFIG_FILE, Checkpointer, StopRequest
+from dflash_jax.train.checkpoint import DRAFTER_CONFIG_FILE, Checkpointer, StopRequest, workdir_path
 from dflash_jax.train.loss import acceptance_metrics
 from dflash_jax.train.state import init_train_state, state_spec
 from dflash_jax.train.step import make_step, put_batch
@@ -42,9 +42,10 @@ EvaluateFn = Callable[[int, Drafter, nnx.Module], dict[str, float]]
 METRICS_FILE = "metrics.jsonl"
 
 
-def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None = None) -> dict[str, Any]:
-    """Train (or resume) the run in `workdir`; returns the summary that is also logged at the end."""
-    workdir = Path(workdir)
+def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn | None = None) -> dict[str, Any]:
+    """Train (or resume) the run in `workdir` (a local path or a bucket URI such as gs://bucket/run); returns
+    the summary that is also logged at the end."""
+    workdir = workdir_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     main = jax.process_index() == 0  # of several processes (train/distributed.py), one writes the run files
     validate.validate_config(config)
@@ -87,7 +88,7 @@ def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None =
     tokens_per_step = config.batch_size * config.seq_len
 
     # One metrics file per run: the other processes compute the same (replicated) records and drop them.
-    metrics_file = open(workdir / METRICS_FILE if main else os.devnull, "a")
+    metrics_file = (workdir / METRICS_FILE).open("a") if main else open(os.devnull, "a")
     pending: list[dict[str, jax.Array]] = []  # device metrics since the last log line (no host sync per step)
     history: list[dict[str, Any]] = []
     interval_start, interval_steps, compile_seconds = time.perf_counter(), 0, None
@@ -148,7 +149,7 @@ def train(config: ConfigDict, workdir: str | Path, evaluate: EvaluateFn | None =
 
 
 
-def _write_drafter_config(path: Path, drafter_config, write: bool = True) -> None:
+def _write_drafter_config(path: epath.Path, drafter_config, write: bool = True) -> None:
     """Saved for export/eval; a resumed run must have the same drafter (SPEC §12.5). Every process checks,
     so all of them stop on a mismatch; only the one with `write` writes (atomically, so that none of the
     others can read a half-written file)."""
