@@ -2,12 +2,12 @@
 
 The train step is lowered and compiled for CPU on abstract inputs (ShapeDtypeStructs) for three anchor
 strides, and `compiled.memory_analysis()` gives its temporary buffer bytes. The drafter's LM head + cross-
-entropy and the target's greedy labels run in chunks (SPEC §6), so the temporaries must not grow like the
+entropy and the target's greedy labels run in chunks (design §6), so the temporaries must not grow like the
 N·B × V fp32 logits they would otherwise need. The temporaries also hold things that do grow with N·B but not
 with V (drafter activations, attention scores), so each anchor count is compiled twice, at V and at V/2:
 temp is affine in V, and 2 × (temp(V) − temp(V/2)) is the part that depends on V at all.
 To keep CPU compile time sane, the target keeps its real widths (H, V, heads, MLP) but only its first
-`--target-layers` layers; the drafter's 5 feature ids are spread over those (SPEC §2 rule), same fc width n·H.
+`--target-layers` layers; the drafter's 5 feature ids are spread over those (design §2 rule), same fc width n·H.
 
     .venv/bin/python -m bench.bench_step_memory [--config configs/qwen27b.py] [--append bench/RESULTS.md]
 """
@@ -49,10 +49,10 @@ def with_shardings(abstract, shardings):
 def measure(module, stride: int, target_layers: int, vocab_divisor: int = 1) -> dict:
     """Compile the step for one anchor stride (and V / vocab_divisor); returns the shapes and XLA's figures."""
     config = module.get_config()
-    config.target_dir, config.train_files = "(abstract)", ("(abstract)",)
-    config.anchor_stride = stride
-    config.batch_size = 1  # one row per device
-    config.drafter.target_layer_ids = None  # the reduced target: SPEC §2 ids spread over its layers
+    config.target_dir, config.data.train_files = "(abstract)", ("(abstract)",)
+    config.data.anchor_stride = stride
+    config.data.batch_size = 1  # one row per device
+    config.drafter.target_layer_ids = None  # the reduced target: design §2 ids spread over its layers
     config.mesh.fsdp = 1
     validate_config(config)
     full = module.target_config()
@@ -69,15 +69,15 @@ def measure(module, stride: int, target_layers: int, vocab_divisor: int = 1) -> 
     target_shardings = state_shardings(target_state, mesh)
     spec = state_spec(drafter_config, config, "xla", mesh)
     step = make_step(config, drafter_config, spec, target_graphdef, target_shardings, mesh)
-    batch = {key: jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=batch_sharding(mesh))
+    batch = {key: jax.ShapeDtypeStruct((config.data.batch_size, config.data.seq_len), jnp.int32, sharding=batch_sharding(mesh))
              for key in BATCH_KEYS}
     start = time.perf_counter()
     compiled = step.train_step.lower(spec.abstract, with_shardings(target_state, target_shardings), batch).compile()
     memory = compiled.memory_analysis()
-    anchors = config.seq_len // stride
+    anchors = config.data.seq_len // stride
     return {
-        "anchors": anchors, "stride": stride, "queries": anchors * config.block_size,
-        "logits_bytes": anchors * config.block_size * target_config.vocab_size * 4,
+        "anchors": anchors, "stride": stride, "queries": anchors * config.drafter.block_size,
+        "logits_bytes": anchors * config.drafter.block_size * target_config.vocab_size * 4,
         "temp_bytes": memory.temp_size_in_bytes, "argument_bytes": memory.argument_size_in_bytes,
         "compile_seconds": time.perf_counter() - start, "config": config, "target_config": target_config,
         "drafter_config": drafter_config,
@@ -94,12 +94,12 @@ def report(results: list[dict], halves: list[dict], args) -> str:
         f"Date: {datetime.date.today().isoformat()}. Machine: {platform.processor() or platform.machine()}, "
         f"jax {jax.__version__}, backend {jax.default_backend()}; abstract compile, nothing allocated.",
         "",
-        f"Shapes: V={target.vocab_size}, H={target.hidden_size}, T={config.seq_len}, block B={config.block_size}, "
-        f"{config.batch_size} row per device; drafter {drafter.num_hidden_layers} layers "
+        f"Shapes: V={target.vocab_size}, H={target.hidden_size}, T={config.data.seq_len}, block B={config.drafter.block_size}, "
+        f"{config.data.batch_size} row per device; drafter {drafter.num_hidden_layers} layers "
         f"{list(drafter.layer_types)} (W={drafter.sliding_window}), {drafter.num_attention_heads}/"
         f"{drafter.num_key_value_heads} heads x {drafter.head_dim}, I={drafter.intermediate_size}, "
-        f"fc {len(drafter.target_layer_ids)}*H; loss_row_chunk={config.loss_row_chunk}, "
-        f"vocab_chunk={config.vocab_chunk}, query_chunk_blocks={config.query_chunk_blocks}; "
+        f"fc {len(drafter.target_layer_ids)}*H; loss_row_chunk={config.loss.row_chunk}, "
+        f"vocab_chunk={config.loss.vocab_chunk}, query_chunk_blocks={config.query_chunk_blocks}; "
         f"target {config.target_dtype}, drafter compute {config.compute_dtype}.",
         f"The target is REDUCED to its first {target.num_hidden_layers} layers "
         f"({', '.join(target.layer_types)}) at the real widths (feature ids {list(drafter.target_layer_ids)}), "

@@ -1,5 +1,5 @@
-"""Qwen3.6-27B (same architecture as Qwen3.5-27B): the target's text-model shapes (qwen_arch.md §3.1/§3.2), and
-the DFlash drafter trained against it (SPEC §11).
+"""Qwen3.6-27B (same architecture as Qwen3.5-27B): the target's text-model shapes (design §8.2, §11), and
+the DFlash drafter trained against it (design §11).
 
 64 layers = 16 × [Gated DeltaNet ×3, gated attention], H=5120, MLP 17408, attention 24/4 heads × 256 (q_proj
 out 12288 with the gate), GDN 16 key / 48 value heads × 128, conv 4, V=248320, RoPE θ=1e7 on the first 25%
@@ -22,11 +22,11 @@ def target_config() -> Qwen3_5Config:
 
 
 def get_config():
-    """SPEC §11 drafter for Qwen3.6-27B: 5 layers ([sliding W=2048] x 4, full), 32/8 heads x 128, I=17408,
+    """design §11 drafter for Qwen3.6-27B: 5 layers ([sliding W=2048] x 4, full), 32/8 heads x 128, I=17408,
     feature ids [1,16,31,46,61], mask token 248070, B=16, γ=7, rope θ 1e7; T=4096 rows with 256 anchors.
 
         python -m dflash_jax.train --config configs/qwen27b.py --workdir /ckpt/dflash-qwen27b \\
-            --config.target_dir=/ckpt/Qwen3.6-27B --config.train_files=/data/train.jsonl
+            --config.target_dir=/ckpt/Qwen3.6-27B --config.data.train_files=/data/train.jsonl
     """
     config = base_config()
     config.drafter.num_hidden_layers = 5
@@ -37,11 +37,11 @@ def get_config():
     config.drafter.layer_types = ("sliding_attention",) * 4 + ("full_attention",)
     config.drafter.sliding_window = 2048
     config.drafter.num_feature_layers = 5
-    config.drafter.target_layer_ids = (1, 16, 31, 46, 61)  # = SPEC §2's default for L = 64
+    config.drafter.target_layer_ids = (1, 16, 31, 46, 61)  # = design §2's default for L = 64
     config.drafter.rope_theta = 1e7  # plain 1-D RoPE on the full head_dim, not the target's partial MRoPE
     config.drafter.mask_token_id = 248070
-    config.block_size = 16
-    config.gamma = 7.0
-    config.seq_len = 4096
-    config.anchor_stride = 16  # N = 256 anchors per row
+    config.drafter.block_size = 16
+    config.loss.gamma = 7.0
+    config.data.seq_len = 4096
+    config.data.anchor_stride = 16  # N = 256 anchors per row
     return config

@@ -1,7 +1,7 @@
 """A tiny CPU configuration: a 2-layer drafter over any small Qwen3 target, short rows, few steps.
 
     python -m dflash_jax.train --config configs/tiny.py --workdir /tmp/dflash-tiny \
-        --config.target_dir=PATH_TO_SMALL_QWEN3 --config.train_files=data.jsonl
+        --config.target_dir=PATH_TO_SMALL_QWEN3 --config.data.train_files=data.jsonl
 """
 
 from dflash_jax.train.config import base_config
@@ -17,14 +17,14 @@ def get_config():
     config.drafter.layer_types = ("sliding_attention", "full_attention")
     config.drafter.sliding_window = 32
     config.drafter.num_feature_layers = 2
-    config.block_size = 8
-    config.gamma = 4.0
-    config.seq_len = 128
-    config.anchor_stride = 8
-    config.batch_size = 4
+    config.drafter.block_size = 8
+    config.loss.gamma = 4.0
+    config.data.seq_len = 128
+    config.data.anchor_stride = 8
+    config.data.batch_size = 4
     config.total_steps = 50
-    config.vocab_chunk = 512
-    config.loss_row_chunk = 64
+    config.loss.vocab_chunk = 512
+    config.loss.row_chunk = 64
     config.query_chunk_blocks = 4
     config.log_every = 5
     config.checkpoint_every = 25

@@ -26,13 +26,13 @@ def get_config(length: str = "demo"):
         raise ValueError(f"configs/toy.py:{length}: unknown length; choose one of {sorted(LENGTHS)}")
     config = base_config()
     config.target_dir = str(ASSETS / "toy_target")
-    config.train_files = (str(ASSETS / "toy_data" / "train.jsonl"),)
-    config.eval_files = (str(ASSETS / "toy_data" / "eval.jsonl"),)
+    config.data.train_files = (str(ASSETS / "toy_data" / "train.jsonl"),)
+    config.data.eval_files = (str(ASSETS / "toy_data" / "eval.jsonl"),)
     # fp32 throughout: the CPU has no fast bf16, and exact comparisons (vLLM, the generator) want fp32.
     config.target_dtype = "float32"
     config.compute_dtype = "float32"
 
-    # The target has 4 layers, too few for SPEC §2's default spread; take the last three (vLLM captures the
+    # The target has 4 layers, too few for design §2's default spread; take the last three (vLLM captures the
     # output of the last layer too). vLLM's CPU attention takes head_dim 32/64/80/96/112/128.
     config.drafter.num_hidden_layers = 2
     config.drafter.num_attention_heads = 4
@@ -42,15 +42,15 @@ def get_config(length: str = "demo"):
     config.drafter.num_feature_layers = 3
     config.drafter.target_layer_ids = (1, 2, 3)
 
-    config.block_size = 8
-    config.gamma = 4.0  # SPEC §6: 4 for B = 8
-    config.seq_len = 384  # a prompt (64-192 tokens) and its completion (<= 128 tokens) fill most of a row
-    config.anchor_stride = 8
-    config.batch_size = 4  # 0.47 s a step on 2 CPU cores
+    config.drafter.block_size = 8
+    config.loss.gamma = 4.0  # design §6: 4 for B = 8
+    config.data.seq_len = 384  # a prompt (64-192 tokens) and its completion (<= 128 tokens) fill most of a row
+    config.data.anchor_stride = 8
+    config.data.batch_size = 4  # 0.47 s a step on 2 CPU cores
     config.total_steps = LENGTHS[length]
-    config.learning_rate = 3e-3
-    config.warmup_ratio = 0.05
-    config.vocab_chunk = 4096
+    config.optim.learning_rate = 3e-3
+    config.optim.warmup_ratio = 0.05
+    config.loss.vocab_chunk = 4096
 
     config.eval_prompts = 64
     config.checkpoint_every = 600

@@ -1,4 +1,4 @@
-"""Export a trained drafter from a training workdir in the z-lab layout vLLM serves (SPEC §10).
+"""Export a trained drafter from a training workdir in the z-lab layout vLLM serves (design §10).
 
     python convert/export_drafter.py --workdir /ckpt/run1 --out /ckpt/run1-dflash [--step N] [--overwrite]
 

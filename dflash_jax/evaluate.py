@@ -1,4 +1,4 @@
-"""Evaluate a drafter (SPEC §9): exact greedy τ, its histogram, per-slot acceptance, DDTree τ, against an
+"""Evaluate a drafter (design §9): exact greedy τ, its histogram, per-slot acceptance, DDTree τ, against an
 untrained baseline; optionally the KV-cached speculative generator's τ and speed against plain greedy.
 
     python -m dflash_jax.evaluate --config configs/qwen3_8b.py --workdir /ckpt/run1 \
@@ -6,7 +6,7 @@ untrained baseline; optionally the KV-cached speculative generator's τ and spee
         [--continuation generate|data] [--max_new_tokens 256] [--budgets 8,22] [--speed] [--config.<key>=...]
 
 The drafter is the latest (or --step) checkpoint of the training workdir, or an exported z-lab directory
-(--drafter). Prompts: JSONL records as for training (default config.eval_files); `generate` continues each
+(--drafter). Prompts: JSONL records as for training (default config.data.eval_files); `generate` continues each
 prompt with the target's own KV-cached greedy decoding (Qwen3 dense targets), `data` uses the record's
 completion / last assistant turn.
 """
@@ -34,14 +34,14 @@ from dflash_jax.models.qwen3 import Qwen3
 from dflash_jax.models.target import load_target
 from dflash_jax.sharding import replicated
 from dflash_jax.train.checkpoint import restore_drafter
-from dflash_jax.train.validate import dtype_of, mesh_from_config
+from dflash_jax.train.validate import dtype_of, exit_on_unknown_overrides, mesh_from_config
 from dflash_jax.weights.drafter_export import load_drafter_dir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The training config file (e.g. configs/tiny.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir: drafter_config.json and checkpoints/.")
 _DRAFTER = flags.DEFINE_string("drafter", None, "An exported drafter directory (z-lab layout) instead of --workdir.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of --workdir (default: the latest).")
-_PROMPTS = flags.DEFINE_list("prompts", None, "JSONL prompt files (default: config.eval_files).")
+_PROMPTS = flags.DEFINE_list("prompts", None, "JSONL prompt files (default: config.data.eval_files).")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Records to evaluate (default: config.eval_prompts).")
 _CONTINUATION = flags.DEFINE_enum("continuation", "generate", ["generate", "data"],
                                   "generate: the target's greedy continuation; data: the record's own.")
@@ -93,9 +93,9 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
     drafter = placed(drafter, drafter_config, compute, replicated(mesh))
     baseline = placed(Drafter(drafter_config, rngs=nnx.Rngs(0)), drafter_config, compute, replicated(mesh))
 
-    files = prompts or config.eval_files
+    files = prompts or config.data.eval_files
     examples = read_examples(files, tokenizer, num_prompts or config.eval_prompts, max_continuation=max_new_tokens,
-                             chat_template_kwargs=config.chat_template_kwargs)
+                             chat_template_kwargs=config.data.chat_template_kwargs)
     stops = stop_token_ids(config.target_dir, tokenizer)
     plain = None
     if continuation == "generate" or speed:
@@ -111,7 +111,7 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
     results = {"target_dir": config.target_dir, "drafter": source, "prompts": list(files),
                "continuation": continuation, "max_new_tokens": max_new_tokens}
     for name, model in (("trained", drafter), ("untrained", baseline)):
-        results[name] = evaluate_drafter(target, model, examples, budgets=budgets, vocab_chunk=config.vocab_chunk)
+        results[name] = evaluate_drafter(target, model, examples, budgets=budgets, vocab_chunk=config.loss.vocab_chunk)
         log(format_result(f"{name} drafter", results[name]))
     if speed:
         speculative = SpeculativeGenerator(target, drafter, **shapes)
@@ -138,4 +138,5 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config"])
+    exit_on_unknown_overrides(sys.argv[1:])
     app.run(main)

@@ -2,7 +2,7 @@
 # Train a DFlash drafter on one GPU host (all its GPUs form the mesh: fsdp over every device by default).
 #
 #   launch/gpu.sh configs/qwen3_8b.py /ckpt/dflash-qwen3-8b \
-#       --config.target_dir=/ckpt/Qwen3-8B --config.train_files=/data/train.jsonl
+#       --config.target_dir=/ckpt/Qwen3-8B --config.data.train_files=/data/train.jsonl
 #
 # Rerun the same command to resume. Installs the project with its CUDA extra on first use.
 # Several hosts: run it on each with JAX_COORDINATOR_ADDRESS=<host 0>:<port>, JAX_NUM_PROCESSES=<hosts> and

@@ -8,7 +8,7 @@
 #
 #   gcloud compute tpus tpu-vm ssh $TPU --zone $ZONE --worker=all --command \
 #     "cd dflash_jax && launch/tpu_vm.sh configs/qwen27b.py /mnt/shared/dflash-27b \
-#        --config.target_dir=/mnt/shared/Qwen3.6-27B-orbax --config.train_files=/mnt/shared/data/train.jsonl"
+#        --config.target_dir=/mnt/shared/Qwen3.6-27B-orbax --config.data.train_files=/mnt/shared/data/train.jsonl"
 #
 # The target is best converted once with convert/hf_to_orbax.py so each chip restores only its shards.
 # Rerun the same command to resume (SIGTERM from a preemption saves a checkpoint first).

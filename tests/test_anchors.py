@@ -1,4 +1,4 @@
-"""The static anchor grid (dflash_jax.data.anchors) against a direct Python loop over the SPEC §4 text."""
+"""The static anchor grid (dflash_jax.data.anchors) against a direct Python loop over the design §4 text."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def random_batch(seq_len: int, stride: int, batch: int, seed: int) -> dict[str, 
 
 
 def reference(batch: dict[str, np.ndarray], stride: int, block_size: int) -> dict[str, np.ndarray]:
-    """SPEC §4 read literally, one anchor and one slot at a time."""
+    """design §4 read literally, one anchor and one slot at a time."""
     rows, seq_len = batch["input_ids"].shape
     n = seq_len // stride
     out = {

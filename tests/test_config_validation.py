@@ -1,5 +1,5 @@
 """Each bad training config fails at start-up with a ConfigError naming its field; defaults resolve from the
-target and tokenizer as SPEC §2/§3/§10 say."""
+target and tokenizer as design §2/§3/§10 say."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from configs import qwen3_8b, qwen27b, tiny
 from dflash_jax.errors import ConfigError
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.qwen3 import Qwen3Config
-from dflash_jax.train.validate import (resolve_drafter_config, validate_batch_layout, validate_config,
+from dflash_jax.train.validate import (check_overrides, resolve_drafter_config, validate_batch_layout, validate_config,
                                       validate_eval_files)
 from tests.tokenizer_fixture import make_chat_tokenizer
 
@@ -31,7 +31,7 @@ TARGET = Qwen3Config(vocab_size=640, hidden_size=64, intermediate_size=96, num_h
 def config(**overrides):
     c = tiny.get_config()
     c.target_dir = "/ckpt/target"
-    c.train_files = ("train.jsonl",)
+    c.data.train_files = ("train.jsonl",)
     for key, value in overrides.items():
         node = c
         *parents, leaf = key.split(".")
@@ -43,22 +43,22 @@ def config(**overrides):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"target_dir": None}, "config.target_dir is required"),
-    ({"train_files": None}, "config.train_files is required"),
-    ({"block_size": 1}, "config.block_size must be >= 2"),
-    ({"seq_len": 100, "anchor_stride": 8}, "config.seq_len (100) must be a multiple of config.anchor_stride (8)"),
-    ({"seq_len": 8, "anchor_stride": 8, "block_size": 16}, "config.seq_len (8) must be >= config.block_size (16)"),
-    ({"gamma": 0.0}, "config.gamma must be > 0"),
-    ({"gamma": -4.0}, "config.gamma must be > 0"),
+    ({"data.train_files": None}, "config.data.train_files is required"),
+    ({"drafter.block_size": 1}, "config.drafter.block_size must be >= 2"),
+    ({"data.seq_len": 100, "data.anchor_stride": 8}, "config.data.seq_len (100) must be a multiple of config.data.anchor_stride (8)"),
+    ({"data.seq_len": 8, "data.anchor_stride": 8, "drafter.block_size": 16}, "config.data.seq_len (8) must be >= config.drafter.block_size (16)"),
+    ({"loss.gamma": 0.0}, "config.loss.gamma must be > 0"),
+    ({"loss.gamma": -4.0}, "config.loss.gamma must be > 0"),
     ({"drafter.layer_types": ("full_attention",) * 3}, "config.drafter.layer_types has 3 entries but "
                                                        "config.drafter.num_hidden_layers is 2"),
     ({"drafter.layer_types": ("full_attention", "local")}, "config.drafter.layer_types has unknown types ['local']"),
     ({"drafter.sliding_window": None}, "config.drafter.sliding_window is None"),
-    ({"labels": "soft"}, "config.labels must be one of ('target', 'data'), got 'soft'"),
+    ({"loss.labels": "soft"}, "config.loss.labels must be one of ('target', 'data'), got 'soft'"),
     ({"attention_impl": "flash"}, "config.attention_impl must be one of ('auto', 'splash', 'xla'), got 'flash'"),
-    ({"batch_size": 6, "grad_accum_steps": 4}, "config.batch_size (6) must be a multiple of config.grad_accum_steps"),
+    ({"data.batch_size": 6, "grad_accum_steps": 4}, "config.data.batch_size (6) must be a multiple of config.grad_accum_steps"),
     ({"compute_dtype": "float64"}, "config.compute_dtype must be one of"),
-    ({"noise_std": -0.1}, "config.noise_std must be >= 0"),
-    ({"warmup_ratio": 1.0}, "config.warmup_ratio must lie in [0, 1)"),
+    ({"loss.noise_std": -0.1}, "config.loss.noise_std must be >= 0"),
+    ({"optim.warmup_ratio": 1.0}, "config.optim.warmup_ratio must lie in [0, 1)"),
 ])
 def test_static_config_errors_name_their_field(overrides, message):
     with pytest.raises(ConfigError) as error:
@@ -91,15 +91,15 @@ def test_target_dependent_errors_name_their_field(overrides, message):
 
 
 def test_evaluation_during_training_needs_eval_files():
-    validate_eval_files(config(eval_every=100, eval_files=("eval.jsonl",)))
-    with pytest.raises(ConfigError, match="config.eval_every = 100 needs config.eval_files"):
+    validate_eval_files(config(eval_every=100, **{"data.eval_files": ("eval.jsonl",)}))
+    with pytest.raises(ConfigError, match="config.eval_every = 100 needs config.data.eval_files"):
         validate_eval_files(config(eval_every=100))
 
 
 def test_batch_must_split_over_the_batch_mesh_axes():
-    validate_batch_layout(config(batch_size=8, grad_accum_steps=2), 4)
+    validate_batch_layout(config(grad_accum_steps=2, **{"data.batch_size": 8}), 4)
     with pytest.raises(ConfigError, match=r"4 rows per micro-batch must be a multiple of the mesh's data x fsdp"):
-        validate_batch_layout(config(batch_size=8, grad_accum_steps=2), 8)
+        validate_batch_layout(config(grad_accum_steps=2, **{"data.batch_size": 8}), 8)
 
 
 def test_mask_token_defaults_to_the_tokenizers_then_the_first_unused_row():
@@ -134,7 +134,7 @@ def test_drafter_defaults_come_from_the_target():
     resolved = resolve_drafter_config(config(), TARGET, make_chat_tokenizer())
     assert resolved.hidden_size == 64 and resolved.intermediate_size == 96
     assert resolved.rope_theta == 1e6 and resolved.rope_scaling is None
-    assert resolved.target_layer_ids == (1, 9)  # SPEC §2 spread for L = 12, n = 2
+    assert resolved.target_layer_ids == (1, 9)  # design §2 spread for L = 12, n = 2
     assert (resolved.num_target_layers, resolved.vocab_size, resolved.max_position_embeddings) == (12, 640, 512)
     assert resolved.block_size == 8 and resolved.layer_types == ("sliding_attention", "full_attention")
 
@@ -142,7 +142,7 @@ def test_drafter_defaults_come_from_the_target():
 def test_shipped_configs_validate():
     for module in (tiny, qwen3_8b, qwen27b):
         c = module.get_config()
-        c.target_dir, c.train_files = "/ckpt/target", ("train.jsonl",)
+        c.target_dir, c.data.train_files = "/ckpt/target", ("train.jsonl",)
         validate_config(c)
 
 
@@ -155,17 +155,44 @@ def test_qwen27b_drafter_is_the_spec_one():
     assert (resolved.block_size, resolved.rope_theta, resolved.rope_scaling) == (16, 1e7, None)
     drafter = nnx.eval_shape(lambda: Drafter(resolved, rngs=nnx.Rngs(0)))
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
-    assert abs(params / 1e9 - 1.73) < 0.01, params  # SPEC §11: ≈1.73 B
+    assert abs(params / 1e9 - 1.73) < 0.01, params  # design §11: ≈1.73 B
 
 
 def test_cli_reports_a_config_error_as_one_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"),
-         "--workdir", str(tmp_path), "--config.target_dir=/nonexistent", "--config.train_files=x.jsonl",
-         "--config.block_size=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+         "--workdir", str(tmp_path), "--config.target_dir=/nonexistent", "--config.data.train_files=x.jsonl",
+         "--config.drafter.block_size=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
-    assert "error: config.block_size must be >= 2" in result.stderr
+    assert "error: config.drafter.block_size must be >= 2" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_unknown_or_renamed_override_names_the_field_to_use():
+    check_overrides(["--workdir=x", "--config.loss.gamma=4", "--config.mesh.fsdp", "2", "--config.optim.name=adamw"])
+    with pytest.raises(ConfigError, match=r"^config.seq_len is now config.data.seq_len "):
+        check_overrides(["--config.seq_len=64"])
+    with pytest.raises(ConfigError, match=r"^config.loss.gama is not a config field; did you mean config.loss.gamma\?"):
+        check_overrides(["--config.loss.gama=4"])
+    with pytest.raises(ConfigError, match=r"^config.no_such_thing is not a config field \(fields are listed in "):
+        check_overrides(["--config.no_such_thing=1"])
+
+
+def test_a_config_file_with_an_old_field_name_is_refused():
+    old = config()
+    old.learning_rate = 1e-3  # a config file written before the fields were grouped
+    with pytest.raises(ConfigError, match=r"^config.learning_rate is now config.optim.learning_rate "):
+        validate_config(old)
+
+
+def test_cli_reports_an_unknown_override_as_one_line(tmp_path):
+    for module in ("dflash_jax.train", "dflash_jax.evaluate"):
+        result = subprocess.run(
+            [sys.executable, "-m", module, "--config", str(REPO / "configs" / "tiny.py"), "--workdir", str(tmp_path),
+             "--config.batch_size=2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, (module, result.stderr)
+        assert result.stderr.strip() == ("error: config.batch_size is now config.data.batch_size (fields are grouped: "
+                                         "drafter, data, loss, optim, mesh)")
 
 
 def test_a_workdir_refuses_a_different_drafter(tmp_path):
@@ -174,6 +201,6 @@ def test_a_workdir_refuses_a_different_drafter(tmp_path):
     resolved = resolve_drafter_config(config(), TARGET, make_chat_tokenizer())
     _write_drafter_config(tmp_path / "drafter_config.json", resolved)
     _write_drafter_config(tmp_path / "drafter_config.json", resolved)  # the same drafter: a resume
-    other = resolve_drafter_config(config(block_size=4), TARGET, make_chat_tokenizer())
+    other = resolve_drafter_config(config(**{"drafter.block_size": 4}), TARGET, make_chat_tokenizer())
     with pytest.raises(ConfigError, match=r"records a different drafter .*'block_size': \(8, 4\)"):
         _write_drafter_config(tmp_path / "drafter_config.json", other)

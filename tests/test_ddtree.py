@@ -1,4 +1,4 @@
-"""DDTree construction and verification (reference §8.3) against a brute-force construction, and its
+"""DDTree construction and verification (design §9.2) against a brute-force construction, and its
 reduction to block drafting with one candidate per depth."""
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def test_exported_toy_drafter_reloads_with_the_trained_weights(demo):
     trained_params, loaded_params = (nnx.state(m, nnx.Param).flat_state() for m in (trained, loaded))
     for (path, ours), (loaded_path, exported) in zip(trained_params, loaded_params):
         assert path == loaded_path
-        # The export stores bf16 (SPEC §10): the reloaded weights are the trained ones rounded to bf16.
+        # The export stores bf16 (design §10): the reloaded weights are the trained ones rounded to bf16.
         np.testing.assert_array_equal(np.asarray(ours[...].astype(jnp.bfloat16).astype(jnp.float32)),
                                       np.asarray(exported[...]))
 

@@ -19,7 +19,7 @@ from dflash_jax.models.drafter import (
 )
 from dflash_jax.ops.mask import AnchorGrid
 from dflash_jax.sharding import make_mesh, state_shardings
-from dflash_jax.weights.drafter_export import zlab_config  # the config.json the export writes (SPEC §10)
+from dflash_jax.weights.drafter_export import zlab_config  # the config.json the export writes (design §10)
 from tests.torch_reference import ReferenceDrafter, block_ids, reference_logits
 
 SEQ_LEN, BLOCK, HIDDEN, VOCAB, MASK_ID, PAD = 24, 4, 32, 50, 49, -1
@@ -115,7 +115,7 @@ def test_torch_layout_round_trip_and_strict_names():
 
 
 def test_fc_reads_all_feature_layers():
-    """fc takes n*H inputs (SPEC §12.1): every feature layer's columns change the output; wrong widths fail."""
+    """fc takes n*H inputs (design §12.1): every feature layer's columns change the output; wrong widths fail."""
     config = make_config()
     drafter = Drafter(config, rngs=nnx.Rngs(0))
     n = len(config.target_layer_ids)

@@ -28,8 +28,8 @@ def setup(tmp_path_factory):
     base = tmp_path_factory.mktemp("evaluate")
     target_dir = make_target(base / "target")
     corpus = write_corpus(base / "eval.jsonl", count=5)
-    config = tiny_config(target_dir, corpus, eval_files=(str(corpus),), eval_prompts=3,
-                         **{"drafter.target_layer_ids": (1, 3)})
+    config = tiny_config(target_dir, corpus, eval_prompts=3,
+                         **{"data.eval_files": (str(corpus),), "drafter.target_layer_ids": (1, 3)})
     _, target_config = load_target(target_dir)
     drafter_config = validate.resolve_drafter_config(config, target_config, AutoTokenizer.from_pretrained(target_dir))
     export = export_drafter(Drafter(drafter_config, rngs=nnx.Rngs(1)), drafter_config, base / "export")
@@ -39,8 +39,8 @@ def setup(tmp_path_factory):
 def test_examples_split_at_the_last_trained_span(setup):
     config, _, _ = setup
     tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
-    examples = read_examples(config.eval_files, tokenizer, limit=2, max_continuation=4)
-    records = [json.loads(line) for line in open(config.eval_files[0])][:2]
+    examples = read_examples(config.data.eval_files, tokenizer, limit=2, max_continuation=4)
+    records = [json.loads(line) for line in open(config.data.eval_files[0])][:2]
     assert len(examples) == 2
     for example, record in zip(examples, records):
         assert tokenizer.decode(example.prompt_ids) == record["prompt"]

@@ -1,4 +1,4 @@
-"""Exact greedy τ (SPEC §9): the walk and its statistics on hand-built drafts, and equality with the τ the
+"""Exact greedy τ (design §9): the walk and its statistics on hand-built drafts, and equality with the τ the
 KV-cached speculative generator measures, for a briefly trained drafter whose drafts are partly accepted."""
 
 from __future__ import annotations

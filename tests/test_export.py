@@ -1,4 +1,4 @@
-"""Drafter export (SPEC §10): real files checked name by name and field by field, loaded strictly into the
+"""Drafter export (design §10): real files checked name by name and field by field, loaded strictly into the
 independent PyTorch reference, imported back into NNX, and the export CLI's errors."""
 
 from __future__ import annotations

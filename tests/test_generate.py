@@ -1,4 +1,4 @@
-"""The KV-cached target, the drafter's context cache and the speculative generator (SPEC §9, reference §8.1).
+"""The KV-cached target, the drafter's context cache and the speculative generator (design §9.3).
 
 CPU, fp32, a tiny random Qwen3 target (tests/hf_fixtures.py) and a tiny random drafter with a sliding and a
 full attention layer. Exact τ against the generator, with a trained drafter, is in test_exact_tau.py.

@@ -1,4 +1,4 @@
-"""The SPEC §5 mask: the dense oracle against the loop definition, its invariants, and the chunked XLA
+"""The design §5 mask: the dense oracle against the loop definition, its invariants, and the chunked XLA
 attention against dense attention under the oracle (values, gradients, and the arrays it builds)."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_mask_invariants(grid, window):
     B = grid.block_size
     for j, anchor in enumerate(grid.anchors):
         rows = slice(j * B, (j + 1) * B)
-        # Strict p < a: nothing at or after the anchor's own position (SPEC §12.4).
+        # Strict p < a: nothing at or after the anchor's own position (design §12.4).
         assert not context[:, rows, anchor:].any()
         own_block = blocks[:, rows, rows]
         expected_block = np.ones((B, B), bool) if window is None else np.tril(np.ones((B, B), bool))

@@ -24,9 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
 # The same run for both launches. Two micro-batches of four rows, one row per device each, and feature noise:
 # the rows each process feeds and the RNG must both line up with the single-process run.
-SETTINGS = {"compute_dtype": "float32", "seq_len": 64, "anchor_stride": 8, "block_size": 8,
-            "drafter.sliding_window": 24, "loss_row_chunk": 24, "vocab_chunk": 200, "batch_size": 8,
-            "grad_accum_steps": 2, "noise_std": 0.1, "total_steps": STEPS, "log_every": 1, "checkpoint_every": 2}
+SETTINGS = {"compute_dtype": "float32", "data.seq_len": 64, "data.anchor_stride": 8, "drafter.block_size": 8,
+            "drafter.sliding_window": 24, "loss.row_chunk": 24, "loss.vocab_chunk": 200, "data.batch_size": 8,
+            "grad_accum_steps": 2, "loss.noise_std": 0.1, "total_steps": STEPS, "log_every": 1, "checkpoint_every": 2}
 
 
 def free_port() -> int:
@@ -38,10 +38,10 @@ def free_port() -> int:
 def launch_two_processes(target_dir: Path, train_file: Path, workdir: Path) -> list[str]:
     """Runs the train CLI (with evaluation) as processes 0 and 1 of one run; returns their outputs."""
     command = [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"),
-               "--workdir", str(workdir), f"--config.target_dir={target_dir}", f"--config.train_files={train_file}",
+               "--workdir", str(workdir), f"--config.target_dir={target_dir}", f"--config.data.train_files={train_file}",
                *(f"--config.{key}={value}" for key, value in SETTINGS.items()),
                # Exact τ at the last step too: its forward runs on the mesh of both processes.
-               f"--config.eval_files={train_file}", f"--config.eval_every={STEPS}", "--config.eval_prompts=2"]
+               f"--config.data.eval_files={train_file}", f"--config.eval_every={STEPS}", "--config.eval_prompts=2"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",  # CPU collectives across processes
                JAX_DISABLE_MOST_OPTIMIZATIONS="1", PYTHONPATH=str(REPO),

@@ -164,7 +164,7 @@ def test_compile_time_does_not_grow_with_depth():
     assert timings[1] < 3 * timings[0] + 0.5, f"compile 2 layers {timings[0]:.2f}s, 16 layers {timings[1]:.2f}s"
 
 
-QWEN3_8B_CONFIG = {  # reference/qwen_arch.md §2.1, legacy top-level rope keys
+QWEN3_8B_CONFIG = {  # Qwen3-8B's config.json (design §11), legacy top-level rope keys
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 128,
     "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288, "max_position_embeddings": 40960,
     "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,

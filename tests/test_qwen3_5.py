@@ -25,7 +25,7 @@ from dflash_jax.weights.hf_qwen3_5 import load_qwen3_5
 
 LIN, FULL = LINEAR_ATTENTION, FULL_ATTENTION
 
-# qwen_arch.md §6: value/key head ratio 3 like the 27B, two periods of [GDN, GDN, GDN, attention].
+# Value/key head ratio 3 like the 27B, two periods of [GDN, GDN, GDN, attention].
 TEXT_CONFIG = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
     num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
@@ -39,7 +39,7 @@ VISION_CONFIG = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Every weight random, norms included: 1p-norm weights away from 0 and the gated norm away from 1, so
-    `w` vs `1 + w` mistakes cannot hide (qwen_arch.md §6). Matrices use HF's initializer_range 0.02: larger
+    `w` vs `1 + w` mistakes cannot hide. Matrices use HF's initializer_range 0.02: larger
     random weights make this 8-layer net so sensitive that HF's own fp32 drifts ~1e-4 from a float64
     reference, which would leave no margin for the 1e-4 check."""
     generator = torch.Generator().manual_seed(seed)
@@ -177,7 +177,7 @@ def test_27b_abstract_parameter_count():
     leaves = jax.tree.leaves(nnx.state(abstract))
     assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)  # nothing allocated
     count = sum(int(np.prod(leaf.shape)) for leaf in leaves)
-    assert count == 26_895_998_464  # qwen_arch.md §3.2, from a meta-device HF instantiation
+    assert count == 26_895_998_464  # design §11, from a meta-device HF instantiation
     for path, sharding in nnx.to_flat_state(state_shardings(nnx.state(abstract), make_mesh(1, 4, 2))):
         axes = [axis for axis in sharding.get_value().spec if axis is not None]
         assert len(axes) == len(set(axes)), (path, sharding.get_value().spec)  # no mesh axis used twice

@@ -1,4 +1,4 @@
-"""The splash backend of the SPEC §5 attention (Pallas interpreter on CPU) against the dense oracle: values and
+"""The splash backend of the design §5 attention (Pallas interpreter on CPU) against the dense oracle: values and
 gradients, padding, the tiles it skips, backend resolution, and the drafter on splash vs xla."""
 
 from __future__ import annotations

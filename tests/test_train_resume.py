@@ -28,7 +28,8 @@ def files(tmp_path_factory):
 
 
 def test_stop_at_step_10_and_rerun_matches_a_straight_run(files, tmp_path):
-    config = tiny_config(*files, total_steps=20, log_every=1, checkpoint_every=100, eval_every=10, noise_std=0.1)
+    config = tiny_config(*files, total_steps=20, log_every=1, checkpoint_every=100, eval_every=10,
+                         **{"loss.noise_std": 0.1})
 
     def preempt_once(step, drafter, target):
         """Stands in for the scheduler: SIGTERM to ourselves after step 10 (handled by the loop's flag)."""
@@ -62,8 +63,8 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(files, tmp_path):
     target_dir, train_file = files
     workdir = tmp_path / "run"
     command = [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"),
-               "--workdir", str(workdir), f"--config.target_dir={target_dir}", f"--config.train_files={train_file}",
-               "--config.seq_len=64", "--config.block_size=8", "--config.drafter.sliding_window=24",
+               "--workdir", str(workdir), f"--config.target_dir={target_dir}", f"--config.data.train_files={train_file}",
+               "--config.data.seq_len=64", "--config.drafter.block_size=8", "--config.drafter.sliding_window=24",
                "--config.log_every=1", "--config.checkpoint_every=1000", "--config.mesh.fsdp=1"]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_DISABLE_MOST_OPTIMIZATIONS="1",
                PYTHONPATH=str(REPO))

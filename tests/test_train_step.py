@@ -39,11 +39,11 @@ def to_numpy(tree):
 
 
 def reference_loss(setup, params, batch):
-    """SPEC §4 + §6 written out densely in NumPy: every slot's label, mask and weight, full [V] logits."""
+    """design §4 + §6 written out densely in NumPy: every slot's label, mask and weight, full [V] logits."""
     config, drafter_config = setup.config, setup.drafter_config
-    grid = AnchorGrid(config.seq_len, config.anchor_stride, config.block_size)
+    grid = AnchorGrid(config.data.seq_len, config.data.anchor_stride, config.drafter.block_size)
     ids, pos, seg, lm = (np.asarray(batch[k]) for k in ("input_ids", "positions", "segment_ids", "loss_mask"))
-    rows, length, block = ids.shape[0], config.seq_len, config.block_size
+    rows, length, block = ids.shape[0], config.data.seq_len, config.drafter.block_size
     target = nnx.merge(*nnx.split(setup.target))
     out = target(jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg), drafter_config.target_layer_ids)
     target_logits = np.asarray(target.logits(out.hidden))  # [rows, T, V], all of it
@@ -66,10 +66,10 @@ def reference_loss(setup, params, batch):
                 p = a + k
                 if not (valid and p < length and seg[r, p] == seg[r, a] and lm[r, p] == 1):
                     continue
-                label = np.argmax(target_logits[r, p - 1]) if config.labels == "target" else ids[r, p]
+                label = np.argmax(target_logits[r, p - 1]) if config.loss.labels == "target" else ids[r, p]
                 z = logits[r, j, k]
                 ce = np.log(np.sum(np.exp(z - z.max()))) + z.max() - z[label]
-                total += np.exp(-(k - 1) / config.gamma) * ce
+                total += np.exp(-(k - 1) / config.loss.gamma) * ce
                 count += 1
                 slot_correct[k] += np.argmax(z) == label
                 slot_count[k] += 1
@@ -79,7 +79,7 @@ def reference_loss(setup, params, batch):
 @pytest.mark.parametrize("target_kind, labels", [("qwen3", "target"), ("qwen3", "data"), ("qwen3_5", "target")])
 def test_step_loss_equals_dense_numpy_loss(files, hybrid_target, target_kind, labels):
     target_dir = hybrid_target if target_kind == "qwen3_5" else files[0]
-    setup = build(tiny_config(target_dir, files[1], labels=labels), mesh_of())
+    setup = build(tiny_config(target_dir, files[1], **{"loss.labels": labels}), mesh_of())
     batch = next(setup.loader)
     params = jax.tree.map(jnp.copy, setup.state.params)  # the step donates the state it is given
     _, metrics = setup.step.train_step(setup.state, setup.target_state, put_batch(batch, setup.mesh))
@@ -93,7 +93,7 @@ def test_step_loss_equals_dense_numpy_loss(files, hybrid_target, target_kind, la
 
 def test_noise_never_touches_labels_and_only_the_drafter_trains(files):
     clean = build(tiny_config(*files), mesh_of())
-    noisy = build(tiny_config(*files, noise_std=0.5), mesh_of())
+    noisy = build(tiny_config(*files, **{"loss.noise_std": 0.5}), mesh_of())
     batch = put_batch(next(clean.loader), clean.mesh)
     outputs = {}
     for name, setup in (("clean", clean), ("noisy", noisy)):
@@ -147,7 +147,7 @@ def test_gradient_accumulation_matches_the_full_batch(files, hybrid_target, targ
 
 
 def test_schedule_warms_up_linearly_then_decays_to_zero(files):
-    config = tiny_config(*files, total_steps=100, warmup_ratio=0.04, learning_rate=1e-3)
+    config = tiny_config(*files, total_steps=100, **{"optim.warmup_ratio": 0.04, "optim.learning_rate": 1e-3})
     schedule = learning_rate_schedule(config)
     assert float(schedule(0)) == 0.0
     np.testing.assert_allclose(float(schedule(2)), 5e-4, rtol=1e-6)

@@ -1,7 +1,7 @@
-"""An independent plain-PyTorch DFlash drafter (SPEC §3) and mask (SPEC §5), written from the SPEC text.
+"""An independent plain-PyTorch DFlash drafter (design §3) and mask (design §5), written from the text of docs/design.md.
 
 It is the numerical reference for the JAX drafter and, later, for exported drafters: its parameter names are
-the z-lab export names of SPEC §10 in PyTorch [out, in] layout, so `load_state_dict(strict=True)` checks an
+the z-lab export names of design §10 in PyTorch [out, in] layout, so `load_state_dict(strict=True)` checks an
 exported state dict name by name and shape by shape. The mask is built one (query, key) pair at a time.
 The embedding and LM head are the target's, passed in (the drafter has none).
 """
@@ -123,7 +123,7 @@ class Layer(nn.Module):
 
 
 class ReferenceDrafter(nn.Module):
-    """DFlash drafter from a z-lab style config mapping (the keys of SPEC §10's config.json)."""
+    """DFlash drafter from a z-lab style config mapping (the keys of design §10's config.json)."""
 
     def __init__(self, config: Mapping):
         super().__init__()

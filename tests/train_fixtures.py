@@ -72,15 +72,15 @@ def tiny_config(target_dir: Path, train_file: Path, **overrides) -> ConfigDict:
     """configs/tiny.py on 64-token rows (8 anchors of 8 slots), fp32 everywhere so results are exact."""
     config = tiny.get_config()
     config.target_dir = str(target_dir)
-    config.train_files = (str(train_file),)
+    config.data.train_files = (str(train_file),)
     config.target_dtype = "float32"
     config.compute_dtype = "float32"
-    config.seq_len = 64
-    config.anchor_stride = 8
-    config.block_size = 8
+    config.data.seq_len = 64
+    config.data.anchor_stride = 8
+    config.drafter.block_size = 8
     config.drafter.sliding_window = 24
-    config.loss_row_chunk = 24  # not a divisor of N*B = 64: exercises the padded last chunk
-    config.vocab_chunk = 200  # not a divisor of V = 640: exercises the remainder chunk
+    config.loss.row_chunk = 24  # not a divisor of N*B = 64: exercises the padded last chunk
+    config.loss.vocab_chunk = 200  # not a divisor of V = 640: exercises the remainder chunk
     config.mesh = ConfigDict(dict(data=1, fsdp=1, tensor=1))
     for key, value in overrides.items():
         target = config
@@ -134,8 +134,8 @@ def build(config: ConfigDict, mesh: Mesh) -> Setup:
     state = init_train_state(drafter_config, config, attention_impl, spec)
     target_graphdef, target_state = nnx.split(target)
     step = make_step(config, drafter_config, spec, target_graphdef, state_shardings(target_state, mesh), mesh)
-    loader = BatchLoader(config.train_files, tokenizer, seq_len=config.seq_len, anchor_stride=config.anchor_stride,
-                         batch_size=config.batch_size, seed=config.shuffle_seed)
+    loader = BatchLoader(config.data.train_files, tokenizer, seq_len=config.data.seq_len, anchor_stride=config.data.anchor_stride,
+                         batch_size=config.data.batch_size, seed=config.data.shuffle_seed)
     return Setup(config, mesh, target, target_state, drafter_config, spec, state, step, loader)
 
 

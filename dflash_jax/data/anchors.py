@@ -1,4 +1,4 @@
-"""The static anchor grid and its per-row masks (SPEC §4), in jax.numpy so they run inside a jitted step.
+"""The static anchor grid and its per-row masks (design §4), in jax.numpy so they run inside a jitted step.
 
 Anchors sit at a_j = j*S for j < N = T/S in every row; the loader's phase shift moves the content instead of
 the grid, so everything indexed by anchors here has static shapes. Inputs are [batch, T] arrays (NumPy or

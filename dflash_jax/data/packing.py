@@ -1,4 +1,4 @@
-"""Greedy packing of documents into rows, and placing a row's content at its anchor-grid phase (SPEC §4).
+"""Greedy packing of documents into rows, and placing a row's content at its anchor-grid phase (design §4).
 
 A row of T tokens holds content of at most `capacity = T - (S - 1)` tokens, so that shifting it right by any
 phase p in [0, S) still fits. Documents are never split across rows when they fit in one: a document that

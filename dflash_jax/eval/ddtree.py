@@ -1,4 +1,4 @@
-"""DDTree draft trees (Ringel & Romano, arXiv 2604.12989; reference §8.3) and their greedy verification.
+"""DDTree draft trees (Ringel & Romano, arXiv 2604.12989; design §9.2) and their greedy verification.
 
 One DFlash forward gives a marginal distribution per draft depth (slot k = depth k). The tree takes the top-k
 tokens of every depth and grows best-first: a heap keyed by the accumulated path log-prob, seeded with the

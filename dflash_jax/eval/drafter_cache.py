@@ -4,7 +4,7 @@ Reference §8.1 (z-lab `dflash_generate`): each layer's context K/V = k_norm/RoP
 v_proj(ctx), ctx = hidden_norm(fc(features)), are computed once per committed position and kept; the
 block's own K/V are used for one draft and discarded. The block at anchor `start` (the bonus token, whose
 target features do not exist yet) sees context columns p < start (and p > start + k - W on sliding layers)
-and its own slots, by the same mask rules as training (`ops/mask.py`, SPEC §5). This runs the Drafter's own
+and its own slots, by the same mask rules as training (`ops/mask.py`, design §5). This runs the Drafter's own
 submodules, so it is numerically the `Drafter.__call__` of one anchor; tests/test_generate.py checks it.
 """
 

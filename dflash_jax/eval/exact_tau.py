@@ -1,4 +1,4 @@
-"""Exact greedy acceptance length τ without a KV cache (SPEC §9; reference §8.2 for τ, §8.3 for DDTree).
+"""Exact greedy acceptance length τ without a KV cache (design §9.1; §9.2 for DDTree).
 
 For one response = prompt (positions 0..n-1) + the target's greedy continuation (n..L-1):
   1. the target runs once over the whole text (features, and its own greedy tokens as a check);

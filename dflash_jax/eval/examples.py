@@ -1,5 +1,5 @@
 """Evaluation examples: (prompt, continuation) token ids from JSONL records, and the target's own greedy
-continuations of their prompts (SPEC §9).
+continuations of their prompts (design §9).
 
 A record is tokenized exactly as for training (`data.tokenize_record`); its continuation is the last
 trained span (the completion, or the last assistant turn) and its prompt is everything before it.
@@ -24,7 +24,7 @@ def read_examples(files: Sequence[str | os.PathLike], tokenizer: PreTrainedToken
                   max_continuation: int | None = None, chat_template_kwargs: dict | None = None) -> list[Example]:
     """The first `limit` records of the JSONL files, in file order; continuations cut to max_continuation."""
     if not files:
-        raise DataError("evaluation prompts", "no JSONL files given (--prompts, or config.eval_files)")
+        raise DataError("evaluation prompts", "no JSONL files given (--prompts, or config.data.eval_files)")
     examples = []
     for path in files:
         with open(path, encoding="utf-8") as f:

@@ -1,4 +1,4 @@
-"""Greedy speculative decoding with a KV-cached Qwen3 target and a DFlash drafter (SPEC §9, reference §8.1).
+"""Greedy speculative decoding with a KV-cached Qwen3 target and a DFlash drafter (design §9.3).
 
 One loop serves both modes, so their speeds are comparable: with a drafter each step drafts a block and the
 target verifies [bonus, d1..d_{B-1}] in one forward; without one the block is just [bonus] (plain greedy
@@ -162,7 +162,7 @@ def generator_shapes(prompt_lengths: Sequence[int], max_new_tokens: int, block_s
 def benchmark(plain: SpeculativeGenerator, speculative: SpeculativeGenerator, prompts: Sequence[Sequence[int]],
               max_new_tokens: int, stop_token_ids: Sequence[int] = ()
               ) -> tuple[dict, list[Generation], list[Generation]]:
-    """Plain greedy vs speculative decoding on the same prompts with the same code (reference §8.2).
+    """Plain greedy vs speculative decoding on the same prompts with the same code (design §9.3).
 
     Returns (report, plain generations, speculative generations). Report: τ (mean over responses of the
     mean acceptance length), decode tokens/s of each mode (prefill excluded), speedup = mean plain TPOT /

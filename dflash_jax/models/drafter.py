@@ -1,7 +1,7 @@
-"""The DFlash drafter (SPEC §3): Qwen3 decoder layers whose keys/values also cover the fused target context.
+"""The DFlash drafter (design §3): Qwen3 decoder layers whose keys/values also cover the fused target context.
 
 ctx = hidden_norm(fc(concat of the n target feature layers)) is computed once and feeds every layer's own
-k_proj/v_proj (never input_layernorm). Queries are the block tokens only; the mask is SPEC §5. The drafter
+k_proj/v_proj (never input_layernorm). Queries are the block tokens only; the mask is design §5. The drafter
 owns no embedding or LM head: the caller embeds block ids and applies lm_head with the frozen target's.
 """
 
@@ -27,7 +27,7 @@ ATTENTION_IMPLS = {"xla": dflash_attention, "splash": dflash_attention_splash}
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
-    """SPEC §2: round(1 + i*(L-4)/(n-1)) for i < n (Python round, half to even), or (L//2,) when n = 1."""
+    """design §2: round(1 + i*(L-4)/(n-1)) for i < n (Python round, half to even), or (L//2,) when n = 1."""
     if n < 1:
         raise ValueError(f"the number of feature layers must be >= 1, got {n}")
     if n == 1:
@@ -37,7 +37,7 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DrafterConfig:
-    """Architecture of a drafter: everything the z-lab export's config.json records (SPEC §10)."""
+    """Architecture of a drafter: everything the z-lab export's config.json records (design §10)."""
 
     hidden_size: int
     intermediate_size: int
@@ -171,7 +171,7 @@ class DrafterLayer(nnx.Module):
 
 
 class Drafter(nnx.Module):
-    """fc + hidden_norm over the target features, the decoder layers, and the final norm (SPEC §3).
+    """fc + hidden_norm over the target features, the decoder layers, and the final norm (design §3).
 
     param_dtype: storage dtype of the weights (fp32 master weights by default); dtype: compute dtype
     (defaults to param_dtype). attention_impl picks the §5 attention backend: "xla", "splash", or "auto"
@@ -239,7 +239,7 @@ def _torch_name(path: tuple) -> tuple[str, bool]:
 
 
 def drafter_to_torch_layout(drafter: Drafter) -> dict[str, np.ndarray]:
-    """Every trained weight under its z-lab export name (SPEC §10), Linear weights in PyTorch [out, in]."""
+    """Every trained weight under its z-lab export name (design §10), Linear weights in PyTorch [out, in]."""
     tensors = {}
     for path, param in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
         name, is_kernel = _torch_name(path)

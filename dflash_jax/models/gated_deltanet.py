@@ -1,5 +1,5 @@
 """Gated DeltaNet, the linear-attention mixer of Qwen3.5/3.6 (transformers `Qwen3_5GatedDeltaNet` in
-models/qwen3_5/modeling_qwen3_5.py; math in qwen_arch.md §4.4).
+models/qwen3_5/modeling_qwen3_5.py; math in design §8.3).
 
 x → in_proj_qkv → causal depthwise conv (K=4) + SiLU → q, k, v heads; q, k L2-normalised (eps added to Σx²),
 q scaled by dk^-0.5, key heads repeat-interleaved onto value heads; β = sigmoid(in_proj_b x);

@@ -1,7 +1,7 @@
 """Qwen3.5/3.6 hybrid target (transformers models/qwen3_5/modeling_qwen3_5.py, text model) in Flax NNX.
 
 Layers follow `layer_types`: Gated DeltaNet (`gated_deltanet.py`) or gated full attention, each followed by a
-SwiGLU MLP, with zero-centred (1+w) RMSNorms throughout (qwen_arch.md §4). layer_types is a repetition of a
+SwiGLU MLP, with zero-centred (1+w) RMSNorms throughout (design §8.2). layer_types is a repetition of a
 period (27B: 16 × [GDN, GDN, GDN, attention]); the layers at each position of the period are stacked along a
 leading `layers` axis and one `nnx.scan` step runs one period, so compile time is that of one period whatever
 the depth. Requested feature layers are captured inside the scan into a small [n, B, T, H] buffer. The

@@ -114,7 +114,7 @@ class Qwen3_5Config:
 def _rope_settings(text: Mapping) -> tuple[float, float]:
     """(rope_theta, partial_rotary_factor) from `rope_parameters` (transformers v5) or the older top-level
     `rope_theta` / `partial_rotary_factor` / `rope_scaling`. mRoPE sections are ignored: for text-only input
-    interleaved mRoPE is exactly 1-D RoPE (qwen_arch.md §4.3)."""
+    interleaved mRoPE is exactly 1-D RoPE (design §8.2)."""
     rope = text.get("rope_parameters")
     if rope is None:
         rope = {**(text.get("rope_scaling") or {})}

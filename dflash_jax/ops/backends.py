@@ -1,4 +1,4 @@
-"""Which attention backend runs, for the drafter's SPEC §5 attention and the targets' full-sequence causal
+"""Which attention backend runs, for the drafter's design §5 attention and the targets' full-sequence causal
 attention: `attention_impl = auto | splash | xla`.
 
 "auto" is splash on TPU (the block-sparse kernel skipping empty tiles) and the chunked XLA implementation

@@ -1,4 +1,4 @@
-"""DFlash attention (SPEC §5) in plain XLA, walking query chunks so the full score matrix never exists.
+"""DFlash attention (design §5) in plain XLA, walking query chunks so the full score matrix never exists.
 
 Because the anchor grid is static, the keys a chunk of blocks can see are known at trace time: the context
 range its anchors reach plus its own blocks. Everything outside that range is masked for every query of the
@@ -46,7 +46,7 @@ def dflash_attention(
     scale: float,
     query_chunk_blocks: int,
 ) -> jax.Array:
-    """Block queries attend to [context | blocks] under the SPEC §5 mask; returns [b, N*B, Hq, D] in q.dtype.
+    """Block queries attend to [context | blocks] under the design §5 mask; returns [b, N*B, Hq, D] in q.dtype.
 
     q: [b, N*B, Hq, D]; k_ctx, v_ctx: [b, T, Hkv, D]; k_blk, v_blk: [b, N*B, Hkv, D];
     context_segment_ids: [b, T]; anchor_segment_ids: [b, N] (the segment of each anchor position);

@@ -90,7 +90,7 @@ def recurrent_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
 def chunked_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                              resets: jax.Array | None = None, *,
                              chunk_size: int = CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
-    """Same result as `recurrent_gated_delta_rule`, computed a chunk at a time (qwen_arch.md §4.5).
+    """Same result as `recurrent_gated_delta_rule`, computed a chunk at a time (design §8.3).
 
     Within a chunk (positions i, j ∈ [0, C)), with S₀ the state carried in and γ_i = Σ_{s≤i} g_s:
     unrolling the recurrence gives S before token i's update as D_i S₀ + Σ_{j<i} e^{γ_i−γ_j} k_j u_jᵀ with

@@ -1,4 +1,4 @@
-"""The DFlash attention mask (SPEC §5) on the static anchor grid (SPEC §4).
+"""The DFlash attention mask (design §5) on the static anchor grid (design §4).
 
 Queries are the N*B block tokens (query j*B + k is slot k of block j, anchor a_j = j*S); keys are the T
 context positions followed by the N*B block tokens. The mask is a static position part, which depends only
@@ -106,7 +106,7 @@ def position_mask(grid: AnchorGrid, window: int | None) -> np.ndarray:
 
 
 def dense_mask(grid: AnchorGrid, segment_ids: jax.Array | np.ndarray, window: int | None) -> jax.Array:
-    """[batch, N*B, T + N*B] bool: the dense oracle of SPEC §5, the reference for every attention backend.
+    """[batch, N*B, T + N*B] bool: the dense oracle of design §5, the reference for every attention backend.
 
     segment_ids: [batch, T] document ids of the packed row (padding has an id no real token shares).
     """

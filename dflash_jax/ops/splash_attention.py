@@ -1,5 +1,5 @@
 """Attention on the TPU splash-attention kernel, skipping the mask's empty tiles: the drafter's DFlash attention
-(SPEC §5, `dflash_attention_splash`) and the targets' causal attention within segments (`causal_attention_splash`).
+(design §5, `dflash_attention_splash`) and the targets' causal attention within segments (`causal_attention_splash`).
 
 The static position mask of `position_mask` becomes the kernel's NumPy mask: the kernel reduces it once to
 per-tile info (empty / partial / full) and never visits an empty (query-tile, key-tile) pair, forward or
@@ -65,7 +65,7 @@ def splash_tiles(grid: AnchorGrid) -> tuple[int, int]:
 
 
 def splash_tile_fraction(grid: AnchorGrid, window: int | None) -> float:
-    """Share of (query-tile, key-tile) pairs the kernel computes (SPEC §5 statistic), for start-up logging."""
+    """Share of (query-tile, key-tile) pairs the kernel computes (design §5 statistic), for start-up logging."""
     return tile_fraction(grid, window, *splash_tiles(grid))
 
 

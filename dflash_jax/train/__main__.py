@@ -1,7 +1,7 @@
 """Train a DFlash drafter:
 
     python -m dflash_jax.train --config configs/qwen27b.py --workdir /ckpt/run1 \
-        --config.target_dir=/ckpt/Qwen3.6-27B --config.train_files=/data/train.jsonl [--config.<key>=<value> ...]
+        --config.target_dir=/ckpt/Qwen3.6-27B --config.data.train_files=/data/train.jsonl [--config.<key>=<value> ...]
 
 Rerun the same command with the same --workdir to resume after a stop (SIGTERM/SIGINT save a checkpoint
 first). Outputs in the workdir: checkpoints/, metrics.jsonl, drafter_config.json, config.json.
@@ -22,7 +22,7 @@ from dflash_jax.errors import CheckpointError, ConfigError, DataError
 from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.train import distributed
 from dflash_jax.train.loop import train
-from dflash_jax.train.validate import validate_config, validate_eval_files
+from dflash_jax.train.validate import exit_on_unknown_overrides, validate_config, validate_eval_files
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file under configs/ (e.g. configs/tiny.py).",
                                           lock_config=True)
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
             logging.getLogger("dflash_jax").setLevel(logging.WARNING)
         validate_config(config)
         validate_eval_files(config)
-        # Exact τ on config.eval_files every config.eval_every steps (SPEC §9), logged as eval/* metrics.
+        # Exact τ on config.data.eval_files every config.eval_every steps (design §9), logged as eval/* metrics.
         evaluate = make_train_evaluator(config) if config.eval_every else None
         train(config, _WORKDIR.value, evaluate=evaluate)
     except (ConfigError, DataError, CheckpointError) as error:  # a bad setup is a sentence, not a traceback
@@ -50,4 +50,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_unknown_overrides(sys.argv[1:])
     app.run(main)

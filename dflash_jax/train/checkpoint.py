@@ -1,4 +1,4 @@
-"""Orbax checkpoints of a run, and the stop request that SIGTERM/SIGINT turn into a clean save-and-exit (SPEC §7).
+"""Orbax checkpoints of a run, and the stop request that SIGTERM/SIGINT turn into a clean save-and-exit (design §7).
 
 A checkpoint at step s holds the `TrainState` after s updates (drafter params, optimizer state, step, RNG)
 and the data loader's position (JSON) of the next batch: everything needed to continue exactly as if the

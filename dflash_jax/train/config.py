@@ -6,9 +6,13 @@ Config files under `configs/` start from `base_config()` and override what diffe
     def get_config():
         config = base_config()
         config.target_dir = "/ckpt/Qwen3-8B"
+        config.data.seq_len = 2048
         return config
 
-Any field can be overridden on the command line: `--config.seq_len=2048`.
+Any field can be overridden on the command line: `--config.data.seq_len=2048`. Fields are grouped by what they
+configure: `drafter` (its architecture), `data` (rows and files), `loss`, `optim`, `mesh`; the rest (target, attention
+backend, schedule length, bookkeeping) sit at the top level. An unknown or renamed `--config.<field>` is one line naming the
+field to use (`validate.check_overrides`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,20 @@ from __future__ import annotations
 from ml_collections import ConfigDict, config_dict
 
 placeholder = config_dict.placeholder
+
+# Fields that moved into a group, old name -> new path. A config file or flag still using an old name gets one
+# line naming the new one.
+RENAMED = {
+    "block_size": "drafter.block_size",
+    "gamma": "loss.gamma", "labels": "loss.labels", "noise_std": "loss.noise_std", "vocab_chunk": "loss.vocab_chunk",
+    "loss_row_chunk": "loss.row_chunk",
+    "train_files": "data.train_files", "eval_files": "data.eval_files", "seq_len": "data.seq_len",
+    "anchor_stride": "data.anchor_stride", "batch_size": "data.batch_size", "shuffle_seed": "data.shuffle_seed",
+    "bad_records": "data.bad_records", "chat_template_kwargs": "data.chat_template_kwargs",
+    "learning_rate": "optim.learning_rate", "warmup_ratio": "optim.warmup_ratio",
+    "weight_decay": "optim.weight_decay", "adam_b1": "optim.b1", "adam_b2": "optim.b2",
+    "clip_grad_norm": "optim.clip_grad_norm",
+}
 
 
 def base_config() -> ConfigDict:
@@ -25,11 +43,12 @@ def base_config() -> ConfigDict:
     config.target_dir = placeholder(str)
     config.tokenizer_dir = placeholder(str)  # default: target_dir
     config.target_dtype = "bfloat16"  # frozen target weights and its forward
-    config.compute_dtype = "bfloat16"  # drafter compute; its weights and optimizer state stay fp32 (SPEC §7)
+    config.compute_dtype = "bfloat16"  # drafter compute; its weights and optimizer state stay fp32 (design §7)
 
-    # Drafter (SPEC §3, §11). None = derived from the target: hidden size (must equal the target's),
+    # Drafter (design §3, §11). None = derived from the target: hidden size (must equal the target's),
     # intermediate size, rope theta/scaling, rms eps, vocab size, max positions.
     config.drafter = ConfigDict()
+    config.drafter.block_size = 16  # B: slot 0 is the anchor's real token, slots 1..B-1 are drafted
     config.drafter.num_hidden_layers = 5
     config.drafter.num_attention_heads = 32
     config.drafter.num_key_value_heads = 8
@@ -38,7 +57,7 @@ def base_config() -> ConfigDict:
     config.drafter.hidden_size = placeholder(int)
     config.drafter.layer_types = ("full_attention",) * 5
     config.drafter.sliding_window = placeholder(int)
-    config.drafter.num_feature_layers = 5  # feature ids default to SPEC §2's spread over the target
+    config.drafter.num_feature_layers = 5  # feature ids default to design §2's spread over the target
     config.drafter.target_layer_ids = placeholder(tuple)
     config.drafter.rope_theta = placeholder(float)
     config.drafter.rope_scaling = placeholder(dict)
@@ -46,39 +65,42 @@ def base_config() -> ConfigDict:
     config.drafter.mask_token_id = placeholder(int)  # else the tokenizer's mask token, else len(tokenizer)
     config.drafter.init_from = placeholder(str)  # a drafter directory in the export layout to fine-tune
 
-    # Block, anchors, loss (SPEC §4, §6).
-    config.block_size = 16
-    config.gamma = 7.0  # position-weight decay; 7 for B=16, 4 for B=8
-    config.seq_len = 4096  # T: tokens per packed row
-    config.anchor_stride = 16  # S: anchors at j*S, N = T/S blocks per row
-    config.labels = "target"  # "target": argmax of the target's logits; "data": the row's next tokens
-    config.noise_std = 0.0  # uniform noise U(-std, std) on the raw features fed to fc (never on labels)
-    config.vocab_chunk = 8192  # vocabulary chunk for the target's greedy labels
-    config.loss_row_chunk = 512  # block tokens per batch row in one LM head + cross-entropy chunk
+    # Data: JSONL records ({"messages": [...]} or {"prompt", "completion"}) packed into rows (design §4).
+    config.data = ConfigDict()
+    config.data.train_files = placeholder(tuple)
+    config.data.eval_files = placeholder(tuple)
+    config.data.seq_len = 4096  # T: tokens per packed row
+    config.data.anchor_stride = 16  # S: anchors at j*S, N = T/S blocks per row
+    config.data.batch_size = 8  # rows per step (global, split over the data and fsdp mesh axes)
+    config.data.shuffle_seed = 0
+    config.data.bad_records = "raise"  # or "skip": log and count bad JSONL records instead of stopping
+    config.data.chat_template_kwargs = placeholder(dict)  # e.g. {"enable_thinking": False}
 
-    # Attention of the drafter (SPEC §5 mask) and of the target's forward (causal within documents):
+    # Labels and loss (design §6).
+    config.loss = ConfigDict()
+    config.loss.gamma = 7.0  # position-weight decay; 7 for B=16, 4 for B=8
+    config.loss.labels = "target"  # "target": argmax of the target's logits; "data": the row's next tokens
+    config.loss.noise_std = 0.0  # uniform noise U(-std, std) on the raw features fed to fc (never on labels)
+    config.loss.vocab_chunk = 8192  # vocabulary chunk for the target's greedy labels
+    config.loss.row_chunk = 512  # block tokens per batch row in one LM head + cross-entropy chunk
+
+    # Attention of the drafter (design §5 mask) and of the target's forward (causal within documents):
     # "auto" = splash on TPU, XLA elsewhere (the target's XLA path walks 512-query chunks).
     config.attention_impl = "auto"
     config.query_chunk_blocks = 16  # blocks per query chunk in the XLA drafter attention
 
-    # Data (JSONL: {"messages": [...]} or {"prompt", "completion"}).
-    config.train_files = placeholder(tuple)
-    config.eval_files = placeholder(tuple)
-    config.batch_size = 8  # rows per step (global, split over the data and fsdp mesh axes)
-    config.shuffle_seed = 0
-    config.bad_records = "raise"  # or "skip": log and count bad JSONL records instead of stopping
-    config.chat_template_kwargs = placeholder(dict)  # e.g. {"enable_thinking": False}
-
-    # Optimisation (SPEC §7).
+    # Optimisation (design §7).
     config.total_steps = 10_000
-    config.learning_rate = 6e-4
-    config.warmup_ratio = 0.04
-    config.weight_decay = 0.0
-    config.adam_b1 = 0.9
-    config.adam_b2 = 0.95
-    config.clip_grad_norm = 1.0
     config.grad_accum_steps = 1  # micro-batches of batch_size / grad_accum_steps rows, one update per step
     config.seed = 0  # drafter init and the noise RNG
+    config.optim = ConfigDict()
+    config.optim.name = "adamw"
+    config.optim.learning_rate = 6e-4
+    config.optim.warmup_ratio = 0.04
+    config.optim.weight_decay = 0.0
+    config.optim.b1 = 0.9
+    config.optim.b2 = 0.95
+    config.optim.clip_grad_norm = 1.0
 
     # Mesh: one of the sizes may be -1 (take the remaining devices).
     config.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1))
@@ -95,3 +117,14 @@ def base_config() -> ConfigDict:
     config.keep_checkpoints = 3
     config.peak_tflops_per_device = placeholder(float)  # for MFU; None = look up the device kind
     return config
+
+
+def field_paths(config: ConfigDict, prefix: str = "") -> list[str]:
+    """Every leaf field of a config as a dotted path ("data.seq_len", "mesh.fsdp", "target_dir", ...)."""
+    paths = []
+    for key, value in config.items():
+        if isinstance(value, ConfigDict):
+            paths.extend(field_paths(value, f"{prefix}{key}."))
+        else:
+            paths.append(f"{prefix}{key}")
+    return paths

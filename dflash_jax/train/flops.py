@@ -1,4 +1,4 @@
-"""Model FLOPs of one train step and the MFU they give (SPEC §6).
+"""Model FLOPs of one train step and the MFU they give (design §6).
 
 Counted: the target forward (every weight matmul on every row position, causal attention on its softmax
 attention layers, the LM head on the label positions when labels come from the target) and the drafter
@@ -67,15 +67,15 @@ def visible_keys(grid: AnchorGrid, window: int | None) -> int:
 
 def train_step_flops(config: ConfigDict, target_config, target_state: nnx.State, drafter_config: DrafterConfig,
                      drafter_params: nnx.State) -> float:
-    """FLOPs of one optimizer step over config.batch_size rows."""
-    grid = AnchorGrid(config.seq_len, config.anchor_stride, config.block_size)
-    rows, length, queries = config.batch_size, grid.seq_len, grid.num_queries
+    """FLOPs of one optimizer step over config.data.batch_size rows."""
+    grid = AnchorGrid(config.data.seq_len, config.data.anchor_stride, config.drafter.block_size)
+    rows, length, queries = config.data.batch_size, grid.seq_len, grid.num_queries
     hidden, vocab = target_config.hidden_size, target_config.vocab_size
 
     target = 2.0 * _matmul_weights(target_state, skip=("embed_tokens", "lm_head")) * length
     target += 2.0 * length * length * target_config.num_attention_heads * target_config.head_dim \
         * _attention_layers(target_config)  # QK^T and PV, half of the T x T pairs (causal): 2 * 2 * T^2 / 2
-    if config.labels == "target":
+    if config.loss.labels == "target":
         target += 2.0 * hidden * vocab * min(length, queries)
 
     c = drafter_config

@@ -1,7 +1,7 @@
 """The training loop, top to bottom: config -> target -> drafter -> data -> steps -> logs and checkpoints.
 
 Rerunning the same command with the same workdir resumes from the newest checkpoint exactly: same drafter
-weights and optimizer state, same RNG, same next data batch (SPEC §7).
+weights and optimizer state, same RNG, same next data batch (design §7).
 """
 
 from __future__ import annotations
@@ -76,16 +76,16 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
         log.info("resuming from %s at step %d", workdir / "checkpoints", start_step)
         state, data_state = checkpointer.restore(start_step, spec.abstract)
 
-    loader = BatchLoader(config.train_files, tokenizer, seq_len=config.seq_len, anchor_stride=config.anchor_stride,
-                         batch_size=config.batch_size, seed=config.shuffle_seed,
-                         pad_id=tokenizer.pad_token_id or 0, bad_records=config.bad_records,
-                         chat_template_kwargs=config.chat_template_kwargs, state=data_state)
+    loader = BatchLoader(config.data.train_files, tokenizer, seq_len=config.data.seq_len, anchor_stride=config.data.anchor_stride,
+                         batch_size=config.data.batch_size, seed=config.data.shuffle_seed,
+                         pad_id=tokenizer.pad_token_id or 0, bad_records=config.data.bad_records,
+                         chat_template_kwargs=config.data.chat_template_kwargs, state=data_state)
 
     target_graphdef, target_state = nnx.split(target)
     step_fns = make_step(config, drafter_config, spec, target_graphdef, state_shardings(target_state, mesh), mesh)
     step_flops = flops.train_step_flops(config, target_config, target_state, drafter_config, state.params)
     peak = flops.peak_tflops(config, jax.devices()[0])
-    tokens_per_step = config.batch_size * config.seq_len
+    tokens_per_step = config.data.batch_size * config.data.seq_len
 
     # One metrics file per run: the other processes compute the same (replicated) records and drop them.
     metrics_file = (workdir / METRICS_FILE).open("a") if main else open(os.devnull, "a")
@@ -150,7 +150,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
 
 
 def _write_drafter_config(path: epath.Path, drafter_config, write: bool = True) -> None:
-    """Saved for export/eval; a resumed run must have the same drafter (SPEC §12.5). Every process checks,
+    """Saved for export/eval; a resumed run must have the same drafter (design §12.5). Every process checks,
     so all of them stop on a mismatch; only the one with `write` writes (atomically, so that none of the
     others can read a half-written file)."""
     fields = json.loads(json.dumps(dataclasses.asdict(drafter_config)))
@@ -169,7 +169,7 @@ def _write_drafter_config(path: epath.Path, drafter_config, write: bool = True) 
 def _log_record(step: int, pending: list[dict[str, jax.Array]], interval_start: float, interval_steps: int,
                 tokens_per_step: int, step_flops: float, peak_tflops: float | None, num_devices: int
                 ) -> dict[str, Any]:
-    """Mean loss/grad norm and pooled slot accuracies over the steps since the last log line (SPEC §6)."""
+    """Mean loss/grad norm and pooled slot accuracies over the steps since the last log line (design §6)."""
     host = jax.device_get(pending)
     elapsed = time.perf_counter() - interval_start
     step_time = elapsed / interval_steps if interval_steps else None

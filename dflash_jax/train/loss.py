@@ -1,4 +1,4 @@
-"""Labels, the position-weighted hard cross-entropy and its metrics (SPEC §6), computed in chunks.
+"""Labels, the position-weighted hard cross-entropy and its metrics (design §6), computed in chunks.
 
 Nothing here materialises [rows, V] logits for all rows at once: the target's greedy labels are an argmax
 walked over vocabulary chunks, and the drafter's LM head + cross-entropy walk row chunks under
@@ -15,7 +15,7 @@ import numpy as np
 
 
 def position_weights(block_size: int, gamma: float) -> np.ndarray:
-    """w_0 = 0 and w_k = exp(-(k-1)/gamma) for k >= 1 (DFlash position decay; SPEC §6)."""
+    """w_0 = 0 and w_k = exp(-(k-1)/gamma) for k >= 1 (DFlash position decay; design §6)."""
     if gamma <= 0:
         raise ValueError(f"gamma must be > 0, got {gamma}")
     k = np.arange(block_size, dtype=np.float64)
@@ -102,7 +102,7 @@ class LossOutput(NamedTuple):
 
 def dflash_loss(ce: jax.Array, correct: jax.Array, slot_mask: jax.Array, weights: jax.Array,
                 normaliser: jax.Array | None = None) -> LossOutput:
-    """SPEC §6 loss over trained slots. ce, correct, slot_mask: [batch, N, B]; weights: [B] with w_0 = 0.
+    """design §6 loss over trained slots. ce, correct, slot_mask: [batch, N, B]; weights: [B] with w_0 = 0.
 
     The normaliser is the number of trained slots (speculators' convention), not the weight sum. Pass the
     whole batch's count as `normaliser` when this is one micro-batch of it: the micro-batch losses then
@@ -123,7 +123,7 @@ def trained_slot_count(slot_mask: jax.Array) -> jax.Array:
 
 
 def acceptance_metrics(slot_correct: np.ndarray, slot_count: np.ndarray) -> dict[str, float]:
-    """Per-slot accuracy acc_k (k >= 1), EAL = Σ_k Π_{i<=k} acc_i and τ_est = 1 + EAL (SPEC §6)."""
+    """Per-slot accuracy acc_k (k >= 1), EAL = Σ_k Π_{i<=k} acc_i and τ_est = 1 + EAL (design §6)."""
     slot_correct, slot_count = np.asarray(slot_correct, np.float64), np.asarray(slot_count, np.float64)
     accuracy = np.where(slot_count > 0, slot_correct / np.maximum(slot_count, 1.0), 0.0)[1:]
     eal = float(np.sum(np.cumprod(accuracy)))

@@ -1,4 +1,4 @@
-"""The optimizer and the train state (SPEC §7).
+"""The optimizer and the train state (design §7).
 
 Only the drafter is trained: its Params (fp32 master weights) are the optimizer's whole world. The target is
 frozen, passed to the step as a separate argument and never part of `TrainState`, so it is never updated
@@ -33,17 +33,17 @@ class TrainState(NamedTuple):
 
 def learning_rate_schedule(config: ConfigDict) -> optax.Schedule:
     """Linear warmup over `warmup_ratio` of the steps from 0 to the peak, then cosine to 0 at total_steps."""
-    warmup_steps = int(round(config.warmup_ratio * config.total_steps))
-    return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup_steps=warmup_steps,
+    warmup_steps = int(round(config.optim.warmup_ratio * config.total_steps))
+    return optax.warmup_cosine_decay_schedule(0.0, config.optim.learning_rate, warmup_steps=warmup_steps,
                                               decay_steps=config.total_steps, end_value=0.0)
 
 
 def make_optimizer(config: ConfigDict) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW. Weight decay (0 by default) skips vectors (norm weights)."""
     return optax.chain(
-        optax.clip_by_global_norm(config.clip_grad_norm),
-        optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
-                    weight_decay=config.weight_decay, mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)),
+        optax.clip_by_global_norm(config.optim.clip_grad_norm),
+        optax.adamw(learning_rate_schedule(config), b1=config.optim.b1, b2=config.optim.b2,
+                    weight_decay=config.optim.weight_decay, mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)),
     )
 
 
@@ -91,7 +91,7 @@ def _init(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str
 
 
 def _load_params(directory: str, drafter_config: DrafterConfig, spec: StateSpec) -> nnx.State:
-    """Drafter weights from a directory in the export layout (SPEC §10), placed on the param shardings."""
+    """Drafter weights from a directory in the export layout (design §10), placed on the param shardings."""
     try:
         reader = CheckpointReader(directory)
         tensors = {name: reader.read(name) for name in reader.names()}

@@ -1,4 +1,4 @@
-"""The jitted train step: frozen target forward, labels, drafter forward/backward, AdamW (SPEC §4-§7).
+"""The jitted train step: frozen target forward, labels, drafter forward/backward, AdamW (design §4-§7).
 
 One step = one optimizer update over `batch_size` packed rows, optionally as `grad_accum_steps`
 micro-batches whose gradients are summed in a scan (the loss is normalised by the whole batch's trained-slot
@@ -58,7 +58,7 @@ class StepFunctions(NamedTuple):
 
 
 def anchor_grid(config: ConfigDict) -> AnchorGrid:
-    return AnchorGrid(config.seq_len, config.anchor_stride, config.block_size)
+    return AnchorGrid(config.data.seq_len, config.data.anchor_stride, config.drafter.block_size)
 
 
 def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec, target_graphdef: nnx.GraphDef,
@@ -68,7 +68,7 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
     num_rows, block = grid.num_anchors, grid.block_size
     slot_index = anchors[:, None] + np.arange(block)[None, :]  # [N, B]: a + k
     label_source = np.clip(slot_index - 1, 0, grid.seq_len - 1)  # the target's logits at a+k-1 predict a+k
-    weights = jnp.asarray(position_weights(block, config.gamma))
+    weights = jnp.asarray(position_weights(block, config.loss.gamma))
     feature_ids = drafter_config.target_layer_ids
 
     def teacher(target_state: nnx.State, batch: dict[str, jax.Array]) -> Teacher:
@@ -76,12 +76,12 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
         out = target(batch["input_ids"], batch["positions"], batch["segment_ids"], feature_ids)
         lm_head = target.lm_head_kernel()
         rows = batch["input_ids"].shape[0]
-        if config.labels == "data":
+        if config.loss.labels == "data":
             labels = batch["input_ids"][:, np.minimum(slot_index, grid.seq_len - 1)]
         elif grid.num_queries >= grid.seq_len:  # slots overlap (S <= B): one argmax per row position is cheaper
-            labels = greedy_labels(out.hidden, lm_head, config.vocab_chunk)[:, label_source]
+            labels = greedy_labels(out.hidden, lm_head, config.loss.vocab_chunk)[:, label_source]
         else:
-            labels = greedy_labels(out.hidden[:, label_source.reshape(-1)], lm_head, config.vocab_chunk)
+            labels = greedy_labels(out.hidden[:, label_source.reshape(-1)], lm_head, config.loss.vocab_chunk)
             labels = labels.reshape(rows, num_rows, block)
         block_ids = grid_ops.block_token_ids(batch["input_ids"], anchors, block, drafter_config.mask_token_id)
         return jax.lax.stop_gradient(Teacher(
@@ -95,16 +95,16 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
                      normaliser: jax.Array) -> tuple[jax.Array, LossAux]:
         drafter = nnx.merge(spec.graphdef, params)
         features = teacher.features
-        if config.noise_std > 0:  # U(-std, std) on the raw features fed to fc; the labels are already fixed
+        if config.loss.noise_std > 0:  # U(-std, std) on the raw features fed to fc; the labels are already fixed
             features = features + jax.random.uniform(noise_key, features.shape, features.dtype,
-                                                     -config.noise_std, config.noise_std)
+                                                     -config.loss.noise_std, config.loss.noise_std)
         hidden = drafter(
             features, teacher.block_embeds, batch["positions"],
             grid_ops.block_positions(batch["positions"], anchors, block), batch["segment_ids"],
             batch["segment_ids"][:, anchors], grid)
         rows = hidden.shape[0]
         ce, correct = chunked_cross_entropy(hidden, teacher.lm_head, teacher.labels.reshape(rows, -1),
-                                            config.loss_row_chunk)
+                                            config.loss.row_chunk)
         mask = grid_ops.slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block)
         out = dflash_loss(ce.reshape(mask.shape), correct.reshape(mask.shape), mask, weights, normaliser)
         return out.loss, LossAux(teacher.labels, out.slot_correct, out.slot_count)

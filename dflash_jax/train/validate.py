@@ -3,12 +3,15 @@
 Every problem is a `ConfigError` whose single-line message names the offending config field, raised before
 anything is compiled, so a bad run fails in seconds with a sentence instead of minutes later with a JAX
 traceback. `validate_config` needs only the config; `resolve_drafter_config` also needs the loaded target's
-config and the tokenizer (SPEC §2, §3, §10 for the defaults).
+config and the tokenizer (design §2, §3, §10 for the defaults).
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
+import sys
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +22,19 @@ from dflash_jax.errors import ConfigError
 from dflash_jax.models.drafter import LAYER_TYPES, DrafterConfig, default_target_layer_ids
 from dflash_jax.ops.backends import ATTENTION_CHOICES
 from dflash_jax.sharding import make_mesh
+from dflash_jax.train.config import RENAMED, base_config, field_paths
 
 log = logging.getLogger(__name__)
 
 LABEL_SOURCES = ("target", "data")
+OPTIMIZERS = ("adamw",)
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _field(config: ConfigDict, path: str):
+    for key in path.split("."):
+        config = config[key]
+    return config
 
 
 def _require(condition: bool, message: str) -> None:
@@ -33,33 +44,38 @@ def _require(condition: bool, message: str) -> None:
 
 def validate_config(config: ConfigDict) -> None:
     """Checks that need nothing but the config. Raises ConfigError."""
+    check_fields(config)
+    data, loss, optim = config.data, config.loss, config.optim
+    block_size = config.drafter.block_size
     _require(bool(config.target_dir), "config.target_dir is required: a Hugging Face target checkpoint directory")
-    _require(bool(config.train_files), "config.train_files is required: one or more JSONL files "
-                                       "(--config.train_files=a.jsonl or a tuple in the config file)")
-    _require(config.block_size >= 2, f"config.block_size must be >= 2 (the anchor slot plus at least one "
-                                     f"drafted slot), got {config.block_size}")
-    _require(config.anchor_stride >= 1, f"config.anchor_stride must be >= 1, got {config.anchor_stride}")
-    _require(config.seq_len % config.anchor_stride == 0,
-             f"config.seq_len ({config.seq_len}) must be a multiple of config.anchor_stride ({config.anchor_stride}) "
-             f"so the anchor grid is static (SPEC §4)")
-    _require(config.seq_len >= config.block_size,
-             f"config.seq_len ({config.seq_len}) must be >= config.block_size ({config.block_size})")
-    _require(config.gamma > 0, f"config.gamma must be > 0 (w_k = exp(-(k-1)/gamma), SPEC §6), got {config.gamma}")
-    _require(config.labels in LABEL_SOURCES, f"config.labels must be one of {LABEL_SOURCES}, got {config.labels!r}")
+    _require(bool(data.train_files), "config.data.train_files is required: one or more JSONL files "
+                                     "(--config.data.train_files=a.jsonl or a tuple in the config file)")
+    _require(block_size >= 2, f"config.drafter.block_size must be >= 2 (the anchor slot plus at least one drafted "
+                              f"slot), got {block_size}")
+    _require(data.anchor_stride >= 1, f"config.data.anchor_stride must be >= 1, got {data.anchor_stride}")
+    _require(data.seq_len % data.anchor_stride == 0,
+             f"config.data.seq_len ({data.seq_len}) must be a multiple of config.data.anchor_stride "
+             f"({data.anchor_stride}) so the anchor grid is static (design §4)")
+    _require(data.seq_len >= block_size,
+             f"config.data.seq_len ({data.seq_len}) must be >= config.drafter.block_size ({block_size})")
+    _require(loss.gamma > 0, f"config.loss.gamma must be > 0 (w_k = exp(-(k-1)/gamma), design §6), got {loss.gamma}")
+    _require(loss.labels in LABEL_SOURCES, f"config.loss.labels must be one of {LABEL_SOURCES}, got {loss.labels!r}")
     _require(config.attention_impl in ATTENTION_CHOICES,
              f"config.attention_impl must be one of {ATTENTION_CHOICES}, got {config.attention_impl!r}")
     for field in ("target_dtype", "compute_dtype"):
         _require(config[field] in DTYPES, f"config.{field} must be one of {DTYPES}, got {config[field]!r}")
-    _require(config.noise_std >= 0, f"config.noise_std must be >= 0, got {config.noise_std}")
-    for field in ("batch_size", "total_steps", "grad_accum_steps", "vocab_chunk", "loss_row_chunk",
-                  "query_chunk_blocks", "log_every", "checkpoint_every", "keep_checkpoints"):
-        _require(config[field] >= 1, f"config.{field} must be >= 1, got {config[field]}")
+    _require(loss.noise_std >= 0, f"config.loss.noise_std must be >= 0, got {loss.noise_std}")
+    _require(optim.name in OPTIMIZERS, f"config.optim.name must be one of {OPTIMIZERS}, got {optim.name!r}")
+    for path in ("data.batch_size", "total_steps", "grad_accum_steps", "loss.vocab_chunk", "loss.row_chunk",
+                 "query_chunk_blocks", "log_every", "checkpoint_every", "keep_checkpoints"):
+        value = _field(config, path)
+        _require(value >= 1, f"config.{path} must be >= 1, got {value}")
     _require(config.eval_every >= 0, f"config.eval_every must be >= 0 (0 = never), got {config.eval_every}")
-    _require(config.batch_size % config.grad_accum_steps == 0,
-             f"config.batch_size ({config.batch_size}) must be a multiple of config.grad_accum_steps "
+    _require(data.batch_size % config.grad_accum_steps == 0,
+             f"config.data.batch_size ({data.batch_size}) must be a multiple of config.grad_accum_steps "
              f"({config.grad_accum_steps})")
-    _require(0 <= config.warmup_ratio < 1, f"config.warmup_ratio must lie in [0, 1), got {config.warmup_ratio}")
-    _require(config.learning_rate > 0, f"config.learning_rate must be > 0, got {config.learning_rate}")
+    _require(0 <= optim.warmup_ratio < 1, f"config.optim.warmup_ratio must lie in [0, 1), got {optim.warmup_ratio}")
+    _require(optim.learning_rate > 0, f"config.optim.learning_rate must be > 0, got {optim.learning_rate}")
 
     drafter = config.drafter
     layer_types = tuple(drafter.layer_types)
@@ -77,23 +93,62 @@ def validate_config(config: ConfigDict) -> None:
              f"config.drafter.num_feature_layers must be >= 1, got {drafter.num_feature_layers}")
 
 
+def unknown_field_message(path: str, known: Iterable[str]) -> str:
+    """One line for a config field that does not exist: its new name if it moved, else the nearest valid one."""
+    if path in RENAMED:
+        return f"config.{path} is now config.{RENAMED[path]} (fields are grouped: drafter, data, loss, optim, mesh)"
+    nearest = difflib.get_close_matches(path, list(known), n=1, cutoff=0.5)
+    hint = f"; did you mean config.{nearest[0]}?" if nearest else ""
+    return f"config.{path} is not a config field{hint} (fields are listed in dflash_jax/train/config.py)"
+
+
+def check_overrides(argv: Iterable[str], flag: str = "config") -> None:
+    """Refuse `--config.<path>=...` flags naming no field of base_config(), before absl parses them (it would
+    raise a traceback). Config files only set values (`check_fields`), so base_config() knows every field."""
+    known = set(field_paths(base_config()))
+    for arg in argv:
+        if not arg.startswith(f"--{flag}."):
+            continue
+        path = arg[len(flag) + 3:].split("=", 1)[0]
+        if path not in known and not any(path.startswith(field + ".") for field in known):
+            raise ConfigError(unknown_field_message(path, known))
+
+
+def exit_on_unknown_overrides(argv: Iterable[str]) -> None:
+    """`check_overrides` for a command line: an unknown field is one `error:` line and exit code 2."""
+    try:
+        check_overrides(argv)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def check_fields(config: ConfigDict) -> None:
+    """Refuse a config (e.g. a config file written for an older version) that sets fields base_config() does not
+    have; raises ConfigError naming the first such field and its new name."""
+    known = set(field_paths(base_config()))
+    for path in field_paths(config):
+        if path not in known and not any(path.startswith(field + ".") for field in known):
+            raise ConfigError(unknown_field_message(path, known))
+
+
 def validate_eval_files(config: ConfigDict) -> None:
-    """The CLI's evaluation during training (config.eval_every > 0) measures τ on config.eval_files."""
-    _require(not config.eval_every or bool(config.eval_files),
-             f"config.eval_every = {config.eval_every} needs config.eval_files (JSONL records to measure τ on)")
+    """The CLI's evaluation during training (config.eval_every > 0) measures τ on config.data.eval_files."""
+    _require(not config.eval_every or bool(config.data.eval_files),
+             f"config.eval_every = {config.eval_every} needs config.data.eval_files (JSONL records to measure τ on)")
 
 
 def validate_batch_layout(config: ConfigDict, num_batch_shards: int) -> None:
     """Each micro-batch must split evenly over the mesh's batch axes (data x fsdp)."""
-    micro_batch = config.batch_size // config.grad_accum_steps
+    micro_batch = config.data.batch_size // config.grad_accum_steps
     _require(micro_batch % num_batch_shards == 0,
-             f"config.batch_size / config.grad_accum_steps = {micro_batch} rows per micro-batch must be a multiple "
-             f"of the mesh's data x fsdp size ({num_batch_shards}); see config.mesh")
+             f"config.data.batch_size / config.grad_accum_steps = {micro_batch} rows per micro-batch must be a "
+             f"multiple of the mesh's data x fsdp size ({num_batch_shards}); see config.mesh")
 
 
 def resolve_mask_token_id(config: ConfigDict, tokenizer, vocab_size: int) -> int:
     """Config value, else the tokenizer's mask token, else len(tokenizer) when it is an unused embedding row
-    (SPEC §10). Warns when the chosen id is a token the tokenizer actually produces. `tokenizer` may be None
+    (design §10). Warns when the chosen id is a token the tokenizer actually produces. `tokenizer` may be None
     (e.g. a benchmark on abstract shapes) only when the config names the mask token."""
     mask_token_id = config.drafter.mask_token_id
     source = "config.drafter.mask_token_id"
@@ -118,7 +173,7 @@ def resolve_mask_token_id(config: ConfigDict, tokenizer, vocab_size: int) -> int
 
 
 def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> DrafterConfig:
-    """The drafter's full architecture: config values, with None taken from the target (SPEC §3, §11)."""
+    """The drafter's full architecture: config values, with None taken from the target (design §3, §11)."""
     drafter = config.drafter
     hidden = target_config.hidden_size
     num_target_layers = target_config.num_hidden_layers
@@ -138,7 +193,7 @@ def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> Draf
         _require(len(layer_ids) == drafter.num_feature_layers,
                  f"config.drafter.target_layer_ids has {len(layer_ids)} ids but config.drafter.num_feature_layers is "
                  f"{drafter.num_feature_layers}: fc would read {len(layer_ids)}*H, not n*H = {width} columns")
-    # vLLM captures sorted(set(ids)) and concatenates them in that order (SPEC §10, §12.5): a drafter trained
+    # vLLM captures sorted(set(ids)) and concatenates them in that order (design §10, §12.5): a drafter trained
     # on repeated or unsorted ids could not be served, so refuse it before training rather than at export.
     _require(list(layer_ids) == sorted(set(layer_ids)),
              f"config.drafter.target_layer_ids {list(layer_ids)} must be strictly increasing to be served by vLLM "
@@ -155,7 +210,7 @@ def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> Draf
         rope_scaling=_rope_scaling(drafter.rope_scaling, target_config),
         layer_types=tuple(drafter.layer_types),
         sliding_window=drafter.sliding_window,
-        block_size=config.block_size,
+        block_size=config.drafter.block_size,
         target_layer_ids=layer_ids,
         num_target_layers=num_target_layers,
         mask_token_id=resolve_mask_token_id(config, tokenizer, target_config.vocab_size),
@@ -171,7 +226,7 @@ def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> Draf
 def _rope_scaling(configured, target_config) -> dict | None:
     if configured is not None:
         return dict(configured)
-    target_scaling = getattr(target_config, "rope_scaling", None)  # Qwen3.5 targets have none (SPEC §10)
+    target_scaling = getattr(target_config, "rope_scaling", None)  # Qwen3.5 targets have none (design §10)
     return dict(target_scaling) if target_scaling is not None else None
 
 

@@ -1,6 +1,6 @@
-"""The z-lab drafter directory (SPEC §10): config.json + model.safetensors, written and read back.
+"""The z-lab drafter directory (design §10): config.json + model.safetensors, written and read back.
 
-This is the layout vLLM loads with `method: "dflash"` (reference §7.1/§7.3): a flat Qwen3 config plus the
+This is the layout vLLM loads with `method: "dflash"` (design §10): a flat Qwen3 config plus the
 DFlash keys, and the drafter's own tensors (bf16, PyTorch [out, in], unprefixed; no embed_tokens/lm_head, so
 vLLM shares the target's). `export_drafter` writes a `Drafter`; `load_drafter_dir` reads such a directory
 (ours or a published z-lab one) back into NNX.
@@ -27,9 +27,9 @@ SLIDING = "sliding_attention"
 
 
 def zlab_config(config: DrafterConfig) -> dict:
-    """config.json of an exported drafter (SPEC §10): a Qwen3 config of the drafter plus the DFlash keys.
+    """config.json of an exported drafter (design §10): a Qwen3 config of the drafter plus the DFlash keys.
 
-    Every attention-relevant value is written explicitly so vLLM's per-layer resolution (reference §1.6:
+    Every attention-relevant value is written explicitly so vLLM's per-layer resolution (design §10.2:
     sliding layers causal with window W, full layers bidirectional) reproduces the trained mask. No
     `eagle_aux_hidden_state_layer_ids`: vLLM would prefer it over dflash_config.target_layer_ids.
     """
@@ -68,7 +68,7 @@ def zlab_config(config: DrafterConfig) -> dict:
 
 
 def serve_command(target: str, export_dir: str | Path, block_size: int) -> str:
-    """The `vllm serve` line of SPEC §10 for this export."""
+    """The `vllm serve` line of design §10 for this export."""
     spec = json.dumps({"method": "dflash", "model": str(export_dir), "num_speculative_tokens": block_size - 1},
                       separators=(",", ":"))
     return f"vllm serve {target} --speculative-config '{spec}'"
@@ -138,7 +138,7 @@ def drafter_config_from_zlab(raw: dict, where: Path | str = CONFIG_FILE) -> Draf
     """A DrafterConfig from a z-lab style config.json dict; `where` names the file in errors.
 
     Accepts block_size at top level, in dflash_config, or both (they must agree). Refuses settings the
-    drafter cannot reproduce: a causality override that contradicts the per-layer semantics (SPEC §5), and
+    drafter cannot reproduce: a causality override that contradicts the per-layer semantics (design §5), and
     an `eagle_aux_hidden_state_layer_ids` that disagrees with dflash_config.target_layer_ids + 1.
     """
     where = Path(where)
@@ -169,7 +169,7 @@ def drafter_config_from_zlab(raw: dict, where: Path | str = CONFIG_FILE) -> Draf
         if value is not None and any((kind == SLIDING) != bool(value) for kind in layer_types):
             raise CheckpointError(f"{where}: {key}={value} forces every layer {'causal' if value else 'non-causal'}, "
                                   f"but layer_types {layer_types} trains sliding layers causal and full layers "
-                                  f"bidirectional (SPEC §5)")
+                                  f"bidirectional (design §5)")
     aux = raw.get("eagle_aux_hidden_state_layer_ids")
     if aux is not None and list(aux) != [i + 1 for i in dflash["target_layer_ids"]]:
         raise CheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids {aux} (which vLLM prefers) is not "

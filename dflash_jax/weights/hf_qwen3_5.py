@@ -1,4 +1,4 @@
-"""Load a Hugging Face Qwen3.5/3.6 checkpoint (qwen_arch.md §5) into `Qwen3_5`.
+"""Load a Hugging Face Qwen3.5/3.6 checkpoint (design §8.4) into `Qwen3_5`.
 
 Text weights sit under `model.language_model.` (Qwen3_5ForConditionalGeneration, the released layout) or
 `model.` (a text-only Qwen3_5ForCausalLM `save_pretrained`); `lm_head.weight` is unprefixed. The vision tower

@@ -2,7 +2,7 @@
 
 For each trained drafter that vLLM served (OUT/vllm_results.json from check_vllm.py), on the same prompts
 and the same continuations (vLLM's own greedy outputs), with the same exported files:
-  - τ: the project's exact greedy τ (dflash_jax.eval.exact_tau, SPEC §9) must lie within 10% of vLLM's
+  - τ: the project's exact greedy τ (dflash_jax.eval.exact_tau, design §9) must lie within 10% of vLLM's
     accepted / drafts + 1. Both are pooled over every verification step (vLLM also drafts past the last
     kept token, so they need not agree to the token).
   - drafts: every draft vLLM made (with its CPU k_norm bug worked around, see check_vllm.py) must have the

@@ -86,9 +86,9 @@ def tiny_overrides(name: str, target: Path, train_file: Path, steps: int, seq_le
     # feature layers would repeat layer 1 on a 4-layer target).
     feature_ids = (0, layers // 2 - 1, layers - 2)
     return {
-        "target_dir": str(target), "train_files": f"('{train_file}',)", "total_steps": steps,
-        "checkpoint_every": steps, "log_every": 50, "seq_len": seq_len, "learning_rate": 3e-3,
-        "block_size": BLOCK_SIZE, "mesh.fsdp": 1, "drafter.head_dim": 32, "drafter.layer_types": repr(DRAFTERS[name]),
+        "target_dir": str(target), "data.train_files": f"('{train_file}',)", "total_steps": steps,
+        "checkpoint_every": steps, "log_every": 50, "data.seq_len": seq_len, "optim.learning_rate": 3e-3,
+        "drafter.block_size": BLOCK_SIZE, "mesh.fsdp": 1, "drafter.head_dim": 32, "drafter.layer_types": repr(DRAFTERS[name]),
         "drafter.sliding_window": WINDOW, "drafter.num_feature_layers": len(feature_ids),
         "drafter.target_layer_ids": repr(feature_ids),
     }
