@@ -85,6 +85,32 @@ def test_segment_resets_equal_running_each_segment_alone():
         np.testing.assert_allclose(state[row], alone_state, atol=1e-5, rtol=0)  # the last segment's state
 
 
+@pytest.mark.parametrize("rule", [chunked, recurrent])
+def test_carrying_the_state_across_calls_equals_one_pass(rule):
+    """Decoding: a prefill over 70 tokens (two chunks), then 1, 3 and 76 more tokens, each call starting from
+    the state the previous one returned (calls shorter than a chunk use a smaller chunk)."""
+    args = inputs(2, 150, seed=5)
+    whole_out, whole_state = rule(*args)
+    state, outs = None, []
+    for start, stop in ((0, 70), (70, 71), (71, 74), (74, 150)):
+        out, state = rule(*(x[:, start:stop] for x in args), None, state)
+        outs.append(out)
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), whole_out, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(state, whole_state, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rule", [chunked, recurrent])
+def test_a_reset_at_the_first_token_drops_the_carried_state(rule):
+    args = inputs(2, 5, seed=6)
+    carried = np.random.default_rng(7).standard_normal((2, HEADS, KEY_DIM, VALUE_DIM)).astype(np.float32)
+    resets = np.array([[True] + [False] * 4, [False] * 5])
+    out, state = rule(*args, resets, carried)
+    fresh_out, fresh_state = rule(*args)
+    np.testing.assert_allclose(out[0], fresh_out[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(state[0], fresh_state[0], atol=1e-5, rtol=0)
+    assert np.abs(out[1] - fresh_out[1]).max() > 1e-2  # the other row continues the carried state
+
+
 def test_segment_starts():
     starts = segment_starts(np.array([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 5, 5]]))
     np.testing.assert_array_equal(starts, [[0, 0, 1, 0, 0, 1], [0, 0, 0, 0, 0, 0]])

@@ -14,7 +14,7 @@ from flax import nnx
 
 from dflash_jax.data import anchors as grid_ops
 from dflash_jax.eval.drafter_cache import add_context, draft_block, init_drafter_cache
-from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
+from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, continue_text
 from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.ops.mask import AnchorGrid
 from dflash_jax.weights.hf_qwen3 import load_qwen3
@@ -53,21 +53,22 @@ def generators(target):
             for name, model in (("plain", None), ("speculative", drafter))}
 
 
-def test_extend_with_a_cropped_block_matches_the_full_forward(target):
+def test_cached_forward_with_a_cropped_block_matches_the_full_forward(target):
     """Prefill, a rejected verification block, the crop, then the rest: the same hidden states and
     features as one uncached forward over the committed text."""
     ids = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (1, 20)), jnp.int32)
     layers = (0, 1, 2)
     full = target(ids, jnp.arange(20)[None], jnp.ones((1, 20), jnp.int32), layers)
-    extend = nnx.jit(lambda model, chunk, cache: model.extend(chunk, cache, layers))  # 5 tokens at a time
+    extend = nnx.jit(lambda model, chunk, cache: continue_text(model, chunk, cache, layers))  # 5 tokens at a time
     cache, outputs = target.init_cache(1, 32), []
     for start in (0, 5, 10, 15):
         if start == 10:
-            _, cache = extend(target, jnp.full((1, 5), 7, jnp.int32), cache)  # a block to reject
+            cache = extend(target, jnp.full((1, 5), 7, jnp.int32), cache).cache  # a block to reject
             assert int(cache.length) == 15
             cache = cache._replace(length=jnp.int32(10))
-        out, cache = extend(target, ids[:, start:start + 5], cache)
+        out = extend(target, ids[:, start:start + 5], cache)
         outputs.append(out)
+        cache = out.cache
     assert int(cache.length) == 20
     np.testing.assert_allclose(jnp.concatenate([o.hidden for o in outputs], 1), full.hidden, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(jnp.concatenate([o.features for o in outputs], 1), full.features, rtol=1e-5,

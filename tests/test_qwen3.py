@@ -14,6 +14,7 @@ from flax import nnx
 
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
 from dflash_jax.weights.hf_qwen3 import load_qwen3
+from tests.decode_check import max_relative_error_of_cached_logits
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
 SEQ_LEN = 77  # not a multiple of 64
@@ -116,6 +117,13 @@ def test_lm_head_kernel_matches_logits(pair):
     kernel = model.lm_head_kernel()
     assert kernel.shape == (model.config.hidden_size, model.config.vocab_size)
     assert relative_error(out.hidden @ kernel, logits) < 1e-6
+
+
+def test_decode_cache_logits_equal_the_full_forward(pair):
+    """Batched prompts of 3, 9 and 20 tokens, left-padded into one prefill, then single tokens and short
+    blocks: every call's logits equal the uncached forward's (fp32)."""
+    _, model, _ = pair
+    assert max_relative_error_of_cached_logits(model, model.config.vocab_size, (3, 9, 20)) < TOLERANCE
 
 
 def test_packed_documents_match_documents_alone(tmp_path):

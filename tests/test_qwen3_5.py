@@ -22,6 +22,7 @@ from dflash_jax.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5,
 from dflash_jax.models.target import load_target
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.weights.hf_qwen3_5 import load_qwen3_5
+from tests.decode_check import max_relative_error_of_cached_logits
 
 LIN, FULL = LINEAR_ATTENTION, FULL_ATTENTION
 
@@ -112,6 +113,13 @@ def test_parity_with_transformers(checkpoints, layout):
         for layer in range(layers - 1):  # HF hidden_states[i + 1] is the output of layer i ...
             assert relative_error(features[:, :, layer], hf_out.hidden_states[layer + 1]) < 1e-4, (length, layer)
         assert relative_error(hidden, hf_out.hidden_states[layers]) < 1e-4  # ... but its last is final-normed
+
+
+def test_decode_cache_logits_equal_the_full_forward(checkpoints):
+    """Batched prompts of 5, 11 and 70 tokens (70: two gated-delta chunks in the prefill), left-padded, then
+    single tokens and short blocks: attention K/V, conv inputs and recurrent state carried (fp32, 1e-4)."""
+    model, config = load_qwen3_5(checkpoints["causal_lm"][0], param_dtype=jnp.float32)
+    assert max_relative_error_of_cached_logits(model, config.vocab_size, (5, 11, 70)) < 1e-4
 
 
 def test_load_target_in_bfloat16_drifts_no_more_than_transformers(checkpoints):

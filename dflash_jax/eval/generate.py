@@ -29,7 +29,7 @@ from flax import nnx
 
 from dflash_jax.eval.drafter_cache import add_context, draft_block, init_drafter_cache
 from dflash_jax.models.drafter import Drafter
-from dflash_jax.models.qwen3 import Qwen3
+from dflash_jax.models.qwen3 import KVCache, Qwen3
 
 
 @dataclasses.dataclass
@@ -47,6 +47,12 @@ def fp32_logits(hidden: jax.Array, lm_head_kernel: jax.Array) -> jax.Array:
 
 def greedy_tokens(hidden: jax.Array, lm_head_kernel: jax.Array) -> jax.Array:
     return jnp.argmax(fp32_logits(hidden, lm_head_kernel), axis=-1).astype(jnp.int32)
+
+
+def continue_text(target: Qwen3, ids: jax.Array, cache: KVCache, feature_layer_ids: tuple[int, ...]):
+    """The target's cached forward over ids [b, t] continuing each row's one document at cache.length."""
+    positions = jnp.broadcast_to(cache.length + jnp.arange(ids.shape[1]), ids.shape)
+    return target(ids, positions, jnp.zeros_like(ids), feature_layer_ids, cache=cache)
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -83,8 +89,8 @@ class SpeculativeGenerator:
     def _prefill_fn(self, target_state, drafter_state, prompt, length):
         """prompt: [1, prefill_len] padded; length: its real length. Returns caches and the first token."""
         target, drafter = self._models(target_state, drafter_state)
-        out, cache = target.extend(prompt, target.init_cache(1, self.capacity), self._feature_ids(drafter))
-        cache = cache._replace(length=length)  # drop the padding
+        out = continue_text(target, prompt, target.init_cache(1, self.capacity), self._feature_ids(drafter))
+        cache = out.cache._replace(length=length)  # drop the padding
         last = jax.lax.dynamic_index_in_dim(out.hidden, length - 1, axis=1, keepdims=False)
         first = greedy_tokens(last, target.lm_head_kernel())  # [1]
         drafter_cache = None
@@ -104,8 +110,8 @@ class SpeculativeGenerator:
             hidden = draft_block(drafter, drafter_cache, target.embed(jnp.concatenate([block, mask], 1)), start)
             drafts = greedy_tokens(hidden[:, 1:], target.lm_head_kernel())
             block = jnp.concatenate([block, drafts], axis=1)
-        out, cache = target.extend(block, cache, self._feature_ids(drafter))
-        posterior = greedy_tokens(out.hidden, target.lm_head_kernel())
+        out = continue_text(target, block, cache, self._feature_ids(drafter))
+        cache, posterior = out.cache, greedy_tokens(out.hidden, target.lm_head_kernel())
         matches = (block[0, 1:] == posterior[0, :-1]).astype(jnp.int32)
         accepted = jnp.minimum(jnp.sum(jnp.cumprod(matches)), limit)
         cache = cache._replace(length=start + accepted + 1)

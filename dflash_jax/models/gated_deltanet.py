@@ -5,9 +5,12 @@ x → in_proj_qkv → causal depthwise conv (K=4) + SiLU → q, k, v heads; q, k
 q scaled by dk^-0.5, key heads repeat-interleaved onto value heads; β = sigmoid(in_proj_b x);
 g = −exp(A_log)·softplus(in_proj_a x + dt_bias) in fp32; gated delta rule (fp32); per-head RMSNorm (plain w)
 gated by silu(in_proj_z x); out_proj. Conv and recurrent state restart at every packed-segment boundary.
+Decoding carries the conv's last K−1 inputs and the recurrent state from call to call (`RecurrentCache`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,18 +23,33 @@ from dflash_jax.ops.gated_delta import chunked_gated_delta_rule, segment_starts
 _L2_EPS = 1e-6  # transformers `l2norm` default, added to the sum of squares
 
 
+class RecurrentCache(NamedTuple):
+    """One Gated DeltaNet layer's part of a decode cache during a call (see `Qwen3_5.init_cache`)."""
+
+    conv_inputs: jax.Array  # [b, K−1, C]: the conv's inputs at the K−1 tokens before this call
+    state: jax.Array  # [b, value heads, dk, dv] fp32: the recurrent state after them
+    history_segments: jax.Array  # [b, K−1]: those tokens' segments (NO_SEGMENT where there was none)
+
+
 class CausalDepthwiseConv(nnx.Module):
     """out[t, c] = Σ_j weight[c, j] · x[t − (K−1) + j, c], reading only earlier tokens of the same segment.
 
     weight is [channels, K] (HF's [C, 1, K] squeezed); weight[:, K−1] multiplies the current token. No bias.
+    Decoding passes the K−1 earlier inputs and their segments as `history`; otherwise the sequence starts
+    at x (zero left padding).
     """
 
     def __init__(self, channels: int, kernel_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         init = jax.random.normal(rngs.params(), (channels, kernel_size), param_dtype) * kernel_size**-0.5
         self.weight = nnx.Param(init, out_sharding=("linear_qkv", "conv"))
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        """x: [B, T, C]; segment_ids: [B, T]. Accumulates in fp32, returns the weight dtype."""
+    def __call__(self, x: jax.Array, segment_ids: jax.Array,
+                 history: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+        """x: [B, T, C]; segment_ids: [B, T]; history: ([B, K−1, C], [B, K−1]) or None. Accumulates in fp32,
+        returns [B, T, C] in the weight dtype."""
+        if history is not None:
+            x = jnp.concatenate([history[0].astype(x.dtype), x], axis=1)
+            segment_ids = jnp.concatenate([history[1], segment_ids], axis=1)
         weight = self.weight[...].astype(jnp.float32)
         kernel_size, length = weight.shape[1], x.shape[1]
         x32 = x.astype(jnp.float32)
@@ -42,6 +60,8 @@ class CausalDepthwiseConv(nnx.Module):
             same = segment_ids[:, shift:] == segment_ids[:, :-shift]
             earlier = jnp.where(same[..., None], x32[:, :-shift], 0.0)
             out = out + jnp.pad(earlier, ((0, 0), (shift, 0), (0, 0))) * weight[:, kernel_size - 1 - shift]
+        if history is not None:
+            out = out[:, history[0].shape[1]:]
         return out.astype(self.weight.dtype)
 
 
@@ -89,11 +109,22 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(value_head_dim, eps=rms_norm_eps, param_dtype=param_dtype)
         self.out_proj = linear(value_dim, hidden_size, ("linear_value", "embed"))
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        """x: [B, T, hidden] (already input-normed); segment_ids: [B, T]. Returns [B, T, hidden]."""
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, cache: RecurrentCache | None = None
+                 ) -> tuple[jax.Array, RecurrentCache | None]:
+        """x: [B, T, hidden] (already input-normed); segment_ids: [B, T]. Returns ([B, T, hidden], the cache
+        after these tokens, or None without one)."""
         batch, length, _ = x.shape
         key_dim = self.num_key_heads * self.key_head_dim
-        mixed = jax.nn.silu(self.conv1d(self.in_proj_qkv(x), segment_ids))
+        conv_inputs = self.in_proj_qkv(x)
+        if cache is None:
+            mixed = self.conv1d(conv_inputs, segment_ids)
+            resets, initial_state = segment_starts(segment_ids), None
+        else:
+            mixed = self.conv1d(conv_inputs, segment_ids, (cache.conv_inputs, cache.history_segments))
+            # The first token continues the cached state iff it continues the last cached token's segment.
+            previous = jnp.concatenate([cache.history_segments[:, -1:], segment_ids[:, :-1]], axis=1)
+            resets, initial_state = segment_ids != previous, cache.state
+        mixed = jax.nn.silu(mixed)
         q = mixed[..., :key_dim].reshape(batch, length, self.num_key_heads, self.key_head_dim)
         k = mixed[..., key_dim:2 * key_dim].reshape(batch, length, self.num_key_heads, self.key_head_dim)
         v = mixed[..., 2 * key_dim:].reshape(batch, length, self.num_value_heads, self.value_head_dim)
@@ -106,7 +137,11 @@ class GatedDeltaNet(nnx.Module):
         a = self.in_proj_a(x).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # log-decay ≤ 0, fp32
 
-        out, _ = chunked_gated_delta_rule(q, k, v, g, beta, segment_starts(segment_ids))
+        out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state)
+        if cache is not None:
+            kept = cache.conv_inputs.shape[1]
+            history = jnp.concatenate([cache.conv_inputs, conv_inputs.astype(cache.conv_inputs.dtype)], axis=1)
+            cache = cache._replace(conv_inputs=history[:, history.shape[1] - kept:], state=state)
         z = self.in_proj_z(x).reshape(batch, length, self.num_value_heads, self.value_head_dim)
         out = self.norm(out.astype(x.dtype), z)
-        return self.out_proj(out.reshape(batch, length, self.num_value_heads * self.value_head_dim))
+        return self.out_proj(out.reshape(batch, length, self.num_value_heads * self.value_head_dim)), cache

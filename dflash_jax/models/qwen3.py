@@ -3,8 +3,8 @@
 Decoder layers are stacked along a leading `layers` axis and run with `nnx.scan`, so compile time does not
 grow with depth. Requested feature layers are captured inside the scan into a small [n, B, T, H] buffer.
 `__call__` runs the full-sequence attention on the backend chosen at construction (`attention_impl`: query
-chunks in XLA, or splash on TPU); `extend` is the KV-cached path for incremental decoding (speculative
-decoding's prefill and verification, design §9), always dense XLA.
+chunks in XLA, or splash on TPU); given a decode cache (`init_cache`), the same layers run incrementally over
+cached keys/values (regeneration, speculative decoding's prefill and verification, design §9), attention in dense XLA.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
-from dflash_jax.models.target import CAUSAL_ATTENTION_IMPLS, EmbeddingAndHead, TargetOutput, feature_slots
-from dflash_jax.ops.attention import grouped_attention
+from dflash_jax.models.target import (NO_SEGMENT, AttentionCache, EmbeddingAndHead, TargetOutput,
+                                      causal_self_attention, feature_slots, write_columns)
 from dflash_jax.ops.backends import resolve_attention_impl
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -97,14 +97,13 @@ class Qwen3Config:
 
 
 class KVCache(NamedTuple):
-    """Fixed-size key/value buffers for incremental greedy decoding, one document per row.
-
-    Columns 0..length-1 hold the committed tokens (column = position); later columns may hold stale entries
-    of a rejected verification block, which `Qwen3.extend` overwrites before they become visible.
-    """
+    """The decode cache of `Qwen3.__call__`: keys/values of every layer at fixed-size columns (see
+    `target.AttentionCache`). Columns 0..length-1 hold the tokens fed so far; later columns may hold stale
+    entries of a cropped verification block (`cache._replace(length=n)`), overwritten before they are seen."""
 
     keys: jax.Array  # [L, b, capacity, kv_heads, head_dim]
     values: jax.Array  # [L, b, capacity, kv_heads, head_dim]
+    segment_ids: jax.Array  # [b, capacity] int32, NO_SEGMENT where nothing was written
     length: jax.Array  # int32 scalar
 
 
@@ -126,31 +125,14 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(dim, eps=config.rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
         self.k_norm = RMSNorm(dim, eps=config.rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
 
-    def _qkv(self, x, positions, inv_freq):
+    def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | None = None):
         batch, length, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(batch, length, self.q_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
-
-    def _output(self, out):
-        return self.o_proj(out.reshape(*out.shape[:2], self.q_heads * self.head_dim))
-
-    def __call__(self, x, positions, segment_ids, inv_freq):
-        q, k, v = self._qkv(x, positions, inv_freq)
-        attention = CAUSAL_ATTENTION_IMPLS[self.attention_impl]
-        return self._output(attention(q, k, v, segment_ids, self.head_dim**-0.5))
-
-    def cached(self, x, positions, inv_freq, keys, values, start):
-        """x: [b, t, H] new tokens at cache columns start..start+t-1 (column = position: one document per
-        row). Their keys/values are written into the layer's cache [b, capacity, kv_heads, D] first, then
-        every new token attends to the columns at or before its own position; stale columns past it (left
-        by a cropped verification block) are never visible. Returns (output, keys, values)."""
-        q, k, v = self._qkv(x, positions, inv_freq)
-        keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), start, axis=1)
-        values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), start, axis=1)
-        visible = jnp.arange(keys.shape[1])[None, None, :] <= positions[:, :, None]
-        return self._output(grouped_attention(q, keys, values, visible, self.head_dim**-0.5)), keys, values
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out, cache = causal_self_attention(q, k, v, segment_ids, self.head_dim**-0.5, self.attention_impl, cache)
+        return self.o_proj(out.reshape(batch, length, self.q_heads * self.head_dim)), cache
 
 
 class DecoderLayer(nnx.Module):
@@ -163,14 +145,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
         self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x, positions, segment_ids, inv_freq):
-        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids, inv_freq)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def cached(self, x, positions, inv_freq, keys, values, start):
-        attn, keys, values = self.self_attn.cached(self.input_layernorm(x), positions, inv_freq, keys, values, start)
+    def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | None = None):
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, segment_ids, inv_freq, cache)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), keys, values
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 class Qwen3(EmbeddingAndHead, nnx.Module):
@@ -197,55 +175,46 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
                                   param_dtype=param_dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 feature_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+                 feature_layer_ids: tuple[int, ...] = (), cache: KVCache | None = None) -> TargetOutput:
         """input_ids, positions, segment_ids: [B, T] (positions restart in each packed document).
 
         features[:, :, i] is the residual stream right after decoder layer feature_layer_ids[i]
         (transformers `hidden_states[id + 1]`, except that HF's last entry is already final-normed).
+
+        With a decode cache (`init_cache`), the tokens continue what the cache holds: they are written at
+        columns cache.length.. and attend to the earlier columns of their segment, and `.cache` of the
+        output is the grown cache. The same layers compute both, so a cached call gives what the uncached
+        call over all tokens fed so far gives for these ones. The caller keeps cache.length + T <= capacity
+        (XLA clamps a write past the end onto earlier columns).
         """
         wanted, slot, order = feature_slots(feature_layer_ids, self.config.num_hidden_layers)
         x = self.embed(input_ids)
         inv_freq = rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         buffer = jnp.zeros((len(wanted) + 1, *x.shape), x.dtype)
+        if cache is not None:
+            start = cache.length
+            cache = cache._replace(segment_ids=write_columns(cache.segment_ids, segment_ids, start))
+        layer_kv = None if cache is None else (cache.keys, cache.values)
 
         # Tree mode: the layers are a plain pytree here, so this also works when a caller's `jax.jit`
         # closes over the model (graph mode refuses variables from an outer trace).
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, graph=False)
-        def run_layer(carry, layer, layer_slot):
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0), graph=False)
+        def run_layer(carry, layer, layer_slot, kv):
             hidden, features = carry
-            hidden = layer(hidden, positions, segment_ids, inv_freq)
-            return hidden, jax.lax.dynamic_update_index_in_dim(features, hidden, layer_slot, axis=0)
+            layer_cache = None if kv is None else AttentionCache(*kv, cache.segment_ids, start)
+            hidden, layer_cache = layer(hidden, positions, segment_ids, inv_freq, layer_cache)
+            features = jax.lax.dynamic_update_index_in_dim(features, hidden, layer_slot, axis=0)
+            return (hidden, features), None if layer_cache is None else (layer_cache.keys, layer_cache.values)
 
-        x, buffer = run_layer((x, buffer), self.layers, jnp.asarray(slot))
-        return TargetOutput(hidden=self.norm(x), features=jnp.moveaxis(buffer[order], 0, 2))
+        (x, buffer), layer_kv = run_layer((x, buffer), self.layers, jnp.asarray(slot), layer_kv)
+        if cache is not None:
+            cache = KVCache(*layer_kv, cache.segment_ids, start + input_ids.shape[1])
+        return TargetOutput(hidden=self.norm(x), features=jnp.moveaxis(buffer[order], 0, 2), cache=cache)
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
-        """An empty cache of `capacity` columns per row (dtype: the weights' dtype unless given)."""
+        """An empty decode cache of `capacity` columns per row (dtype: the weights' dtype unless given)."""
         config = self.config
         dtype = dtype or self.embed_tokens.embedding[...].dtype
         shape = (config.num_hidden_layers, batch, capacity, config.num_key_value_heads, config.head_dim)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
-
-    def extend(self, input_ids: jax.Array, cache: KVCache, feature_layer_ids: tuple[int, ...] = ()
-               ) -> tuple[TargetOutput, KVCache]:
-        """Incremental decoding: input_ids [b, t] continue every row's single document at positions
-        cache.length .. cache.length+t-1, attending to the cached prefix. Returns the same TargetOutput as
-        `__call__` on the whole text would for these t tokens, and the cache grown by t. Crop it with
-        `cache._replace(length=n)` to drop rejected tokens. The caller keeps cache.length + t <= capacity
-        (a write past the end would be clamped by XLA onto earlier columns)."""
-        wanted, slot, order = feature_slots(feature_layer_ids, self.config.num_hidden_layers)
-        start = cache.length
-        x = self.embed(input_ids)
-        positions = jnp.broadcast_to(start + jnp.arange(input_ids.shape[1]), input_ids.shape)
-        inv_freq = rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        buffer = jnp.zeros((len(wanted) + 1, *x.shape), x.dtype)
-
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0, 0), graph=False)
-        def run_layer(carry, layer, layer_slot, keys, values):
-            hidden, features = carry
-            hidden, keys, values = layer.cached(hidden, positions, inv_freq, keys, values, start)
-            return (hidden, jax.lax.dynamic_update_index_in_dim(features, hidden, layer_slot, axis=0)), keys, values
-
-        (x, buffer), keys, values = run_layer((x, buffer), self.layers, jnp.asarray(slot), cache.keys, cache.values)
-        out = TargetOutput(hidden=self.norm(x), features=jnp.moveaxis(buffer[order], 0, 2))
-        return out, KVCache(keys, values, start + input_ids.shape[1])
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((batch, capacity), NO_SEGMENT, jnp.int32),
+                       jnp.zeros((), jnp.int32))

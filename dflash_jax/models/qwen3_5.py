@@ -5,22 +5,38 @@ SwiGLU MLP, with zero-centred (1+w) RMSNorms throughout (design §8.2). layer_ty
 period (27B: 16 × [GDN, GDN, GDN, attention]); the layers at each position of the period are stacked along a
 leading `layers` axis and one `nnx.scan` step runs one period, so compile time is that of one period whatever
 the depth. Requested feature layers are captured inside the scan into a small [n, B, T, H] buffer. The
-attention layers run on the backend chosen at construction (`attention_impl`, as in `qwen3.py`).
+attention layers run on the backend chosen at construction (`attention_impl`, as in `qwen3.py`). Given a
+decode cache (`init_cache`: the attention layers' keys/values, the Gated DeltaNet layers' conv inputs and
+recurrent states), the same layers run incrementally.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models.gated_deltanet import GatedDeltaNet
+from dflash_jax.models.gated_deltanet import GatedDeltaNet, RecurrentCache
 from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
 from dflash_jax.models.qwen3_5_config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5Config
-from dflash_jax.models.target import CAUSAL_ATTENTION_IMPLS, EmbeddingAndHead, TargetOutput, feature_slots
+from dflash_jax.models.target import (NO_SEGMENT, AttentionCache, EmbeddingAndHead, TargetOutput,
+                                      causal_self_attention, feature_slots, write_columns)
 from dflash_jax.ops.backends import resolve_attention_impl
 
-__all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "Qwen3_5", "Qwen3_5Config"]
+__all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "HybridCache", "Qwen3_5", "Qwen3_5Config"]
+
+
+class HybridCache(NamedTuple):
+    """The decode cache of `Qwen3_5.__call__`. layers[k] belongs to the k-th layer of the period, stacked over
+    the period's repetitions: (keys, values) [R, b, capacity, kv_heads, head_dim] for gated attention (see
+    `target.AttentionCache`), (conv_inputs [R, b, K−1, C], state [R, b, value heads, dk, dv] fp32) for Gated
+    DeltaNet (`RecurrentCache`). The recurrent state cannot be cropped: decoding only appends."""
+
+    layers: tuple[tuple[jax.Array, jax.Array], ...]
+    segment_ids: jax.Array  # [b, capacity] int32, NO_SEGMENT where nothing was written
+    length: jax.Array  # int32 scalar
 
 
 class GatedAttention(nnx.Module):
@@ -41,7 +57,7 @@ class GatedAttention(nnx.Module):
                                param_dtype=param_dtype)
         self.q_norm, self.k_norm = norm(), norm()
 
-    def __call__(self, x, positions, segment_ids, inv_freq):
+    def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | None = None):
         batch, length, _ = x.shape
         query_gate = self.q_proj(x).reshape(batch, length, self.q_heads, 2 * self.head_dim)
         q, gate = query_gate[..., :self.head_dim], query_gate[..., self.head_dim:]
@@ -49,9 +65,9 @@ class GatedAttention(nnx.Module):
         k = self.k_norm(self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        attention = CAUSAL_ATTENTION_IMPLS[self.attention_impl]
-        out = attention(q, k, v, segment_ids, self.head_dim**-0.5) * jax.nn.sigmoid(gate)
-        return self.o_proj(out.reshape(batch, length, self.q_heads * self.head_dim))
+        out, cache = causal_self_attention(q, k, v, segment_ids, self.head_dim**-0.5, self.attention_impl, cache)
+        out = out * jax.nn.sigmoid(gate)
+        return self.o_proj(out.reshape(batch, length, self.q_heads * self.head_dim)), cache
 
 
 class DecoderLayer(nnx.Module):
@@ -73,13 +89,14 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, zero_centered=True, param_dtype=param_dtype)
         self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x, positions, segment_ids, inv_freq):
+    def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | RecurrentCache | None = None):
         normed = self.input_layernorm(x)
         if self.layer_type == LINEAR_ATTENTION:
-            x = x + self.linear_attn(normed, segment_ids)
+            mixed, cache = self.linear_attn(normed, segment_ids, cache)
         else:
-            x = x + self.self_attn(normed, positions, segment_ids, inv_freq)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            mixed, cache = self.self_attn(normed, positions, segment_ids, inv_freq, cache)
+        x = x + mixed
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 class LayerPeriod(nnx.Module):
@@ -116,30 +133,75 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
                                   param_dtype=param_dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 feature_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+                 feature_layer_ids: tuple[int, ...] = (), cache: HybridCache | None = None) -> TargetOutput:
         """input_ids, positions, segment_ids: [B, T] (positions restart in each packed document; attention,
         convolution and recurrent state never cross a segment boundary).
 
         features[:, :, i] is the residual stream right after decoder layer feature_layer_ids[i]
         (transformers `hidden_states[id + 1]`, except that HF's last entry is already final-normed).
+
+        With a decode cache (`init_cache`) the tokens continue what it holds, as in `Qwen3.__call__`; a
+        token whose segment differs from the last cached token's starts fresh conv and recurrent state.
         """
-        num_layers, period = self.config.num_hidden_layers, len(self.config.layer_period())
+        config = self.config
+        num_layers, period = config.num_hidden_layers, len(config.layer_period())
         wanted, slot, order = feature_slots(feature_layer_ids, num_layers)
 
         x = self.embed(input_ids)
-        inv_freq = rope_inverse_frequencies(self.config.rotary_dim, self.config.rope_theta)
+        inv_freq = rope_inverse_frequencies(config.rotary_dim, config.rope_theta)
         buffer = jnp.zeros((len(wanted) + 1, *x.shape), x.dtype)
+        if cache is not None:
+            start = cache.length
+            # The segments of the K−1 tokens before this call (NO_SEGMENT before the first), for the convs.
+            earlier = jnp.full((x.shape[0], config.linear_conv_kernel_dim - 1), NO_SEGMENT, jnp.int32)
+            history_segments = jax.lax.dynamic_slice_in_dim(
+                jnp.concatenate([earlier, cache.segment_ids], axis=1), start, earlier.shape[1], axis=1)
+            cache = cache._replace(segment_ids=write_columns(cache.segment_ids, segment_ids, start))
+
+        def layer_cache(layer, arrays):
+            if arrays is None:
+                return None
+            if layer.layer_type == LINEAR_ATTENTION:
+                return RecurrentCache(*arrays, history_segments)
+            return AttentionCache(*arrays, cache.segment_ids, start)
 
         # Tree mode, as in qwen3.py: also works when a caller's trace (jit, an accumulation scan) closes over
         # the model.
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, graph=False)
-        def run_period(carry, layer_period, period_slots):
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0), graph=False)
+        def run_period(carry, layer_period, period_slots, period_arrays):
             hidden, features = carry
+            new_arrays = []
             for position, layer in enumerate(layer_period.layers):
-                hidden = layer(hidden, positions, segment_ids, inv_freq)
+                arrays = None if period_arrays is None else period_arrays[position]
+                hidden, updated = layer(hidden, positions, segment_ids, inv_freq, layer_cache(layer, arrays))
+                new_arrays.append(None if updated is None else tuple(updated[:2]))
                 features = jax.lax.dynamic_update_index_in_dim(features, hidden, period_slots[position], axis=0)
-            return hidden, features
+            return (hidden, features), None if period_arrays is None else tuple(new_arrays)
 
-        x, buffer = run_period((x, buffer), self.periods, jnp.asarray(slot.reshape(-1, period)))
+        (x, buffer), layer_arrays = run_period((x, buffer), self.periods, jnp.asarray(slot.reshape(-1, period)),
+                                               None if cache is None else cache.layers)
+        if cache is not None:
+            cache = HybridCache(layer_arrays, cache.segment_ids, start + input_ids.shape[1])
         features = jnp.moveaxis(buffer[order], 0, 2)  # [B, T, n, H], in request order
-        return TargetOutput(hidden=self.norm(x), features=features)
+        return TargetOutput(hidden=self.norm(x), features=features, cache=cache)
+
+    def init_cache(self, batch: int, capacity: int, dtype=None) -> HybridCache:
+        """An empty decode cache of `capacity` columns per row (dtype: the weights' dtype unless given; the
+        recurrent states are fp32 whatever it is, as the gated delta rule)."""
+        config = self.config
+        dtype = dtype or self.embed_tokens.embedding[...].dtype
+        repeats = config.num_hidden_layers // len(config.layer_period())
+        key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+        value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+        layers = []
+        for layer_type in config.layer_period():
+            if layer_type == LINEAR_ATTENTION:
+                conv = (repeats, batch, config.linear_conv_kernel_dim - 1, 2 * key_dim + value_dim)
+                state = (repeats, batch, config.linear_num_value_heads, config.linear_key_head_dim,
+                         config.linear_value_head_dim)
+                layers.append((jnp.zeros(conv, dtype), jnp.zeros(state, jnp.float32)))
+            else:
+                kv = (repeats, batch, capacity, config.num_key_value_heads, config.head_dim)
+                layers.append((jnp.zeros(kv, dtype), jnp.zeros(kv, dtype)))
+        return HybridCache(tuple(layers), jnp.full((batch, capacity), NO_SEGMENT, jnp.int32),
+                           jnp.zeros((), jnp.int32))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dflash_jax.errors import CheckpointError
-from dflash_jax.ops.attention import causal_attention
+from dflash_jax.ops.attention import QUERY_CHUNK, causal_attention, causal_segment_mask, grouped_attention
 from dflash_jax.ops.splash_attention import causal_attention_splash
 from dflash_jax.weights.safetensors_dir import read_config
 
@@ -19,10 +19,53 @@ from dflash_jax.weights.safetensors_dir import read_config
 # XLA, or the splash kernel. The KV-cached decoding path always uses the dense `grouped_attention`.
 CAUSAL_ATTENTION_IMPLS = {"xla": causal_attention, "splash": causal_attention_splash}
 
+NO_SEGMENT = -1  # the segment id of decode-cache columns nothing was written to: it matches no token
+
 
 class TargetOutput(NamedTuple):
     hidden: jax.Array  # [B, T, H] last decoder layer output after the final norm (input of lm_head)
     features: jax.Array  # [B, T, n, H] residual stream after each requested decoder layer, in request order
+    cache: Any = None  # called with a decode cache: that cache grown by this call's tokens
+
+
+class AttentionCache(NamedTuple):
+    """One attention layer's part of a decode cache during a call (the targets' `init_cache`).
+
+    Column c holds the key/value of the c-th token the cache was fed. Per row, the tokens of one call sit at
+    columns start..start+t-1; segment ids tell the documents apart, so a row may begin with left padding in
+    a segment of its own (batched prompts of different lengths) or hold several documents.
+    """
+
+    keys: jax.Array  # [b, capacity, kv_heads, head_dim]
+    values: jax.Array  # [b, capacity, kv_heads, head_dim]
+    segment_ids: jax.Array  # [b, capacity]: every column's segment, this call's tokens included
+    start: jax.Array  # int32 scalar: the column of this call's first token
+
+
+def write_columns(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """buffer [b, capacity, ...] with new [b, t, ...] written at columns start..start+t-1."""
+    return jax.lax.dynamic_update_slice_in_dim(buffer, new.astype(buffer.dtype), start, axis=1)
+
+
+def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, scale: float,
+                          attention_impl: str, cache: AttentionCache | None = None
+                          ) -> tuple[jax.Array, AttentionCache | None]:
+    """The targets' causal attention within segments; q: [b, t, Hq, D], k, v: [b, t, Hkv, D].
+
+    Without a cache: over the call's own tokens on the `attention_impl` backend. With one: the new keys and
+    values are written at columns start.. first, then every new token attends (XLA, over all columns) to the
+    columns at or before its own that hold its segment, so stale columns past it (a cropped verification
+    block) are never visible. Returns (output, the cache holding the new columns or None).
+    """
+    if cache is None:
+        return CAUSAL_ATTENTION_IMPLS[attention_impl](q, k, v, segment_ids, scale), None
+    keys, values = write_columns(cache.keys, k, cache.start), write_columns(cache.values, v, cache.start)
+    outputs = []  # a long prefill attends in query chunks, as `causal_attention`: [b, H, QUERY_CHUNK, capacity]
+    for first in range(0, q.shape[1], QUERY_CHUNK):
+        chunk = slice(first, first + QUERY_CHUNK)
+        visible = causal_segment_mask(segment_ids[:, chunk], cache.segment_ids, cache.start + first)
+        outputs.append(grouped_attention(q[:, chunk], keys, values, visible, scale))
+    return jnp.concatenate(outputs, axis=1), cache._replace(keys=keys, values=values)
 
 
 def feature_slots(feature_layer_ids: tuple[int, ...], num_layers: int) -> tuple[list[int], np.ndarray, np.ndarray]:

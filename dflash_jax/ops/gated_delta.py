@@ -11,7 +11,8 @@ This is transformers' `torch_recurrent_gated_delta_rule` / `torch_chunk_gated_de
 
 Packed rows: `resets[b, t]` marks the first token of a new segment. The state carried into that token is
 dropped (S ← 0 before its update), exactly as if g_t were −∞; see `chunked_gated_delta_rule` for how that
-enters the chunked form. Everything here is fp32 with fp32 matmuls (Precision.HIGHEST), whatever the model
+enters the chunked form. Decoding continues from the state a previous call returned (`initial_state`, else
+0); a reset at t = 0 then drops it. Everything here is fp32 with fp32 matmuls (Precision.HIGHEST), whatever the model
 dtype.
 """
 
@@ -61,16 +62,23 @@ def segment_starts(segment_ids: jax.Array) -> jax.Array:
     return jnp.pad(changed, ((0, 0), (1, 0)))
 
 
+def _initial_state(shape: tuple[int, ...], initial_state: jax.Array | None) -> jax.Array:
+    """The fp32 state [B, H, dk, dv] a call starts from: the carried one, else zeros."""
+    return jnp.zeros(shape, jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+
+
 def recurrent_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                               resets: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Token-by-token reference. q, k: [B, T, H, dk]; v: [B, T, H, dv]; g, beta: [B, T, H]; resets: [B, T].
+                               resets: jax.Array | None = None, initial_state: jax.Array | None = None
+                               ) -> tuple[jax.Array, jax.Array]:
+    """Token-by-token reference. q, k: [B, T, H, dk]; v: [B, T, H, dv]; g, beta: [B, T, H]; resets: [B, T];
+    initial_state: [B, H, dk, dv] (default 0).
 
     Returns (out [B, T, H, dv], final state [B, H, dk, dv]), fp32.
     """
     batch, length, heads, key_dim = q.shape
     if resets is None:
         resets = jnp.zeros((batch, length), bool)
-    state = jnp.zeros((batch, heads, key_dim, v.shape[-1]), jnp.float32)
+    state = _initial_state((batch, heads, key_dim, v.shape[-1]), initial_state)
 
     def step(state, token):
         q_t, k_t, v_t, g_t, beta_t, reset_t = token
@@ -88,7 +96,7 @@ def recurrent_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
 
 
 def chunked_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                             resets: jax.Array | None = None, *,
+                             resets: jax.Array | None = None, initial_state: jax.Array | None = None, *,
                              chunk_size: int = CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
     """Same result as `recurrent_gated_delta_rule`, computed a chunk at a time (design §8.3).
 
@@ -112,12 +120,15 @@ def chunked_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Ar
 
     Only non-positive exponents are ever exponentiated (γ_i − γ_j with j ≤ i, γ_i, γ_{C−1} − γ_j), masked
     before `exp`, so long decays underflow to 0 instead of overflowing. T is padded to a multiple of C with
-    g = β = 0 (identity steps on S), so the final state is exact.
+    g = β = 0 (identity steps on S), so the final state is exact. A call with fewer than C tokens (decoding
+    one token, or a short verification block) uses the smallest power of two >= T as C instead: at C = 1 this
+    is the recurrent step itself.
     """
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
+    chunk_size = min(chunk_size, 1 << max(length - 1, 0).bit_length())
     if resets is None:
         resets = jnp.zeros((batch, length), bool)
     pad = -length % chunk_size
@@ -163,7 +174,7 @@ def chunked_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Ar
         return state, out
 
     chunk_major = lambda x: jnp.moveaxis(x, 2, 0)
-    state = jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32)
+    state = _initial_state((batch, heads, key_dim, value_dim), initial_state)
     state, out = jax.lax.scan(step, state, tuple(map(chunk_major, (
         pseudo_values, key_cumdecay, attn, q_decayed, k_to_end, state_decay))))
     out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, num_chunks * chunk_size, value_dim)
