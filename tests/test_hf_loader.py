@@ -7,6 +7,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -17,6 +18,7 @@ from dflash_jax.errors import CheckpointError
 from dflash_jax.models.target import load_target
 from dflash_jax.sharding import make_mesh
 from dflash_jax.weights.hf_qwen3 import load_qwen3
+from dflash_jax.weights.safetensors_dir import CheckpointReader
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
 WEIGHTS = "model.safetensors"
@@ -172,15 +174,28 @@ def test_truncated_weights_file(broken):
     path = broken / WEIGHTS
     path.write_bytes(path.read_bytes()[:-1000])
     message = load_error(broken)
-    assert str(path) in message and "is truncated or corrupt" in message
+    assert str(path) in message and "truncated or corrupt" in message and "file not fully covered" in message
 
 
 @pytest.mark.parametrize("content, reason", [
-    (b"\x01\x02", "truncated safetensors file (2 bytes)"),
-    ((10**9).to_bytes(8, "little") + b"{}", "corrupt safetensors header (length 1000000000"),
-    ((4).to_bytes(8, "little") + b"\xff{[}", "corrupt safetensors header"),
+    (b"\x01\x02", "truncated or corrupt (2 bytes): Error while deserializing header: header too small"),
+    ((10**9).to_bytes(8, "little") + b"{}", "header too large"),
+    ((4).to_bytes(8, "little") + b"\xff{[}", "invalid UTF-8 in header"),
 ])
 def test_corrupt_weights_file(broken, content, reason):
     (broken / WEIGHTS).write_bytes(content)
     message = load_error(broken)
     assert str(broken / WEIGHTS) in message and reason in message
+
+
+def test_reader_reads_bf16_tensors_and_slices_of_them(tmp_path):
+    """bf16 through the safetensors library's numpy reader (ml_dtypes' bfloat16), whole or a slice."""
+    values = torch.randn(6, 5, dtype=torch.float32).to(torch.bfloat16)
+    save_file({"w": values, "v": torch.arange(4, dtype=torch.int32)}, tmp_path / WEIGHTS)
+    reader = CheckpointReader(tmp_path)
+    assert reader.names() == ["v", "w"] and reader.shape("w") == (6, 5)
+    whole = reader.read("w")
+    assert whole.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(whole.astype(np.float32), values.float().numpy())
+    np.testing.assert_array_equal(reader.read("w", (slice(2, 4), slice(1, 3))), whole[2:4, 1:3])
+    np.testing.assert_array_equal(reader.read("v"), np.arange(4, dtype=np.int32))

@@ -4,7 +4,7 @@ Decoder layers are stacked along a leading `layers` axis and run with `nnx.scan`
 grow with depth. Requested feature layers are captured inside the scan into a small [n, B, T, H] buffer.
 `__call__` runs the full-sequence attention on the backend chosen at construction (`attention_impl`: query
 chunks in XLA, or splash on TPU); given a decode cache (`init_cache`), the same layers run incrementally over
-cached keys/values (regeneration, speculative decoding's prefill and verification, design §9), attention in dense XLA.
+cached keys/values (regeneration; speculative decoding's prefill and verification, design §9), attention in XLA.
 """
 
 from __future__ import annotations

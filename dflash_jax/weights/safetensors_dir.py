@@ -1,28 +1,27 @@
 """Read a Hugging Face checkpoint directory tensor by tensor, without torch.
 
 A directory holds `config.json` and either `model.safetensors` or `model.safetensors.index.json` plus its
-shards. Tensors are memory-mapped from disk and read one at a time, so peak memory is about the largest
-tensor. Every failure names the file and what is wrong with it.
+shards. Files are opened with the `safetensors` library (`safe_open(..., framework="numpy")`), which checks
+the header and that every tensor's bytes lie inside the file when it opens one; tensors are read one at a
+time (or only a slice of one, `get_slice`), so peak memory is about the largest tensor. Every failure names
+the file and what is wrong with it.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
-import ml_dtypes
+# safetensors' numpy reader names bf16 tensors' dtype "bfloat16", which numpy only knows once ml_dtypes has
+# registered it: without this import, reading a bf16 tensor fails with "data type 'bfloat16' not understood".
+import ml_dtypes  # noqa: F401
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from dflash_jax.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-}
 
 
 def read_json(path: Path) -> dict:
@@ -42,46 +41,31 @@ def read_config(checkpoint_dir: str | Path) -> dict:
 
 
 class SafetensorsFile:
-    """One .safetensors file: the header is parsed eagerly, tensor data is memory-mapped on demand."""
+    """One .safetensors file, opened (header checked) at construction; tensors are read on demand."""
 
     def __init__(self, path: Path):
         self.path = path
         if not path.is_file():
             raise CheckpointError(f"{path}: file not found")
-        size = path.stat().st_size
-        with path.open("rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes)")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > size - 8:
-                raise CheckpointError(f"{path}: corrupt safetensors header (length {header_len}, file {size} bytes)")
-            try:
-                header = json.loads(handle.read(header_len))
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise CheckpointError(f"{path}: corrupt safetensors header ({error})") from None
-        header.pop("__metadata__", None)
-        self.data_start = 8 + header_len
-        self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
-        for name, info in header.items():
-            dtype = _DTYPES.get(info.get("dtype"))
-            if dtype is None:
-                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
-            begin, end = info["data_offsets"]
-            shape = tuple(info["shape"])
-            if end - begin != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize or \
-                    self.data_start + end > size:
-                raise CheckpointError(f"{path}: tensor {name} is truncated or corrupt "
-                                      f"(shape {shape}, bytes {begin}..{end}, file {size} bytes)")
-            self.entries[name] = (np.dtype(dtype), shape, begin, end)
+        try:
+            self._file = safe_open(path, framework="numpy")
+            self.entries = {name: tuple(self._file.get_slice(name).get_shape()) for name in self._file.keys()}
+        except SafetensorError as error:  # e.g. "incomplete metadata, file not fully covered" when truncated
+            raise CheckpointError(f"{path}: not a readable safetensors file, truncated or corrupt "
+                                  f"({path.stat().st_size} bytes): {error}") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.entries[name][1]
+        return self.entries[name]
 
-    def read(self, name: str) -> np.ndarray:
-        dtype, shape, begin, end = self.entries[name]
-        count = (end - begin) // dtype.itemsize
-        return np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + begin, shape=(count,)).reshape(shape)
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """The tensor, or only `index` of it (a tuple of slices, one per leading axis) read from disk."""
+        try:
+            if index is None:
+                return self._file.get_tensor(name)
+            return self._file.get_slice(name)[index]
+        except (SafetensorError, TypeError, AttributeError) as error:  # a dtype numpy has no type for
+            dtype = self._file.get_slice(name).get_dtype()
+            raise CheckpointError(f"{self.path}: tensor {name} ({dtype}) cannot be read: {error}") from None
 
 
 class CheckpointReader:
@@ -117,5 +101,6 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._file_of[name].shape(name)
 
-    def read(self, name: str) -> np.ndarray:
-        return self._file_of[name].read(name)
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """A tensor by name, or only `index` of it (see `SafetensorsFile.read`)."""
+        return self._file_of[name].read(name, index)
