@@ -1,0 +1,104 @@
+"""Prompt records in, training records out: what `regenerate` asks the target and what it writes.
+
+Input, one JSON object per line, in the training formats (data/records.py), where the responses are optional
+and are replaced anyway:
+  {"prompt": "...", ["completion": "..."]}     raw text: the completion is the target's continuation
+  {"messages": [{"role", "content"}, ...]}      chat: every assistant turn is the target's response
+A conversation's assistant turns are generated in order, each from the conversation before it with the
+earlier turns already regenerated, so the whole conversation is the target's own; a conversation that does
+not end with an assistant turn gets one. Other keys of the record (and of user/system messages) are kept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from dflash_jax.errors import DataError
+from dflash_jax.data.tokenize import check_chat_tokenizer
+
+
+def parse_prompt_record(line: str, where: str) -> dict[str, Any]:
+    """One JSONL line as a validated record object. Raises DataError(where, reason)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DataError(where, f"invalid JSON: {error}") from None
+    if not isinstance(record, dict):
+        raise DataError(where, f"expected a JSON object, got {type(record).__name__}")
+    if ("messages" in record) == ("prompt" in record):
+        raise DataError(where, f"a prompt record needs exactly one of 'messages' and 'prompt'; found keys "
+                               f"{sorted(record)}")
+    if "prompt" in record:
+        if not isinstance(record["prompt"], str) or not record["prompt"]:
+            raise DataError(where, "'prompt' must be a non-empty string")
+        return record
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DataError(where, "'messages' must be a non-empty list of {'role', 'content'} objects")
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise DataError(where, f"messages[{i}] must be an object with string 'role' and 'content'")
+    if all(m["role"] == "assistant" for m in messages):
+        raise DataError(where, "the conversation has only assistant turns, so there is nothing to respond to")
+    return record
+
+
+class Regeneration:
+    """One record on its way through the target: `prompt()` gives the next token ids to continue, `accept()`
+    takes the target's response to them, `done` says when `output()` is ready."""
+
+    def __init__(self, record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, where: str,
+                 chat_template_kwargs: dict | None = None):
+        self.record, self.tokenizer, self.where = record, tokenizer, where
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self.responses: list[str] = []
+        if "messages" in record:
+            check_chat_tokenizer(tokenizer, where)
+            messages = list(record["messages"])
+            if messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": ""})
+            self.messages = messages
+            self.turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        else:
+            self.messages, self.turns = None, [None]
+
+    @property
+    def done(self) -> bool:
+        return len(self.responses) == len(self.turns)
+
+    @property
+    def turn(self) -> int:
+        """Which response comes next (0 for the first)."""
+        return len(self.responses)
+
+    def prompt(self) -> list[int]:
+        if self.messages is None:
+            return self.tokenizer(self.record["prompt"], add_special_tokens=False)["input_ids"]
+        text = self.tokenizer.apply_chat_template(self._conversation(self.turns[self.turn]), tokenize=False,
+                                                  add_generation_prompt=True, **self.template_kwargs)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def accept(self, token_ids: Sequence[int], stop_token_ids: Sequence[int]) -> None:
+        """The response: the generated ids without a final stop token, decoded as the tokenizer writes them."""
+        ids = list(token_ids)
+        if ids and ids[-1] in stop_token_ids:
+            ids = ids[:-1]
+        self.responses.append(self.tokenizer.decode(ids))
+
+    def output(self) -> dict[str, Any]:
+        """The training record: the responses in place of the record's own, its other keys kept."""
+        rest = {key: value for key, value in self.record.items() if key not in ("prompt", "completion", "messages")}
+        if self.messages is None:
+            return {"prompt": self.record["prompt"], "completion": self.responses[0], **rest}
+        return {"messages": self._conversation(len(self.messages)), **rest}
+
+    def _conversation(self, end: int) -> list[dict[str, Any]]:
+        """messages[:end] with the assistant turns answered so far replaced by their responses."""
+        response_of = dict(zip(self.turns, self.responses))
+        return [{"role": "assistant", "content": response_of[i]} if i in response_of else m
+                for i, m in enumerate(self.messages[:end])]

@@ -1,0 +1,210 @@
+"""Data regeneration (`python -m dflash_jax.regenerate`) on tiny random targets of both families.
+
+The written responses must be the target's greedy continuations computed without any cache (the argmax of a
+full forward after each token), for prompts of different lengths decoded together on a mesh; a job stopped
+by SIGTERM or killed by SIGKILL and rerun must hold every record exactly once, as an uninterrupted run does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from transformers import AutoTokenizer
+
+from dflash_jax import regenerate
+from dflash_jax.eval.examples import stop_token_ids
+from dflash_jax.eval.generate import fp32_logits
+from dflash_jax.models.target import load_target
+from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
+from tests.train_fixtures import make_qwen3_5_target, make_target, tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_NEW = 12
+RECORDS = [
+    {"prompt": "Hello world", "source": "a"},
+    {"prompt": "Explain why the model drafts a block of tokens, then the target verifies it", "completion": "x"},
+    {"messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a row?"},
+                  {"role": "assistant", "content": "old answer"}, {"role": "user", "content": "And a block?"},
+                  {"role": "assistant", "content": "old answer"}], "id": 7},
+    {"messages": [{"role": "user", "content": "Please explain the anchor"}]},
+    {"prompt": "def f(x):\n    return"},
+]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def target_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen3":
+        return make_target(directory, num_layers=3)
+    return make_qwen3_5_target(directory)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def uncached_greedy(model, prompt: list[int], stops: tuple[int, ...], width: int = 128) -> list[int]:
+    """Token by token: the argmax of a full forward over the text so far (right padding changes nothing
+    before it), until a stop token or MAX_NEW tokens."""
+    forward = nnx.jit(lambda m, ids: fp32_logits(m(ids, jnp.arange(width)[None], jnp.ones_like(ids)).hidden,
+                                                 m.lm_head_kernel()))
+    text = list(prompt)
+    for _ in range(MAX_NEW):
+        ids = np.zeros((1, width), np.int32)
+        ids[0, :len(text)] = text
+        text.append(int(np.argmax(forward(model, ids)[0, len(text) - 1])))
+        if text[-1] in stops:
+            break
+    return text[len(prompt):]
+
+
+def test_greedy_responses_equal_uncached_greedy_decoding(target_dir, tmp_path):
+    config = tiny_config(target_dir, tmp_path / "unused.jsonl")
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2  # rows over data x fsdp
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", RECORDS)
+    summary = regenerate.run(config, [str(prompts)], str(tmp_path / "out.jsonl"), max_new_tokens=MAX_NEW,
+                             batch_size=4, progress=False)
+    assert summary.records_done == summary.written == len(RECORDS) and summary.generated_tokens > 0
+    written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+
+    model, _ = load_target(target_dir, param_dtype=jnp.float32)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    stops = stop_token_ids(target_dir, tokenizer)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+
+    def expected(prompt_ids):
+        ids = uncached_greedy(model, prompt_ids, stops)
+        return tokenizer.decode(ids[:-1] if ids[-1] in stops else ids)
+
+    assert [set(r) for r in written] == [{"prompt", "completion", "source"}, {"prompt", "completion"},
+                                         {"messages", "id"}, {"messages"}, {"prompt", "completion"}]
+    for record, output in zip(RECORDS, written):
+        if "prompt" in record:
+            assert output["prompt"] == record["prompt"]
+            assert output["completion"] == expected(encode(record["prompt"]))
+            continue
+        messages = output["messages"]  # every assistant turn answers the conversation before it
+        assert [m["role"] for m in messages] == [m["role"] for m in record["messages"]] + (
+            [] if record["messages"][-1]["role"] == "assistant" else ["assistant"])
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                rendered = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+                assert message["content"] == expected(encode(rendered)) != "old answer"
+            else:
+                assert message == record["messages"][i]
+
+
+def test_sampling_depends_on_the_seed_and_the_record_only(target_dir, tmp_path):
+    """A sampled response is the same whatever else is in its batch (so a resumed job samples as an
+    uninterrupted one would), and changes with the seed."""
+    config = tiny_config(target_dir, tmp_path / "unused.jsonl")
+    config.mesh.data, config.mesh.fsdp = 8, 1
+    records = [{"prompt": f"Hello world {i}"} for i in range(8)]
+    other_rows = records[:4] + [{"prompt": f"Please explain the anchor {i}"} for i in range(4)]
+
+    def sample(name, chunk, seed):
+        prompts = write_jsonl(tmp_path / f"{name}.prompts.jsonl", chunk)
+        regenerate.run(config, [str(prompts)], str(tmp_path / f"{name}.jsonl"), max_new_tokens=MAX_NEW,
+                       batch_size=8, temperature=1.5, top_p=0.9, seed=seed, progress=False)
+        return [json.loads(line)["completion"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+
+    first = sample("first", records, seed=1)
+    assert len(set(first)) > 1
+    assert sample("other_rows", other_rows, seed=1)[:4] == first[:4]
+    assert sample("other_seed", records, seed=2) != first
+
+
+def test_resume_cuts_what_a_kill_left_and_appends_each_record_once(tmp_path):
+    out = tmp_path / "out.jsonl"
+    writer = ResumableJsonl(out, {"seed": 0})
+    writer.append([{"n": 0}, {"n": 1}], records_consumed=3)  # one input record was dropped
+    with open(out, "a") as handle:  # a batch written but never recorded, ending in a torn line
+        handle.write('{"n": 2}\n{"n": 3')
+    resumed = ResumableJsonl(out, {"seed": 0})
+    assert (resumed.records_done, resumed.lines) == (3, 2)
+    assert out.read_text() == '{"n": 0}\n{"n": 1}\n'
+    resumed.append([{"n": 2}], records_consumed=1)
+    assert out.read_text() == '{"n": 0}\n{"n": 1}\n{"n": 2}\n'
+    with pytest.raises(ValueError, match=r"other settings .*'seed': \(0, 1\)"):
+        ResumableJsonl(out, {"seed": 1})
+    (tmp_path / "foreign.jsonl").write_text('{"prompt": "x", "completion": "y"}\n')
+    with pytest.raises(ValueError, match="was not written by regenerate"):
+        ResumableJsonl(tmp_path / "foreign.jsonl", {})
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a laptop
+    return subprocess.Popen([sys.executable, "-m", "dflash_jax.regenerate", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_progress(out: Path, more_than: int, process: subprocess.Popen, timeout: float = 300) -> int:
+    progress = out.with_name(out.name + PROGRESS_SUFFIX)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if progress.is_file():
+            done = json.loads(progress.read_text())["records_done"]
+            if done > more_than:
+                return done
+        assert process.poll() is None, process.communicate()[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no progress past {more_than} records in {timeout} s")
+
+
+def test_stopped_and_killed_jobs_resume_to_every_record_exactly_once(tmp_path):
+    target_dir = make_target(tmp_path / "target", num_layers=2)
+    records = [{"prompt": f"Hello world number {i} please", "i": i} for i in range(40)]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", records)
+    config = tiny_config(target_dir, prompts)
+    config_file = tmp_path / "config.py"
+    config_file.write_text("from tests.train_fixtures import tiny_config\n\n\ndef get_config():\n"
+                           f"    return tiny_config({str(target_dir)!r}, {str(prompts)!r})\n")
+    out = tmp_path / "out.jsonl"
+    args = [f"--config={config_file}", f"--prompts={prompts}", f"--out={out}", "--batch_size=2",
+            f"--max_new_tokens={MAX_NEW}", "--quiet"]
+
+    stopped = _start(args)
+    _wait_for_progress(out, 0, stopped)
+    stopped.send_signal(signal.SIGTERM)
+    log = stopped.communicate(timeout=300)[0]
+    assert stopped.returncode == regenerate.STOPPED_EXIT_CODE, log
+    assert "stopped by SIGTERM" in log
+    done = json.loads(out.with_name(out.name + PROGRESS_SUFFIX).read_text())["records_done"]
+    assert 0 < done < len(records) and len(out.read_text().splitlines()) == done
+
+    killed = _start(args)
+    _wait_for_progress(out, done, killed)
+    killed.kill()  # SIGKILL: no handler runs
+    killed.communicate(timeout=60)
+
+    config.mesh.data, config.mesh.fsdp = 8, 1  # the rest in this process (8 devices): another batch size
+    regenerate.run(config, [str(prompts)], str(out), max_new_tokens=MAX_NEW, batch_size=8, progress=False)
+    lines = out.read_text().split("\n")
+    assert lines[-1] == ""  # ends with a newline: no torn last line
+    assert [json.loads(line)["i"] for line in lines[:-1]] == list(range(len(records)))
+
+
+def test_setup_errors_are_one_line(tmp_path):
+    target_dir = make_target(tmp_path / "target", num_layers=2)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "x"}, {"completion": "no prompt"}])
+    config = tiny_config(target_dir, prompts)
+    config.mesh.data = 2
+    with pytest.raises(ValueError, match="batch_size .3. must be a positive multiple of the mesh's data x fsdp"):
+        regenerate.run(config, [str(prompts)], str(tmp_path / "out.jsonl"), max_new_tokens=4, batch_size=3)
+    with pytest.raises(ValueError, match="--temperature must be >= 0"):
+        regenerate.run(config, [str(prompts)], str(tmp_path / "out.jsonl"), max_new_tokens=4, batch_size=8,
+                       temperature=-1)
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: a prompt record needs exactly one of 'messages' and "):
+        regenerate.run(config, [str(prompts)], str(tmp_path / "out.jsonl"), max_new_tokens=4, batch_size=8,
+                       progress=False)
