@@ -116,6 +116,12 @@ def base_config() -> ConfigDict:
     config.checkpoint_every = 500
     config.keep_checkpoints = 3
     config.peak_tflops_per_device = placeholder(float)  # for MFU; None = look up the device kind
+
+    # Experiment tracking (train/tracking.py), besides <workdir>/metrics.jsonl: TensorBoard event files in
+    # <workdir>/tensorboard, and Weights & Biases when a project is named (needs `pip install wandb`).
+    config.tensorboard = True
+    config.wandb_project = placeholder(str)
+    config.wandb_entity = placeholder(str)  # W&B team or user; None = the logged-in user's default
     return config
 
 

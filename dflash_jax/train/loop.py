@@ -33,6 +33,7 @@ from dflash_jax.train.checkpoint import DRAFTER_CONFIG_FILE, Checkpointer, StopR
 from dflash_jax.train.loss import acceptance_metrics
 from dflash_jax.train.state import init_train_state, state_spec
 from dflash_jax.train.step import make_step, put_batch
+from dflash_jax.train.tracking import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,13 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
 
     # One metrics file per run: the other processes compute the same (replicated) records and drop them.
     metrics_file = (workdir / METRICS_FILE).open("a") if main else open(os.devnull, "a")
+    trackers = Trackers(workdir, config, start_step) if main else None  # TensorBoard, W&B (tracking.py)
+
+    def write_metrics(record: dict[str, Any]) -> None:
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+        if trackers is not None:
+            trackers.write(record["step"], record)
     pending: list[dict[str, jax.Array]] = []  # device metrics since the last log line (no host sync per step)
     history: list[dict[str, Any]] = []
     interval_start, interval_steps, compile_seconds = time.perf_counter(), 0, None
@@ -115,8 +123,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
                 if step % config.log_every == 0 or step == config.total_steps:
                     record = _log_record(step, pending, interval_start, interval_steps, tokens_per_step,
                                          step_flops, peak, mesh.size)
-                    metrics_file.write(json.dumps(record) + "\n")
-                    metrics_file.flush()
+                    write_metrics(record)
                     history.append(record)
                     progress.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau_est']:.2f}")
                     log.info(_log_line(record))
@@ -128,9 +135,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
                     interval_start += time.perf_counter() - eval_start  # step times exclude evaluation
                     if eval_metrics:
                         log.info("eval at step %d: %s", step, json.dumps(eval_metrics))
-                        record = {"step": step, **{f"eval/{name}": value for name, value in eval_metrics.items()}}
-                        metrics_file.write(json.dumps(record) + "\n")
-                        metrics_file.flush()
+                        write_metrics({"step": step, **{f"eval/{name}": value for name, value in eval_metrics.items()}})
 
                 if step % config.checkpoint_every == 0 or step == config.total_steps or stop.requested:
                     checkpointer.save(step, state, loader.state())
@@ -140,6 +145,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
         progress.close()
         checkpointer.close()
         metrics_file.close()
+        if trackers is not None:
+            trackers.close()
         loader.close()
 
     summary = {"start_step": start_step, "final_step": step, "stopped_by": stop.requested,

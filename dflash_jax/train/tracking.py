@@ -1,0 +1,87 @@
+"""Experiment tracking: every log record of the train loop goes to TensorBoard event files in the workdir
+(`<workdir>/tensorboard`, on by default) and, when `config.wandb_project` is set, to Weights & Biases.
+`metrics.jsonl` is written by the loop itself; these are views of the same records.
+
+TensorBoard files are written with tensorboardX: a small, maintained writer of the event-file format that
+needs only numpy and protobuf. The JAX ecosystem's writers were the first choice but pull a framework in:
+clu's `metric_writers.SummaryWriter` and flax's `metrics.tensorboard` write through TensorFlow's
+`tf.summary`, clu's torch writer through PyTorch. W&B is imported only when a project is set.
+
+A resumed run restarts from its newest checkpoint, so the steps a crashed run logged after that checkpoint
+are logged again. The writer opened on resume starts with TensorBoard's purge marker (a SessionLog.START at
+the first step to come): TensorBoard then drops every earlier-written point at or past that step, and shows
+each step once. W&B continues the same run (its id is kept in the workdir) and ignores points at steps it
+already has; metrics.jsonl is the complete record.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from pathlib import Path
+from typing import Any
+
+from ml_collections import ConfigDict
+
+from dflash_jax.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+TENSORBOARD_DIR = "tensorboard"
+WANDB_RUN_ID_FILE = "wandb_run_id"
+
+
+def scalar_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """The record's numbers as TensorBoard/W&B tags: training metrics under `train/`, the eval hook's
+    (already `eval/...`) as they are; the step and values that are not numbers (None: not measured) left out."""
+    scalars = {}
+    for name, value in record.items():
+        if name == "step" or isinstance(value, bool) or not isinstance(value, numbers.Real):
+            continue
+        scalars[name if "/" in name else f"train/{name}"] = float(value)
+    return scalars
+
+
+class Trackers:
+    """The TensorBoard writer and the W&B run of one training run (either may be off). `start_step` is the
+    step the run resumes from (0 for a fresh run)."""
+
+    def __init__(self, workdir: str | Path, config: ConfigDict, start_step: int):
+        workdir = Path(workdir)
+        self._tensorboard = self._wandb = None
+        if config.tensorboard:
+            from tensorboardX import SummaryWriter
+            # purge_step: hide what a previous run logged at steps >= start_step + 1 (see the module docstring).
+            self._tensorboard = SummaryWriter(str(workdir / TENSORBOARD_DIR),
+                                              purge_step=start_step + 1 if start_step else None)
+        if config.wandb_project:
+            self._wandb = _wandb_run(workdir, config)
+
+    def write(self, step: int, record: dict[str, Any]) -> None:
+        scalars = scalar_metrics(record)
+        if self._tensorboard is not None:
+            for tag, value in scalars.items():
+                self._tensorboard.add_scalar(tag, value, global_step=step)
+            self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _wandb_run(workdir: Path, config: ConfigDict):
+    """A W&B run for the workdir: the same one again when a resumed run finds its id there."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("config.wandb_project is set but wandb is not installed (pip install wandb)") from None
+    id_file = workdir / WANDB_RUN_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+    id_file.write_text(run_id + "\n")
+    log.info("logging to W&B project %s, run %s", config.wandb_project, run_id)
+    return wandb.init(project=config.wandb_project, entity=config.wandb_entity, name=workdir.name, id=run_id,
+                      resume="allow", dir=str(workdir), config=config.to_dict())
