@@ -6,6 +6,9 @@ Both are built by tools/make_toy_target.py; these checks only read them.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -14,12 +17,13 @@ import numpy as np
 import pytest
 
 from dflash_jax.data.records import CompletionRecord, parse_record
-from dflash_jax.eval.generate import SpeculativeGenerator, generator_shapes
 from dflash_jax.weights.hf_qwen3 import load_qwen3
 from dflash_jax.weights.safetensors_dir import CheckpointReader
 from tools.toy_target.corpus import split_of
+from tools.toy_target.drafter_data import BATCH_SIZE
 
-ASSETS = Path(__file__).resolve().parents[1] / "dflash_jax" / "assets"
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / "dflash_jax" / "assets"
 TARGET, DATA = ASSETS / "toy_target", ASSETS / "toy_data"
 
 CODE = (
@@ -121,17 +125,22 @@ def test_toy_data_parses_and_comes_from_disjoint_heldout_files():
     assert {split_of(source) for source in eval_files} == {"drafter_eval"}
 
 
-def test_toy_data_completions_are_the_targets_greedy_continuations():
-    tokenizer = _tokenizer()
-    model, _ = load_qwen3(TARGET, param_dtype=jnp.float32)
-    records = _records("eval")[:3]
-    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in records]
-    generator = SpeculativeGenerator(model, None, **generator_shapes([len(p) for p in prompts], 128, 1))
-    for record, prompt in zip(records, prompts):
-        generated = generator.generate(prompt, 128, stop_token_ids=(tokenizer.eos_token_id,)).tokens.tolist()
-        if generated[-1] == tokenizer.eos_token_id:
-            generated = generated[:-1]
-        assert tokenizer.decode(generated) == record["completion"]
+def test_regenerate_reproduces_the_bundled_completions(tmp_path):
+    """The bundled data is what `regenerate` writes: the command on the first batch of eval prompts, run as
+    tools/make_toy_target.py runs it (configs/toy.py, fp32, one CPU device, the same batch), writes the same
+    records byte for byte."""
+    lines = (DATA / "eval.jsonl").read_text().splitlines()[:BATCH_SIZE]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": r["prompt"], "source": r["source"]}) + "\n"
+                               for r in map(json.loads, lines)))
+    out = tmp_path / "out.jsonl"
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}  # one device, as the build
+    run = subprocess.run([sys.executable, "-m", "dflash_jax.regenerate", "--config", str(REPO / "configs" / "toy.py"),
+                          f"--prompts={prompts}", f"--out={out}", f"--batch_size={BATCH_SIZE}",
+                          "--max_new_tokens=128", "--quiet"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert out.read_text().splitlines() == lines
 
 
 def test_assets_stay_small():

@@ -1,19 +1,24 @@
 """The drafter's data for the toy target: code prefixes from held-out files as prompts, the target's own
-greedy continuations as completions (target-regenerated data), and how varied those continuations are."""
+greedy continuations as completions (target-regenerated data, written by the project's `regenerate` code,
+as `python -m dflash_jax.regenerate --config configs/toy.py --batch_size 16` would), and how varied those
+continuations are."""
 
 from __future__ import annotations
 
-import collections
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from dflash_jax.eval.generate import SpeculativeGenerator, generator_shapes
 from dflash_jax.models.qwen3 import Qwen3
-from tools.toy_target.corpus import EOS, encode
+from dflash_jax.regeneration.decode import BatchDecoder
+from dflash_jax.regeneration.job import regenerate
+from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
+from tools.toy_target.corpus import encode
 
 PROMPT_MIN, PROMPT_MAX = 64, 192  # prompt tokens; prompt + completion must fit the LM's trained length
+BATCH_SIZE = 16  # prompts decoded together (tests/test_toy_target.py regenerates the first batch the same way)
 
 
 def cut_points(text: str) -> list[int]:
@@ -71,30 +76,27 @@ def sample_prompts(files: list[tuple[str, str]], tokenizer, count: int, rng: np.
 
 
 def greedy_continuations(model: Qwen3, prompts: list[list[int]], new_tokens: int, eos_id: int) -> list[list[int]]:
-    """The target's greedy continuation of each prompt (at most new_tokens, ending at eos if it comes), from
-    the project's KV-cached generator without a drafter (plain greedy decoding)."""
-    generator = SpeculativeGenerator(model, None, **generator_shapes([PROMPT_MAX], new_tokens, block_size=1))
-    return [generator.generate(ids, new_tokens, stop_token_ids=(eos_id,)).tokens.tolist() for ids in prompts]
+    """The target's greedy continuation of each prompt (at most new_tokens, ending at eos if it comes)."""
+    decoder = BatchDecoder(model, max_new_tokens=new_tokens, stop_token_ids=(eos_id,))
+    batches = [prompts[first:first + BATCH_SIZE] for first in range(0, len(prompts), BATCH_SIZE)]
+    return [tokens for batch in batches for tokens in decoder.decode(batch, [()] * len(batch))]
 
 
-def make_records(prompts: list[dict], generations: list[list[int]], tokenizer) -> tuple[list[dict], dict]:
-    """JSONL records (completion cut at <|endoftext|>) and round-trip counts."""
-    eos = tokenizer.convert_tokens_to_ids(EOS)
-    records, counts = [], collections.Counter()
-    for prompt, generated in zip(prompts, generations):
-        if eos in generated:
-            generated = generated[:generated.index(eos)]
-            counts["stopped_at_eos"] += 1
-        if not generated:
-            counts["dropped_empty"] += 1
-            continue
-        completion = tokenizer.decode(generated)
-        counts["exact_roundtrip"] += encode(tokenizer, completion) == generated
-        counts["prompt_roundtrip"] += encode(tokenizer, prompt["prompt"]) == prompt["ids"]
-        counts["kept"] += 1
-        records.append({"prompt": prompt["prompt"], "completion": completion, "source": prompt["source"],
-                        "ids": generated, "reference": prompt["reference"]})
-    return records, dict(counts)
+def write_regenerated(model: Qwen3, tokenizer, prompts: list[dict], new_tokens: int, eos_id: int, path: Path) -> dict:
+    """Write `{"prompt", "completion", "source"}` records to path: the prompts' greedy continuations, cut at
+    eos (empty ones dropped), through the regeneration job. Returns its counts."""
+    decoder = BatchDecoder(model, max_new_tokens=new_tokens, stop_token_ids=(eos_id,))
+    path.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        prompt_file = Path(scratch) / "prompts.jsonl"
+        prompt_file.write_text("".join(json.dumps({"prompt": p["prompt"], "source": p["source"]}) + "\n"
+                                       for p in prompts))
+        summary = regenerate(decoder, tokenizer, [str(prompt_file)], ResumableJsonl(path, {}), batch_size=BATCH_SIZE,
+                             max_prompt_tokens=model.config.max_position_embeddings - new_tokens, progress=False)
+    path.with_name(path.name + PROGRESS_SUFFIX).unlink()  # the data is complete: nothing to resume
+    return {"prompts": len(prompts), "kept": summary.written, "dropped_empty": summary.dropped_empty,
+            "cut_at_max_tokens": summary.truncated, "prompt_roundtrip": sum(
+                encode(tokenizer, p["prompt"]) == p["ids"] for p in prompts)}
 
 
 def diversity(token_lists: list[list[int]]) -> dict:
@@ -121,11 +123,3 @@ def repeated_line_fraction(texts: list[str]) -> float:
         repeats += len(lines) - len(set(lines))
         total += len(lines)
     return repeats / max(1, total)
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        for record in records:
-            row = {"prompt": record["prompt"], "completion": record["completion"], "source": record["source"]}
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")

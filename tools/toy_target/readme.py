@@ -54,17 +54,16 @@ def write_readme(target_dir: Path, report: dict) -> None:
         "",
         "`train.jsonl` / `eval.jsonl`: `{\"prompt\", \"completion\", \"source\"}` per line. Prompts are code from "
         f"a line start to a line end (before the newline) in held-out files, {PROMPT_MIN}-{PROMPT_MAX} tokens; "
-        "completions are this model's greedy continuation (the project's KV-cached generator), cut at "
-        "`<|endoftext|>`. Train and eval prompts come from disjoint files (`source`).",
+        "completions are this model's greedy continuation (the project's regeneration code, "
+        "`python -m dflash_jax.regenerate`), cut at `<|endoftext|>`. Train and eval prompts come from disjoint "
+        "files (`source`).",
         "",
     ]
     for name in ("train", "eval"):
         c = r["records"][name]
-        lines.append(f"- {name}: {c.get('kept', 0)} records of {c['prompts']} prompts "
-                     f"(dropped empty: {c.get('dropped_empty', 0)}, stopped at eos: {c.get('stopped_at_eos', 0)}); "
-                     f"completions re-tokenizing to exactly the generated ids: "
-                     f"{c.get('exact_roundtrip', 0)}/{c.get('kept', 0)}; prompts re-tokenizing exactly: "
-                     f"{c.get('prompt_roundtrip', 0)}/{c.get('kept', 0)}.")
+        lines.append(f"- {name}: {c['kept']} records of {c['prompts']} prompts (dropped empty: "
+                     f"{c['dropped_empty']}, cut at the token limit rather than at eos: {c['cut_at_max_tokens']}); "
+                     f"prompts re-tokenizing exactly: {c['prompt_roundtrip']}/{c['prompts']}.")
     lines += ["", f"Data generation took {r['data_seconds']:.0f} s. Sizes: toy_target "
               f"{r['sizes']['toy_target'] / 1e6:.2f} MB, toy_data {r['sizes']['toy_data'] / 1e6:.2f} MB.", ""]
     (target_dir / "README.md").write_text("\n".join(lines))
