@@ -120,8 +120,11 @@ def load_target(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: M
     With a mesh, every weight is placed on its sharding (from the logical-axis rule table) as it is read.
     An Orbax target directory (written by convert/hf_to_orbax.py) is restored shard by shard instead.
     attention_impl ("xla", "splash" or "auto") picks the backend of the model's full-sequence forward.
+    checkpoint_dir may also be a Hugging Face Hub repo id (weights/hub.py).
     """
+    from dflash_jax.weights.hub import local_dir
     from dflash_jax.weights.orbax_target import is_orbax_target, load_orbax_target
+    checkpoint_dir = local_dir(checkpoint_dir, "target")
     options = dict(param_dtype=param_dtype, mesh=mesh, attention_impl=attention_impl)
     if is_orbax_target(checkpoint_dir):
         return load_orbax_target(checkpoint_dir, **options)

@@ -21,6 +21,7 @@ from dflash_jax.errors import CheckpointError, ConfigError
 from dflash_jax.models.drafter import Drafter, DrafterConfig, drafter_from_torch_layout
 from dflash_jax.sharding import state_shardings
 from dflash_jax.train.validate import dtype_of
+from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.safetensors_dir import CheckpointReader
 
 
@@ -91,9 +92,10 @@ def _init(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str
 
 
 def _load_params(directory: str, drafter_config: DrafterConfig, spec: StateSpec) -> nnx.State:
-    """Drafter weights from a directory in the export layout (design §10), placed on the param shardings."""
+    """Drafter weights from a directory in the export layout (design §10) or a Hub repo id, placed on the param
+    shardings."""
     try:
-        reader = CheckpointReader(directory)
+        reader = CheckpointReader(local_dir(directory, "drafter"))
         tensors = {name: reader.read(name) for name in reader.names()}
         drafter = drafter_from_torch_layout(tensors, drafter_config, param_dtype=jnp.float32)
     except (CheckpointError, ValueError, OSError) as error:

@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import Drafter, DrafterConfig, drafter_from_torch_layout, drafter_to_torch_layout
+from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.safetensors_dir import INDEX_FILE, SINGLE_FILE, CheckpointReader, read_config
 
 CONFIG_FILE = "config.json"
@@ -195,8 +196,9 @@ def load_drafter_dir(directory: str | Path, *, param_dtype=jnp.float32, **drafte
 
     Tensor names are strict (no missing, no extra) and every shape is checked against config.json; failures
     raise CheckpointError naming the directory. drafter_kwargs go to `Drafter` (dtype, attention_impl, ...).
+    `directory` may also be a Hugging Face Hub repo id (weights/hub.py).
     """
-    directory = Path(directory)
+    directory = Path(local_dir(directory, "drafter"))
     config = drafter_config_from_zlab(read_config(directory), directory / CONFIG_FILE)
     reader = CheckpointReader(directory)
     tensors = {name: reader.read(name) for name in reader.names()}
