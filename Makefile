@@ -71,3 +71,24 @@ test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(PY) tests/vllm/make_artifacts.py --out out/vllm
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) tests/vllm/check_vllm.py out/vllm
 	$(PY) tests/vllm/compare_with_project.py out/vllm
+
+# vLLM speculators' trainer beside this one (bench/): its own venv, since it pins its own torch and
+# transformers. torchvision/torchaudio come with it but fail to import against the CPU torch; it runs without them.
+SPEC_VENV := .venv-speculators
+SPEC_PY := $(SPEC_VENV)/bin/python
+
+.PHONY: venv-speculators learning-parity
+
+$(SPEC_VENV)/.installed: bench/speculators/requirements.txt pyproject.toml
+	test -x $(SPEC_PY) || python3.11 -m venv $(SPEC_VENV)
+	$(SPEC_PY) -m pip install -q --upgrade pip
+	$(SPEC_PY) -m pip install -q -r bench/speculators/requirements.txt
+	$(SPEC_PY) -m pip install -q -e .
+	$(SPEC_PY) -m pip uninstall -q -y torchvision torchaudio
+	touch $@
+
+venv-speculators: $(SPEC_VENV)/.installed
+
+# Both trainers on the demo's rows and recipe, AdamW and Muon: exact τ at 160/320/480 steps (bench/RESULTS.md).
+learning-parity: $(VENV)/.installed $(SPEC_VENV)/.installed
+	env -u XLA_FLAGS $(PY) -m bench.learning_parity

@@ -94,13 +94,21 @@ def base_config() -> ConfigDict:
     config.grad_accum_steps = 1  # micro-batches of batch_size / grad_accum_steps rows, one update per step
     config.seed = 0  # drafter init and the noise RNG
     config.optim = ConfigDict()
-    config.optim.name = "adamw"
+    config.optim.name = "adamw"  # or "muon": Muon on the weight matrices, AdamW on the norms (train/optimizer.py)
     config.optim.learning_rate = 6e-4
     config.optim.warmup_ratio = 0.04
     config.optim.weight_decay = 0.0
     config.optim.b1 = 0.9
     config.optim.b2 = 0.95
     config.optim.clip_grad_norm = 1.0
+    # Muon (optim.name = "muon"; vLLM speculators' defaults). Its updates are scaled to AdamW's size, so its
+    # learning rate is on AdamW's scale; both parts follow the same warmup + cosine schedule.
+    config.optim.muon_learning_rate = placeholder(float)  # peak for the weight matrices; None = learning_rate
+    config.optim.muon_momentum = 0.95
+    config.optim.muon_nesterov = True
+    config.optim.muon_ns_steps = 5  # Newton-Schulz iterations
+    config.optim.muon_ns_dtype = "bfloat16"  # Newton-Schulz operands ("float32": exact, slower on accelerators)
+    config.optim.muon_weight_decay = 0.1  # decoupled, times the scheduled learning rate
 
     # Mesh: one of the sizes may be -1 (take the remaining devices).
     config.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1))

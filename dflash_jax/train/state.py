@@ -1,4 +1,4 @@
-"""The optimizer and the train state (design §7).
+"""The train state (design §7); the optimizer is built by train/optimizer.py.
 
 Only the drafter is trained: its Params (fp32 master weights) are the optimizer's whole world. The target is
 frozen, passed to the step as a separate argument and never part of `TrainState`, so it is never updated
@@ -20,6 +20,7 @@ from ml_collections import ConfigDict
 from dflash_jax.errors import CheckpointError, ConfigError
 from dflash_jax.models.drafter import Drafter, DrafterConfig, drafter_from_torch_layout
 from dflash_jax.sharding import state_shardings
+from dflash_jax.train.optimizer import make_optimizer
 from dflash_jax.train.validate import dtype_of
 from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.safetensors_dir import CheckpointReader
@@ -30,22 +31,6 @@ class TrainState(NamedTuple):
     params: nnx.State  # the drafter's Params, fp32
     opt_state: optax.OptState
     rng: jax.Array  # uint32 raw key data (checkpointable); split once per step for the feature noise
-
-
-def learning_rate_schedule(config: ConfigDict) -> optax.Schedule:
-    """Linear warmup over `warmup_ratio` of the steps from 0 to the peak, then cosine to 0 at total_steps."""
-    warmup_steps = int(round(config.optim.warmup_ratio * config.total_steps))
-    return optax.warmup_cosine_decay_schedule(0.0, config.optim.learning_rate, warmup_steps=warmup_steps,
-                                              decay_steps=config.total_steps, end_value=0.0)
-
-
-def make_optimizer(config: ConfigDict) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW. Weight decay (0 by default) skips vectors (norm weights)."""
-    return optax.chain(
-        optax.clip_by_global_norm(config.optim.clip_grad_norm),
-        optax.adamw(learning_rate_schedule(config), b1=config.optim.b1, b2=config.optim.b2,
-                    weight_decay=config.optim.weight_decay, mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)),
-    )
 
 
 def make_drafter(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str, seed: int = 0) -> Drafter:

@@ -31,7 +31,8 @@ from dflash_jax.ops.mask import AnchorGrid
 from dflash_jax.sharding import BATCH_AXES, batch_sharding, replicated
 from dflash_jax.train.loss import chunked_cross_entropy, dflash_loss, greedy_labels, position_weights, \
     trained_slot_count
-from dflash_jax.train.state import StateSpec, TrainState, learning_rate_schedule, make_optimizer
+from dflash_jax.train.optimizer import learning_rate_schedule, make_optimizer
+from dflash_jax.train.state import StateSpec, TrainState
 
 BATCH_KEYS = ("input_ids", "positions", "segment_ids", "loss_mask")
 

@@ -27,7 +27,7 @@ from dflash_jax.train.config import RENAMED, base_config, field_paths
 log = logging.getLogger(__name__)
 
 LABEL_SOURCES = ("target", "data")
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "muon")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -76,6 +76,17 @@ def validate_config(config: ConfigDict) -> None:
              f"({config.grad_accum_steps})")
     _require(0 <= optim.warmup_ratio < 1, f"config.optim.warmup_ratio must lie in [0, 1), got {optim.warmup_ratio}")
     _require(optim.learning_rate > 0, f"config.optim.learning_rate must be > 0, got {optim.learning_rate}")
+    if optim.name == "muon":
+        _require(optim.muon_learning_rate is None or optim.muon_learning_rate > 0,
+                 f"config.optim.muon_learning_rate must be > 0 (or None: optim.learning_rate), "
+                 f"got {optim.muon_learning_rate}")
+        _require(0 <= optim.muon_momentum < 1,
+                 f"config.optim.muon_momentum must lie in [0, 1), got {optim.muon_momentum}")
+        _require(optim.muon_ns_steps >= 1, f"config.optim.muon_ns_steps must be >= 1, got {optim.muon_ns_steps}")
+        _require(optim.muon_ns_dtype in ("float32", "bfloat16"),
+                 f"config.optim.muon_ns_dtype must be 'float32' or 'bfloat16', got {optim.muon_ns_dtype!r}")
+        _require(optim.muon_weight_decay >= 0,
+                 f"config.optim.muon_weight_decay must be >= 0, got {optim.muon_weight_decay}")
 
     drafter = config.drafter
     layer_types = tuple(drafter.layer_types)

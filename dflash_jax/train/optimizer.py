@@ -1,0 +1,158 @@
+"""The optimizer (design §7): global-norm clipping, then AdamW or Muon, over the drafter's fp32 Params.
+
+`config.optim.name` picks one:
+
+- "adamw": AdamW on every parameter; weight decay on the weight matrices only (never on norm weights).
+- "muon": Muon on the weight matrices (fc and every q/k/v/o and MLP projection, each its own matrix, per layer),
+  AdamW on everything else (the norm weights). This is the split and the update of torch.optim.Muon as vLLM's
+  speculators trains with it (`--optimizer muon`, its default), with the AdamW-matched update size:
+
+      B  <- mu*B + (1-mu)*g                      momentum, an EMA of the clipped gradient
+      U  <- (1-mu)*g + mu*B  (Nesterov)  or  B
+      O  <- NS5(U)                               Newton-Schulz orthogonalisation, in bfloat16
+      W  <- W - lr_t * (0.2*sqrt(max(m, n)) * O + lambda*W)
+
+  NS5 is Keller Jordan's quintic iteration (X <- aX + (bA + cA^2)X with A = XX^T, (a, b, c) = (3.4445, -4.7750,
+  2.0315), five steps, X first scaled to unit Frobenius norm; kellerjordan.github.io/posts/muon). Its output has
+  singular values near 1, so an m x n update has RMS about 1/sqrt(max(m, n)); the factor 0.2*sqrt(max(m, n))
+  brings it to AdamW's typical update RMS of 0.2 (Liu et al., "Muon is Scalable for LLM Training", arXiv
+  2502.16982, §2.2), so the Muon learning rate is on AdamW's scale. Weight decay is decoupled and scaled by the
+  scheduled learning rate (not by the 0.2*sqrt factor). There is no bias correction: NS5 normalises its input.
+
+Both parts follow the same warmup + cosine schedule (each with its own peak). The optimizer state is a plain
+pytree of arrays whose per-parameter parts are `nnx.State`s of the same Params, so `state_shardings` lays every
+buffer out exactly like its parameter and Orbax saves and restores it as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from ml_collections import ConfigDict
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (a, b, c)
+NS_EPS = 1e-7  # floor of the Frobenius norm that scales NS5's input, as in torch.optim.Muon
+ADAMW_MATCHED_RMS = 0.2  # update RMS that AdamW typically has (Liu et al. 2025, §2.2)
+LAYERS_AXIS = "layers"  # logical axis of weights stacked over layers: one matrix per layer
+
+
+def learning_rate_schedule(config: ConfigDict, peak: float | None = None) -> optax.Schedule:
+    """Linear warmup over `warmup_ratio` of the steps from 0 to the peak (default optim.learning_rate), then
+    cosine to 0 at total_steps."""
+    warmup_steps = int(round(config.optim.warmup_ratio * config.total_steps))
+    peak = config.optim.learning_rate if peak is None else peak
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup_steps=warmup_steps, decay_steps=config.total_steps,
+                                              end_value=0.0)
+
+
+def make_optimizer(config: ConfigDict) -> optax.GradientTransformation:
+    optim = config.optim
+    adamw = optax.adamw(learning_rate_schedule(config), b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay,
+                        mask=lambda params: jax.tree.map(lambda p: p.replace(is_matrix(p)), params, is_leaf=_is_param))
+    if optim.name == "adamw":
+        return optax.chain(optax.clip_by_global_norm(optim.clip_grad_norm), adamw)
+    if optim.name == "muon":
+        peak = optim.learning_rate if optim.muon_learning_rate is None else optim.muon_learning_rate
+        return optax.chain(optax.clip_by_global_norm(optim.clip_grad_norm),
+                           muon(learning_rate_schedule(config, peak), adamw, momentum=optim.muon_momentum,
+                                nesterov=optim.muon_nesterov, ns_steps=optim.muon_ns_steps,
+                                weight_decay=optim.muon_weight_decay, ns_dtype=jnp.dtype(optim.muon_ns_dtype)))
+    raise ValueError(f"config.optim.name={optim.name!r}: unknown optimizer; choose 'adamw' or 'muon'")
+
+
+def _is_param(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def matrix_axes(param) -> tuple[int, ...] | None:
+    """The two axes of the weight matrix in `param` (a Param or an array), or None if it is not one.
+
+    A weight is a matrix when, leaving out stacked-layer axes, it has two axes both longer than 1 (speculators'
+    rule: [1, N] and [N, 1] weights are vectors). Stacked-layer axes are found by their logical name."""
+    names = getattr(param, "out_sharding", None) or (None,) * param.ndim
+    axes = tuple(i for i, name in enumerate(names) if name != LAYERS_AXIS)
+    if len(axes) != 2 or min(param.shape[i] for i in axes) <= 1:
+        return None
+    return axes
+
+
+def is_matrix(param) -> bool:
+    return matrix_axes(param) is not None
+
+
+def split_matrices(tree: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(the weight matrices, everything else) of a params-shaped State."""
+    return nnx.split_state(tree, lambda _, param: is_matrix(param), ...)
+
+
+class MuonState(NamedTuple):
+    count: jax.Array  # int32 scalar: updates done (the schedule's step)
+    momentum: nnx.State  # fp32 momentum of each weight matrix, shaped and sharded like it
+    adamw: optax.OptState  # the AdamW state of the other parameters
+
+
+def newton_schulz(update: jax.Array, steps: int, dtype=jnp.bfloat16) -> jax.Array:
+    """NS5 of one [m, n] matrix, iterated on the wide orientation (X X^T is min(m, n) square).
+
+    X and the two polynomial terms are held in `dtype`; each product accumulates in fp32 and is rounded once
+    with the term it is added to (as torch's addmm does), so bfloat16 costs no more accuracy than it must."""
+    a, b, c = NS_COEFFICIENTS
+    f32 = jnp.float32
+
+    def product(p, q):
+        return jnp.matmul(p, q, preferred_element_type=f32)
+
+    x = update.astype(f32)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = (x / jnp.maximum(jnp.linalg.norm(x), NS_EPS)).astype(dtype)
+    for _ in range(steps):
+        gram = product(x, x.T).astype(dtype)
+        poly = (b * gram.astype(f32) + c * product(gram, gram)).astype(dtype)
+        x = (a * x.astype(f32) + product(poly, x)).astype(dtype)
+    return x.T if tall else x
+
+
+def orthogonalise(update: jax.Array, axes: tuple[int, int], steps: int, dtype=jnp.bfloat16) -> jax.Array:
+    """NS5 of every matrix of `update` over `axes` (a stacked weight: one per layer), returned in fp32 and scaled
+    to AdamW's update RMS."""
+    moved = jnp.moveaxis(update, axes, (-2, -1))
+    batch = moved.shape[:-2]
+    flat = moved.reshape(-1, *moved.shape[-2:])
+    out = jax.vmap(lambda m: newton_schulz(m, steps, dtype))(flat).astype(jnp.float32)
+    scale = ADAMW_MATCHED_RMS * math.sqrt(max(moved.shape[-2:]))
+    return jnp.moveaxis((scale * out).reshape(*batch, *moved.shape[-2:]), (-2, -1), axes)
+
+
+def muon(learning_rate: optax.Schedule, others: optax.GradientTransformation, *, momentum: float = 0.95,
+         nesterov: bool = True, ns_steps: int = 5, weight_decay: float = 0.1,
+         ns_dtype=jnp.bfloat16) -> optax.GradientTransformation:
+    """Muon on the weight matrices of an nnx.State of Params (module docstring), `others` (AdamW) on the rest."""
+
+    def init(params: nnx.State) -> MuonState:
+        matrices, rest = split_matrices(params)
+        return MuonState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.zeros_like, matrices), others.init(rest))
+
+    def update(grads: nnx.State, state: MuonState, params: nnx.State) -> tuple[nnx.State, MuonState]:
+        (grad_matrices, grad_rest), (matrices, rest) = split_matrices(grads), split_matrices(params)
+        buffers = jax.tree.map(lambda b, g: momentum * b + (1 - momentum) * g, state.momentum, grad_matrices)
+        directions = (jax.tree.map(lambda b, g: (1 - momentum) * g + momentum * b, buffers, grad_matrices)
+                      if nesterov else buffers)
+        lr = learning_rate(state.count)
+
+        def step(direction: nnx.Variable, weight: nnx.Variable) -> nnx.Variable:
+            ortho = orthogonalise(direction[...], matrix_axes(weight), ns_steps, ns_dtype)
+            return direction.replace(-lr * (ortho + weight_decay * weight[...]))
+
+        matrix_updates = jax.tree.map(step, directions, matrices, is_leaf=_is_param)
+        rest_updates, adamw_state = others.update(grad_rest, state.adamw, rest)
+        return (nnx.merge_state(matrix_updates, rest_updates),
+                MuonState(optax.safe_increment(state.count), buffers, adamw_state))
+
+    return optax.GradientTransformation(init, update)
