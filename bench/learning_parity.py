@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from safetensors.numpy import load_file
 from transformers import AutoTokenizer
 
 from configs import toy
@@ -33,7 +34,6 @@ from dflash_jax.models.drafter import DrafterConfig, drafter_from_torch_layout
 from dflash_jax.models.target import load_target
 from dflash_jax.train.checkpoint import DRAFTER_CONFIG_FILE, restore_drafter
 from dflash_jax.train.loop import train
-from dflash_jax.weights.safetensors_dir import CheckpointReader
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
@@ -73,8 +73,7 @@ def drafters(out: Path, step: int):
     """(project drafter, speculators drafter) after `step` updates."""
     project, _, _ = restore_drafter(out / "project", step)
     config = DrafterConfig(**json.loads((out / "project" / DRAFTER_CONFIG_FILE).read_text()))
-    reader = CheckpointReader(str(out / "speculators" / f"step_{step}.safetensors"))
-    tensors = {name: np.asarray(reader.read(name), np.float32) for name in reader.names()}
+    tensors = load_file(str(out / "speculators" / f"step_{step}.safetensors"))
     return project, drafter_from_torch_layout(tensors, config)
 
 
@@ -122,7 +121,8 @@ def main() -> None:
     print("|---|---|---:|---:|" + "---:|" * len(eval_steps))
     for optimizer, figures in results.items():
         for side, name in enumerate(("dflash_jax", "speculators 0.9.0")):
-            print(f"| {optimizer} | {name} | {figures['loss_step_1'][side]:.6f} | {figures['loss_last_20'][side]:.4f} | "
+            print(f"| {optimizer} | {name} | {figures['loss_step_1'][side]:.6f} | "
+                  f"{figures['loss_last_20'][side]:.4f} | "
                   + " | ".join(f"{figures[f'tau_{s}'][side]:.3f}" for s in eval_steps) + " |")
 
 

@@ -62,7 +62,8 @@ def speculators_drafter(config: ConfigDict, drafter: DrafterConfig, initial: dic
         num_hidden_layers=drafter.num_hidden_layers, num_attention_heads=drafter.num_attention_heads,
         num_key_value_heads=drafter.num_key_value_heads, head_dim=drafter.head_dim, rms_norm_eps=drafter.rms_norm_eps,
         max_position_embeddings=drafter.max_position_embeddings, layer_types=list(drafter.layer_types),
-        sliding_window=drafter.sliding_window, rope_parameters={"rope_type": "default", "rope_theta": drafter.rope_theta})
+        sliding_window=drafter.sliding_window,
+        rope_parameters={"rope_type": "default", "rope_theta": drafter.rope_theta})
     model = DFlashDraftModel.from_training_args(
         verifier_config=layers, verifier_name_or_path=config.target_dir, draft_vocab_size=drafter.vocab_size,
         block_size=drafter.block_size, target_layer_ids=list(drafter.target_layer_ids),
@@ -72,7 +73,8 @@ def speculators_drafter(config: ConfigDict, drafter: DrafterConfig, initial: dic
     missing, unexpected = model.load_state_dict({k: torch.tensor(v) for k, v in initial.items()}, strict=False)
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     if unexpected or trained - set(initial) or set(initial) - trained:
-        raise SystemExit(f"error: weight names differ: unexpected {unexpected}, missing {sorted(trained - set(initial))}")
+        raise SystemExit(f"error: weight names differ: unexpected {unexpected}, "
+                         f"missing {sorted(trained - set(initial))}")
     return model.float()
 
 
