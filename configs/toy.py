@@ -5,10 +5,11 @@ target-regenerated data (dflash_jax/assets/toy_data). `make demo` runs, from the
     python -m dflash_jax.evaluate --config configs/toy.py --workdir out/toy_run --max_new_tokens 128
     python convert/export_drafter.py --workdir out/toy_run --out out/toy_drafter --overwrite
 
-`configs/toy.py` (the default, "demo") trains for about four minutes on 2 CPU cores. `configs/toy.py:long`
-(`make demo-long`) runs the same training five times longer, about twenty minutes, as the τ target needs: for
-its first few hundred steps the drafter sits on a plateau where every slot predicts the token that follows
-the anchor. Paths are resolved from this file, so it runs from any directory.
+`configs/toy.py` (the default, "demo") trains 480 steps with Muon, about four minutes on 2 CPU cores.
+`configs/toy.py:long` (`make demo-long`) trains five times longer with AdamW, about twenty minutes: the run the τ
+target was first reached with. For its first few hundred steps the drafter sits on a plateau where every slot
+predicts the token that follows the anchor; Muon leaves it sooner (bench/RESULTS.md, "Toy drafter"). Paths are
+resolved from this file, so it runs from any directory.
 """
 
 from pathlib import Path
@@ -18,7 +19,7 @@ from dflash_jax.train.config import base_config
 ASSETS = Path(__file__).resolve().parents[1] / "dflash_jax" / "assets"
 
 
-LENGTHS = {"demo": 480, "long": 2400}  # training steps
+LENGTHS = {"demo": (480, "muon"), "long": (2400, "adamw")}  # training steps, optimizer
 
 
 def get_config(length: str = "demo"):
@@ -47,8 +48,8 @@ def get_config(length: str = "demo"):
     config.data.seq_len = 384  # a prompt (64-192 tokens) and its completion (<= 128 tokens) fill most of a row
     config.data.anchor_stride = 8
     config.data.batch_size = 4  # 0.47 s a step on 2 CPU cores
-    config.total_steps = LENGTHS[length]
-    config.optim.learning_rate = 3e-3
+    config.total_steps, config.optim.name = LENGTHS[length]
+    config.optim.learning_rate = 3e-3  # with Muon, for the weight matrices too (muon_learning_rate None)
     config.optim.warmup_ratio = 0.05
     config.loss.vocab_chunk = 4096
 

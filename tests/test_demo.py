@@ -57,7 +57,7 @@ def demo(tmp_path_factory):
 def test_demo_training_raises_tau_above_the_untrained_drafter(demo):
     results, _, _ = demo
     check_evaluation(results)
-    assert results["trained"]["tau"] >= 1.15, results["trained"]["tau"]
+    assert results["trained"]["tau"] >= 1.4, results["trained"]["tau"]  # Muon: 1.467 (AdamW's 480 steps: 1.223)
     assert results["trained"]["slot_acceptance"][0] >= 0.1, results["trained"]["slot_acceptance"]
 
 
