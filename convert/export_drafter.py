@@ -1,15 +1,17 @@
 """Export a trained drafter from a training workdir in the z-lab layout vLLM serves (design §10).
 
-    python convert/export_drafter.py --workdir /ckpt/run1 --out /ckpt/run1-dflash [--step N] [--overwrite]
+    python convert/export_drafter.py --workdir /ckpt/run1 --out /ckpt/run1-dflash [--step N] [--overwrite] \
+        [--push-to-hub OWNER/NAME]
 
 Reads <workdir>/drafter_config.json and the drafter params of <workdir>/checkpoints/<step> (the latest step
-unless --step), writes <out>/config.json + <out>/model.safetensors (bf16) and prints the `vllm serve` line.
+unless --step), writes <out>/config.json + <out>/model.safetensors (bf16) and a model card <out>/README.md
+(target, data, steps, block size, feature layers, the last exact/DDTree τ, the vLLM and SGLang commands),
+prints the `vllm serve` line, and with --push-to-hub uploads <out> to that Hub repo.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from dflash_jax.errors import CheckpointError  # noqa: E402
 from dflash_jax.train.checkpoint import restore_drafter, workdir_path  # noqa: E402
 from dflash_jax.weights.drafter_export import check_out_dir, export_drafter, serve_command  # noqa: E402
+from dflash_jax.weights.model_card import CARD_FILE, push_to_hub, training_facts, write_model_card  # noqa: E402
 
-TRAIN_CONFIG_FILE = "config.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="export directory (config.json, model.safetensors)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace config.json and *.safetensors in a non-empty --out")
+    parser.add_argument("--push-to-hub", metavar="REPO", default=None,
+                        help="then upload --out to this Hugging Face Hub model repo (owner/name; needs hf auth login)")
     args = parser.parse_args(argv)
     try:
         check_out_dir(args.out, args.overwrite)  # before the (possibly long) restore
@@ -39,10 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, FileExistsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    train_config = args.workdir / TRAIN_CONFIG_FILE
-    target = json.loads(train_config.read_text()).get("target_dir") if train_config.is_file() else None
-    print(f"exported step {step} of {args.workdir} to {out}")
-    print("serve it with:\n  " + serve_command(target or "TARGET", out.absolute(), config.block_size))
+    facts = training_facts(args.workdir, step)
+    write_model_card(out, config, facts, drafter=args.push_to_hub or str(out.absolute()))
+    print(f"exported step {step} of {args.workdir} to {out} (model card: {out / CARD_FILE})")
+    print("serve it with:\n  " + serve_command(facts.target, out.absolute(), config.block_size))
+    if args.push_to_hub:
+        try:
+            print(f"uploaded to {push_to_hub(out, args.push_to_hub)}")
+        except CheckpointError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -260,3 +260,49 @@ def test_export_cli_errors(tmp_path, capsys):
     assert f"{empty}/checkpoints: no checkpoint found" in error("--workdir", str(empty), "--out", str(tmp_path / "b"))
     assert f"{tmp_path}/nowhere/drafter_config.json: not found" in error(
         "--workdir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "c"))
+
+
+def test_export_writes_a_model_card_whose_commands_parse(tmp_path):
+    """The card names the run's target, data and step, the last logged exact/DDTree τ, and serve commands
+    that parse: vLLM's speculative config as JSON, SGLang's flags. With --push-to-hub and no network (here:
+    HF_HUB_OFFLINE=1) everything up to the upload happens and the upload is one error line."""
+    import argparse
+    import os
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    workdir, config, _ = training_workdir(tmp_path)
+    (workdir / "config.json").write_text(json.dumps({"target_dir": "Qwen/Qwen3-8B",
+                                                     "data": {"train_files": ["/data/train.jsonl"]}}))
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 2, "eval/tau": 1.5, "eval/ddtree_tau_8": 1.7, "eval/ddtree_tau_22": 1.9},
+        {"step": 4, "loss": 3.0}, {"step": 6, "eval/tau": 9.9})))  # step 6 is after the exported step 4
+    out = tmp_path / "export"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"HF_HUB_OFFLINE": "1"}
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "convert/export_drafter.py", "--workdir", str(workdir), "--out", str(out),
+                          "--push-to-hub", "my-org/qwen3-8b-dflash"], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 1
+    (error,) = run.stderr.strip().splitlines()[-1:]
+    assert error.startswith(f"error: pushing {out} to the Hub repo 'my-org/qwen3-8b-dflash' failed")
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nbase_model: Qwen/Qwen3-8B\n")
+    for fact in ("`Qwen/Qwen3-8B`", "`/data/train.jsonl`", "| training steps | 4 |", f"| block size | {BLOCK} |",
+                 f"{list(config.target_layer_ids)}", "exact τ 1.500; DDTree τ 1.700 at 8 nodes, 1.900 at 22 nodes (step 2"):
+        assert fact in card, fact
+    commands = [block.split("```")[0].strip() for block in card.split("```bash\n")[1:]]
+    vllm, sglang = (shlex.split(command) for command in commands)
+    assert vllm[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"] and vllm[3] == "--speculative-config"
+    assert json.loads(vllm[4]) == {"method": "dflash", "model": "my-org/qwen3-8b-dflash",
+                                   "num_speculative_tokens": BLOCK - 1}
+    assert sglang[:3] == ["python", "-m", "sglang.launch_server"]
+    parser = argparse.ArgumentParser()
+    for flag in ("--model-path", "--speculative-algorithm", "--speculative-draft-model-path"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--speculative-num-draft-tokens", type=int, required=True)
+    parsed = parser.parse_args(sglang[3:])
+    assert (parsed.model_path, parsed.speculative_algorithm, parsed.speculative_draft_model_path,
+            parsed.speculative_num_draft_tokens) == ("Qwen/Qwen3-8B", "DFLASH", "my-org/qwen3-8b-dflash", BLOCK)

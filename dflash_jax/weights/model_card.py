@@ -1,0 +1,125 @@
+"""The model card (README.md) written beside every drafter export: what the drafter was trained against and on,
+how well it drafts, and the commands that serve it (vLLM and SGLang), as the Hub shows it.
+
+The facts come from the training workdir: the run's config (target, data files), the exported step, and the
+newest exact τ / DDTree τ the train loop's eval hook logged to metrics.jsonl at or before that step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+
+from etils import epath
+
+from dflash_jax.errors import CheckpointError
+from dflash_jax.models.drafter import DrafterConfig
+from dflash_jax.weights.drafter_export import serve_command
+from dflash_jax.weights.hub import REPO_ID
+
+CARD_FILE = "README.md"
+
+
+@dataclasses.dataclass
+class TrainingFacts:
+    target: str  # the target as the run named it: a directory or a Hub repo id
+    data_files: list[str]
+    steps: int
+    eval_step: int | None = None  # the step of the τ figures below, when the run evaluated
+    exact_tau: float | None = None
+    ddtree_tau: dict[int, float] = dataclasses.field(default_factory=dict)  # node budget -> τ
+
+
+def training_facts(workdir: str | Path, step: int) -> TrainingFacts:
+    """What the workdir records about the run up to `step` (its config.json and metrics.jsonl)."""
+    workdir = epath.Path(workdir)
+    config_file = workdir / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    facts = TrainingFacts(target=config.get("target_dir") or "TARGET",
+                          data_files=list(config.get("data", {}).get("train_files") or []), steps=step)
+    metrics_file = workdir / "metrics.jsonl"
+    lines = metrics_file.read_text().splitlines() if metrics_file.is_file() else []
+    for record in map(json.loads, lines):
+        if "eval/tau" in record and record["step"] <= step:
+            facts.eval_step, facts.exact_tau = record["step"], record["eval/tau"]
+            facts.ddtree_tau = {int(name.rsplit("_", 1)[1]): value for name, value in record.items()
+                                if name.startswith("eval/ddtree_tau_")}
+    return facts
+
+
+def sglang_command(target: str, drafter: str, block_size: int) -> str:
+    """SGLang's server with the drafter (`--speculative-num-draft-tokens` is the block size)."""
+    return (f"python -m sglang.launch_server --model-path {shlex.quote(target)} --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {shlex.quote(drafter)} --speculative-num-draft-tokens {block_size}")
+
+
+def model_card(config: DrafterConfig, facts: TrainingFacts, drafter: str) -> str:
+    """The card's text; `drafter` is how users will name the drafter (its directory or Hub repo id)."""
+    base_model = f"base_model: {facts.target}\n" if REPO_ID.match(facts.target) else ""
+    taus = "not measured (train with eval_every and eval_files, or run `dflash-jax evaluate`)"
+    if facts.exact_tau is not None:
+        ddtree = ", ".join(f"{tau:.3f} at {budget} nodes" for budget, tau in sorted(facts.ddtree_tau.items()))
+        taus = f"exact τ {facts.exact_tau:.3f}" + (f"; DDTree τ {ddtree}" if ddtree else "") + \
+            f" (step {facts.eval_step}, greedy, block size {config.block_size})"
+    rows = [("target", f"`{facts.target}`"),
+            ("training data", ", ".join(f"`{f}`" for f in facts.data_files) or "not recorded"),
+            ("training steps", str(facts.steps)),
+            ("block size", str(config.block_size)),
+            ("feature layers (`target_layer_ids`)", str(list(config.target_layer_ids))),
+            ("drafter layers", f"{config.num_hidden_layers} ({', '.join(config.layer_types)})"),
+            ("mask token id", str(config.mask_token_id)),
+            ("last evaluation", taus)]
+    table = "\n".join(["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)])
+    return f"""---
+{base_model}tags:
+- dflash
+- speculative-decoding
+---
+
+# DFlash drafter for {facts.target}
+
+A [DFlash](https://z-lab.ai/projects/dflash) block-diffusion drafter: from the target's hidden states it drafts
+{config.block_size - 1} tokens in one forward pass, which the target verifies in one pass. Trained with
+dflash_jax; the weights are bf16 in the z-lab layout (`DFlashDraftModel`), without embedding or LM head (the
+target's are shared).
+
+{table}
+
+τ is the number of tokens committed per target verification step.
+
+## Serve with vLLM
+
+```bash
+{serve_command(facts.target, drafter, config.block_size)}
+```
+
+## Serve with SGLang
+
+```bash
+{sglang_command(facts.target, drafter, config.block_size)}
+```
+"""
+
+
+def write_model_card(out_dir: str | Path, config: DrafterConfig, facts: TrainingFacts, drafter: str) -> Path:
+    path = Path(out_dir) / CARD_FILE
+    path.write_text(model_card(config, facts, drafter))
+    return path
+
+
+def push_to_hub(directory: str | Path, repo_id: str) -> str:
+    """Upload the export directory (weights, config, card) to the Hub model repo `repo_id`, creating it if
+    needed; returns its address. Needs the network and a token (hf auth login)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, repo_type="model", exist_ok=True)
+        api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model",
+                          commit_message="DFlash drafter exported by dflash_jax")
+    except (HfHubHTTPError, OSError) as error:  # OSError: offline mode, no connection
+        raise CheckpointError(f"pushing {directory} to the Hub repo {repo_id!r} failed: "
+                              f"{' '.join(str(error).split())}") from None
+    return f"https://huggingface.co/{repo_id}"
