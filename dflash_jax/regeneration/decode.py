@@ -1,4 +1,5 @@
-"""Batched decoding with the target's decode cache: a batch of prompts in, each one's continuation out.
+"""Batched decoding with the target's decode cache (design §14): a batch of prompts in, each one's
+continuation out.
 
 Prompts of different lengths are left-padded into one [b, P] prefill: the padding is a segment of its own,
 so no text token attends to it and the Gated DeltaNet layers start their conv and recurrent state fresh at

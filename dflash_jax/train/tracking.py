@@ -1,4 +1,4 @@
-"""Experiment tracking: every log record of the train loop goes to TensorBoard event files in the workdir
+"""Experiment tracking (design §15): every log record of the train loop goes to TensorBoard event files in the workdir
 (`<workdir>/tensorboard`, on by default) and, when `config.wandb_project` is set, to Weights & Biases.
 `metrics.jsonl` is written by the loop itself; these are views of the same records.
 
