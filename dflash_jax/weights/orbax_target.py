@@ -31,6 +31,7 @@ from tqdm import tqdm
 from dflash_jax.errors import CheckpointError
 from dflash_jax.sharding import state_shardings
 from dflash_jax.weights.mapping import WeightRule
+from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.safetensors_dir import INDEX_FILE, CheckpointReader, read_config, read_json
 
 MARKER_FILE = "dflash_target.json"
@@ -101,7 +102,7 @@ def write_orbax_target(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfl
     layer's up_proj) plus one HF tensor: the variable's buffer is filled layer by layer from memory-mapped
     safetensors and saved before the next one is started.
     """
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf_dir, out_dir = Path(local_dir(hf_dir, "target")), Path(out_dir)  # hf_dir may be a Hub repo id
     hf_config = read_config(hf_dir)
     family, config = _family_and_config(hf_config, hf_dir / "config.json")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
