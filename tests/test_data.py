@@ -148,8 +148,8 @@ def test_bad_record_reports_file_and_line(tmp_path: Path, bad_line: str, reason:
 def test_bad_records_can_be_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture):
     path = write_jsonl(tmp_path / "corpus.jsonl", [*completion_records(3), "not json"])
     with caplog.at_level(logging.WARNING):
-        loader = make_loader([path], bad_records="skip")
-    assert len(loader.corpus) == 3 and loader.stats()["skipped_records"] == 1
+        loader = make_loader([path], bad_records="skip", batch_size=1)
+    assert loader.num_records == 3 and loader.stats()["skipped_records"] == 1
     assert f"{path}:4: invalid JSON" in caplog.text
 
 
@@ -244,17 +244,22 @@ def test_loader_splits_long_documents_and_counts_them(tmp_path: Path):
     assert tokens > 0 and loader.stats()["split_documents"] > 0
 
 
-def test_finite_epochs_visit_every_record_once_per_epoch(tmp_path: Path):
-    records = [{"prompt": "", "completion": r["completion"]} for r in completion_records(50)]
+def test_every_epoch_visits_every_record_once(tmp_path: Path):
+    # Row r of every batch reads its own share of the corpus: each epoch of that row is a permutation of
+    # the share, and the shares of the rows split the corpus.
+    records = [{"prompt": "", "completion": f" record {i} " + r["completion"]} for i, r in enumerate(completion_records(50))]
     path = write_jsonl(tmp_path / "corpus.jsonl", records)
     tokenizer = make_chat_tokenizer()
-    loader = make_loader([path], seq_len=128, anchor_stride=8, batch_size=3, num_epochs=2)
-    batches = list(loader)
-    texts = [tokenizer.decode(doc["input_ids"]) for b in batches for r in range(3) for doc in row_documents(b, r)]
-    assert sorted(texts) == sorted([r["completion"] for r in records] * 2)
-    empty_rows = [not (b["segment_ids"][r] > 0).any() for b in batches for r in range(3)]
-    assert empty_rows == sorted(empty_rows) and not any(empty_rows[:-3])  # only the last batch is padded out
-    assert list(make_loader([path], seq_len=128, batch_size=3, num_epochs=2, state=loader.state())) == []
+    loader = make_loader([path], seq_len=128, anchor_stride=8, batch_size=3)
+    batches = [next(loader) for _ in range(40)]
+    shares = []
+    for row, stream in enumerate(loader.streams):
+        texts = [tokenizer.decode(doc["input_ids"]) for b in batches for doc in row_documents(b, row)]
+        share = len(stream.corpus)
+        assert len(texts) >= 2 * share + 1, "the test needs two whole epochs of every row"
+        assert sorted(texts[:share]) == sorted(texts[share : 2 * share]) and texts[:share] != texts[share : 2 * share]
+        shares.append(texts[:share])
+    assert sorted(text for share in shares for text in share) == sorted(r["completion"] for r in records)
 
 
 def batches_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -268,7 +273,8 @@ def test_shuffle_is_deterministic_by_seed(tmp_path: Path):
         a, b, c = next(first), next(same), next(other)
         assert batches_equal(a, b)
     assert not batches_equal(a, c)
-    assert not np.array_equal(first._epoch_order(0), first._epoch_order(1))  # each epoch has its own order
+    stream = first.streams[0]
+    assert not np.array_equal(stream.epoch_order(0), stream.epoch_order(1))  # each epoch has its own order
 
 
 def test_resume_from_state_gives_identical_following_batches(tmp_path: Path):
@@ -282,7 +288,8 @@ def test_resume_from_state_gives_identical_following_batches(tmp_path: Path):
     for _ in range(60):
         states.append(json.loads(json.dumps(reference.state())))
         batches.append(next(reference))
-    assert any(s["token_offset"] > 0 for s in states) and states[-1]["epoch"] >= 2
+    positions = [position for state in states for position in state["rows"].values()]
+    assert any(p["token_offset"] > 0 for p in positions) and min(p["epoch"] for p in states[-1]["rows"].values()) >= 2
     for resume_at in (0, 1, 7, 23, 41, 59):
         resumed = make_loader(paths, seq_len=48, anchor_stride=8, batch_size=3, state=states[resume_at])
         for expected in batches[resume_at:]:
@@ -312,5 +319,5 @@ def test_corpus_streams_from_disk_without_loading_it(tmp_path: Path):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert len(loader.corpus) == 3000 and file_size > 7_500_000
+    assert loader.num_records == 3000 and file_size > 7_500_000
     assert peak < file_size / 4, f"peak Python memory {peak} bytes for a {file_size}-byte corpus"

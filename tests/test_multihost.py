@@ -1,14 +1,22 @@
-"""Training on several JAX processes: `python -m dflash_jax.train` launched as two CPU processes of two devices
-each, joined over localhost by jax.distributed (config.distributed="auto" and the JAX_* variables), trains
-exactly like one process on the same four-device mesh: same per-step losses, same checkpoint. Evaluation
-during training runs too. Process 0 alone writes metrics.jsonl and the log lines."""
+"""Training on several JAX processes: `python -m dflash_jax.train` launched as two CPU processes of four devices
+each, joined over localhost by jax.distributed (config.distributed="auto" and the JAX_* variables).
+
+- It trains exactly like one process on the same eight-device mesh (same per-step losses, same checkpoint),
+  each process building only its own rows of every batch from its own share of the corpus; evaluation
+  during training runs too; process 0 alone writes metrics.jsonl and the log lines.
+- A SIGTERM sent to one process only stops both after the same step, with one checkpoint; one process of
+  eight devices resumes it (another host count) and finishes exactly as an uninterrupted run.
+"""
 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -22,11 +30,18 @@ from tests.train_fixtures import fast_cpu_compiles, losses, make_target, restore
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
-# The same run for both launches. Two micro-batches of four rows, one row per device each, and feature noise:
+DEVICES_PER_PROCESS = 4
+# The same run for every launch. Two micro-batches of eight rows, one row per device each, and feature noise:
 # the rows each process feeds and the RNG must both line up with the single-process run.
 SETTINGS = {"compute_dtype": "float32", "data.seq_len": 64, "data.anchor_stride": 8, "drafter.block_size": 8,
-            "drafter.sliding_window": 24, "loss.row_chunk": 24, "loss.vocab_chunk": 200, "data.batch_size": 8,
+            "drafter.sliding_window": 24, "loss.row_chunk": 24, "loss.vocab_chunk": 200, "data.batch_size": 16,
             "grad_accum_steps": 2, "loss.noise_std": 0.1, "total_steps": STEPS, "log_every": 1, "checkpoint_every": 2}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multihost")
+    return make_target(root / "target"), write_corpus(root / "train.jsonl")
 
 
 def free_port() -> int:
@@ -35,39 +50,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_two_processes(target_dir: Path, train_file: Path, workdir: Path) -> list[str]:
-    """Runs the train CLI (with evaluation) as processes 0 and 1 of one run; returns their outputs."""
-    command = [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"),
-               "--workdir", str(workdir), f"--config.target_dir={target_dir}", f"--config.data.train_files={train_file}",
-               *(f"--config.{key}={value}" for key, value in SETTINGS.items()),
-               # Exact τ at the last step too: its forward runs on the mesh of both processes.
-               f"--config.data.eval_files={train_file}", f"--config.eval_every={STEPS}", "--config.eval_prompts=2"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",  # CPU collectives across processes
-               JAX_DISABLE_MOST_OPTIMIZATIONS="1", PYTHONPATH=str(REPO),
+def train_command(target_dir: Path, train_file: Path, workdir: Path, settings: dict, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"),
+            "--workdir", str(workdir), f"--config.target_dir={target_dir}", f"--config.data.train_files={train_file}",
+            *(f"--config.{key}={value}" for key, value in settings.items()), *extra]
+
+
+def cpu_env(devices: int) -> dict[str, str]:
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                JAX_DISABLE_MOST_OPTIMIZATIONS="1", PYTHONPATH=str(REPO))
+
+
+def start_two_processes(command: list[str]) -> list[subprocess.Popen]:
+    """`command` as processes 0 and 1 of one run, four CPU devices each."""
+    env = dict(cpu_env(DEVICES_PER_PROCESS), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",  # across processes
                JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}", JAX_NUM_PROCESSES="2")
-    processes = [subprocess.Popen(command, cwd=REPO, env=dict(env, JAX_PROCESS_ID=str(index)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for index in (0, 1)]
+    return [subprocess.Popen(command, cwd=REPO, env=dict(env, JAX_PROCESS_ID=str(index)),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for index in (0, 1)]
+
+
+def outputs_of(processes: list[subprocess.Popen], returncode: int = 0) -> list[str]:
     try:
         outputs = [process.communicate(timeout=300)[0] for process in processes]
     finally:
         for process in processes:
             process.kill()  # no-op once exited; a hung peer must not outlive the test
     for index, (process, output) in enumerate(zip(processes, outputs)):
-        assert process.returncode == 0, f"process {index}:\n{output[-3000:]}"
+        assert process.returncode == returncode, f"process {index}:\n{output[-3000:]}"
     return outputs
 
 
-def test_two_processes_train_like_one_with_the_same_mesh(tmp_path):
-    target_dir = make_target(tmp_path / "target")
-    train_file = write_corpus(tmp_path / "train.jsonl")
-    outputs = launch_two_processes(target_dir, train_file, tmp_path / "two")
-    config = tiny_config(target_dir, train_file, **SETTINGS, **{"mesh.fsdp": 4})  # 4 of the session's 8 devices
+def assert_each_process_built_only_its_rows(outputs: list[str], records: int) -> None:
+    """Process p holds rows [8p, 8p + 8) of each batch of 16 and indexed only their share of the corpus."""
+    indexed = []
+    for index, output in enumerate(outputs):
+        rows = f"{8 * index}-{8 * index + 7}"
+        found = re.search(rf"rows {rows} of each batch of 16: (\d+) records from bytes \[", output)
+        assert found, f"process {index} did not report its rows {rows}:\n{output[-3000:]}"
+        indexed.append(int(found.group(1)))
+    assert sum(indexed) == records and max(indexed) < records  # each record indexed by exactly one process
+
+
+def test_two_processes_train_like_one_with_the_same_mesh(files, tmp_path):
+    target_dir, train_file = files
+    # Exact τ at the last step too: its forward runs on the mesh of both processes.
+    outputs = outputs_of(start_two_processes(train_command(
+        target_dir, train_file, tmp_path / "two", SETTINGS,
+        f"--config.data.eval_files={train_file}", f"--config.eval_every={STEPS}", "--config.eval_prompts=2")))
+    config = tiny_config(target_dir, train_file, **SETTINGS, **{"mesh.fsdp": 8})  # the session's 8 devices
     with fast_cpu_compiles():
         train(config, tmp_path / "one")
 
-    assert "process 0 of 2: 2 local of 4 devices" in outputs[0]
-    assert "process 1 of 2: 2 local of 4 devices" in outputs[1]
+    assert "process 0 of 2: 4 local of 8 devices" in outputs[0]
+    assert "process 1 of 2: 4 local of 8 devices" in outputs[1]
+    assert_each_process_built_only_its_rows(outputs, records=200)
     assert f"step {STEPS}: loss" in outputs[0] and "step 1: loss" not in outputs[1]
     assert f"eval at step {STEPS}" in outputs[0] and "eval at" not in outputs[1]
     assert '"eval/tau"' in (tmp_path / "two" / "metrics.jsonl").read_text()
@@ -83,6 +119,48 @@ def test_two_processes_train_like_one_with_the_same_mesh(tmp_path):
     assert one_step == two_step == STEPS
     assert two_data == one_data
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), two_state, one_state)
+
+
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_one_checkpoint(files, tmp_path):
+    target_dir, train_file = files
+    total = 16  # long enough for the stop to land before the end; the same in every run (LR schedule)
+    settings = dict(SETTINGS, total_steps=total, checkpoint_every=1000)
+    command = train_command(target_dir, train_file, tmp_path / "run", settings)
+    processes = start_two_processes(command)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert all(process.poll() is None for process in processes), outputs_of(processes)
+        assert time.monotonic() < deadline, "no step was logged in time"
+        time.sleep(0.05)
+    processes[1].send_signal(signal.SIGTERM)  # process 0 is not told
+    outputs = outputs_of(processes)
+
+    stops = [re.search(r"stopped by (.+) at step (\d+); rerun", output) for output in outputs]
+    assert all(stops), [output[-2000:] for output in outputs]
+    assert stops[0].group(1) == "a stop on another process" and stops[1].group(1) == "SIGTERM"
+    stopped_at = int(stops[0].group(2))
+    assert int(stops[1].group(2)) == stopped_at < total
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == [str(stopped_at)]  # one checkpoint, both in it
+    assert sorted(losses(tmp_path / "run")) == list(range(1, stopped_at + 1))
+
+    # One process with all eight devices finishes the run from the two processes' checkpoint.
+    resumed = subprocess.run(command, cwd=REPO, env=cpu_env(8), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {tmp_path / 'run' / 'checkpoints'} at step {stopped_at}" in resumed.stderr
+    assert "rows 0-15 of each batch of 16: 200 records" in resumed.stderr
+
+    config = tiny_config(target_dir, train_file, **settings, **{"mesh.fsdp": 8})
+    with fast_cpu_compiles():
+        train(config, tmp_path / "straight")
+    run, straight = losses(tmp_path / "run"), losses(tmp_path / "straight")
+    assert sorted(run) == sorted(straight) == list(range(1, total + 1))
+    np.testing.assert_allclose([run[step] for step in sorted(run)], [straight[step] for step in sorted(run)],
+                               rtol=1e-5)
+    run_step, run_state, run_data = restore_last(tmp_path / "run", config)
+    straight_step, straight_state, straight_data = restore_last(tmp_path / "straight", config)
+    assert run_step == straight_step == total and run_data == straight_data
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), run_state, straight_state)
 
 
 def test_auto_stays_single_process_without_a_coordinator(monkeypatch):

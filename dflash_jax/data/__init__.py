@@ -9,8 +9,9 @@ from dflash_jax.data.anchors import (
     slot_mask,
 )
 from dflash_jax.data.corpus import Corpus
-from dflash_jax.data.loader import BatchLoader
+from dflash_jax.data.loader import BatchLoader, merge_states
 from dflash_jax.data.packing import Cursor, PackedRow, RowPacker, place_row, row_capacity, row_phase
+from dflash_jax.data.prefetch import Prefetcher
 from dflash_jax.data.records import ChatRecord, CompletionRecord, parse_record
 from dflash_jax.data.tokenize import Document, check_chat_tokenizer, tokenize_record
 
@@ -22,6 +23,7 @@ __all__ = [
     "Cursor",
     "Document",
     "PackedRow",
+    "Prefetcher",
     "RowPacker",
     "anchor_utilisation",
     "anchor_validity",
@@ -29,6 +31,7 @@ __all__ = [
     "block_segment_ids",
     "block_token_ids",
     "check_chat_tokenizer",
+    "merge_states",
     "parse_record",
     "place_row",
     "row_capacity",

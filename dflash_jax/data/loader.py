@@ -1,46 +1,53 @@
-"""The training data iterator: shuffled, streamed, packed, phase-shifted batches with an exact resume point.
+"""The training data iterator: shuffled, streamed, packed, phase-shifted rows of the global batch, for all of
+its rows or only some (one host's), with an exact resume point.
 
-Each epoch visits every record once in a permutation seeded by (seed, epoch); records are read from disk
-one at a time (see `Corpus`). The document stream runs across epochs without a break (a row may hold the
-last documents of one epoch and the first of the next); with `num_epochs=None` it never ends. Rows are
-packed greedily (see `packing`), each row gets a phase from (seed, global row index), and `batch_size` rows
-form a batch. With a finite `num_epochs`, the last batch is completed with all-padding rows (loss_mask 0),
-then iteration stops.
+Row r of every batch comes from its own `RowStream` (data/stream.py): the records that start in byte range r
+of `batch_size` equal ranges of the corpus, shuffled per epoch, packed greedily (data/packing.py). Row r of
+batch k gets the phase of global row k * batch_size + r, a pure function of the seed. So the rows do not
+depend on which host builds them: a loader given `rows` indexes, reads, tokenizes and packs only those
+rows' shares of the corpus and yields only those rows, and the same rows come out of it as out of a loader
+of the whole batch.
 
-Resume: `state()` names the first row not yet returned by the cursor of its first piece and the global row
-count; a loader built with that state re-reads from the cursor and reproduces the same rows and phases.
+Resume: `state()` holds the batch count and, per row, the cursor of the next row's first piece;
+`merge_states` joins the states of the loaders of several hosts into the position of the whole batch, and a
+loader built with that (for any of its rows) continues exactly there, whatever the number of hosts.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from dflash_jax.data.corpus import Corpus
-from dflash_jax.data.packing import ROW_KEYS, Cursor, PackedRow, RowPacker, place_row, row_capacity, row_phase
-from dflash_jax.data.tokenize import Document, check_chat_tokenizer, tokenize_record
+from dflash_jax.data.corpus import Corpus, corpus_bytes
+from dflash_jax.data.packing import ROW_KEYS, place_row, row_capacity, row_phase
+from dflash_jax.data.stream import RowStream
+from dflash_jax.data.tokenize import check_chat_tokenizer
 from dflash_jax.errors import DataError
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+_LAYOUT_KEYS = ("version", "batch_size", "corpus_bytes", "seed", "seq_len", "anchor_stride")
 
 
 class BatchLoader(Iterator[dict[str, np.ndarray]]):
-    """Yields {"input_ids", "positions", "segment_ids", "loss_mask"}: int32 numpy arrays [batch_size, seq_len].
+    """Yields {"input_ids", "positions", "segment_ids", "loss_mask"}: int32 numpy arrays [len(rows), seq_len],
+    rows `rows` of each global batch of `batch_size` rows, in that order. Never ends.
 
-    paths: JSONL files, indexed in one pass (with `validate`, every record's JSON and fields are checked then).
+    paths: JSONL files; each row's share is indexed in one pass (with `validate`, every record's JSON and
+        fields are checked then).
+    rows: the global batch rows to build (default: all).
     seq_len, anchor_stride: T and S; rows hold T - (S - 1) content tokens, shifted right by a phase in [0, S).
     bad_records: "raise" (default) aborts with a DataError `path:line: reason`; "skip" logs the same message
         as a warning, counts it in stats()["skipped_records"] and moves on. Nothing is dropped silently.
     chat_template_kwargs: extra arguments for `apply_chat_template` (e.g. {"enable_thinking": False}).
-    state: a dict from `state()` to continue exactly where that loader was.
+    state: a dict from `state()` or `merge_states` holding (at least) `rows`, to continue exactly there.
     """
 
     def __init__(
@@ -51,8 +58,8 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
         seq_len: int,
         anchor_stride: int,
         batch_size: int,
+        rows: Sequence[int] | None = None,
         seed: int = 0,
-        num_epochs: int | None = None,
         pad_id: int = 0,
         bad_records: str = "raise",
         validate: bool = True,
@@ -64,136 +71,124 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
             raise ValueError(f"seq_len {seq_len} must be a multiple of anchor_stride {anchor_stride}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.tokenizer = tokenizer
+        self.rows = list(range(batch_size)) if rows is None else sorted(rows)
+        if not self.rows or len(set(self.rows)) != len(self.rows) or not 0 <= self.rows[0] <= self.rows[-1] < batch_size:
+            raise ValueError(f"rows must be distinct rows of a batch of {batch_size}, got {rows}")
         self.seq_len, self.anchor_stride, self.batch_size = seq_len, anchor_stride, batch_size
-        self.seed, self.num_epochs, self.pad_id = seed, num_epochs, pad_id
-        self.chat_template_kwargs = chat_template_kwargs
-        self.corpus = Corpus(paths, validate=validate, bad_records=bad_records)
-        if self.corpus.first_chat_record is not None:
-            check_chat_tokenizer(tokenizer, self.corpus.first_chat_record)
-
-        self._packer = RowPacker(capacity)
-        self._completed: collections.deque[PackedRow] = collections.deque()
-        self._next_document = Cursor(0, 0)
-        self._rows_emitted = 0
-        self._documents_read = 0
+        self.seed, self.pad_id = seed, pad_id
+        if not paths:
+            raise DataError("corpus", "no input files given")
+        self.corpus_bytes = corpus_bytes(paths)
         self._split_documents = 0
-        self._order_epoch, self._order = -1, np.empty(0, np.int64)
+        self._batches = 0
+
+        ranges = [self._byte_range(row) for row in self.rows]
+        with tqdm(total=sum(hi - lo for lo, hi in ranges), unit="B", unit_scale=True, desc="indexing corpus") as bar:
+            corpora = [Corpus(paths, byte_range, validate=validate, bad_records=bad_records, progress=bar)
+                       for byte_range in ranges]
+        self.streams = [RowStream(corpus, row, seed=seed, capacity=capacity, tokenizer=tokenizer,
+                                  chat_template_kwargs=chat_template_kwargs, on_split=self._report_split)
+                        for corpus, row in zip(corpora, self.rows)]
+        chat_records = [corpus.first_chat_record for corpus in corpora if corpus.first_chat_record is not None]
+        if chat_records:
+            check_chat_tokenizer(tokenizer, chat_records[0])
+        for row, corpus, (lo, hi) in zip(self.rows, corpora, ranges):
+            if not len(corpus):
+                raise DataError(", ".join(map(os.fspath, paths)), f"no record starts in bytes [{lo}, {hi}), the share "
+                                f"of batch row {row}: every row of a batch reads its own 1/{batch_size} of the "
+                                f"corpus, so {self.corpus_bytes} bytes are too few for batch_size {batch_size}")
+        log.info("rows %s of each batch of %d: %d records from bytes %s of the %d-byte corpus", _spans(self.rows),
+                 batch_size, self.num_records, ", ".join(f"[{lo}, {hi})" for lo, hi in _merged(ranges)),
+                 self.corpus_bytes)
         if state is not None:
             self._restore(state)
+
+    def _byte_range(self, row: int) -> tuple[int, int]:
+        """Row `row`'s share of the corpus: the records that start in these bytes."""
+        return row * self.corpus_bytes // self.batch_size, (row + 1) * self.corpus_bytes // self.batch_size
+
+    @property
+    def num_records(self) -> int:
+        """Records in the shares of this loader's rows."""
+        return sum(len(stream.corpus) for stream in self.streams)
 
     # -- resume ---------------------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        """JSON-serialisable position of the next batch; pass it as `state=` to continue exactly there."""
-        if self._completed:
-            start = self._completed[0].start
-        elif self._packer.open_start is not None:
-            start = self._packer.open_start
-        else:
-            start = self._next_document
-        return {
-            "version": STATE_VERSION,
-            "epoch": start.epoch,
-            "document": start.document,
-            "token_offset": start.token_offset,
-            "rows": self._rows_emitted,
-            # Checked on restore: a cursor only means something for the same corpus, order and row layout.
-            "num_records": len(self.corpus),
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-            "anchor_stride": self.anchor_stride,
-        }
+        """JSON-serialisable position of the next batch, for this loader's rows."""
+        return {"version": STATE_VERSION, "batch_size": self.batch_size, "corpus_bytes": self.corpus_bytes,
+                "seed": self.seed, "seq_len": self.seq_len, "anchor_stride": self.anchor_stride,
+                "batches": self._batches, "rows": {str(s.row): s.position() for s in self.streams}}
 
     def _restore(self, state: dict[str, Any]) -> None:
-        expected = {"version": STATE_VERSION, "num_records": len(self.corpus), "seed": self.seed,
-                    "seq_len": self.seq_len, "anchor_stride": self.anchor_stride}
-        for key, value in expected.items():
-            if state.get(key) != value:
-                raise DataError("loader state", f"{key} is {state.get(key)!r} in the saved state but {value!r} "
+        now = self.state()
+        for key in _LAYOUT_KEYS:  # a cursor only means something for the same corpus, order and row layout
+            if state.get(key) != now[key]:
+                raise DataError("loader state", f"{key} is {state.get(key)!r} in the saved state but {now[key]!r} "
                                                 "now; the saved position does not apply to this data/config")
-        self._next_document = Cursor(int(state["epoch"]), int(state["document"]), int(state["token_offset"]))
-        self._rows_emitted = int(state["rows"])
+        for stream in self.streams:
+            if str(stream.row) not in state["rows"]:
+                raise DataError("loader state", f"the saved position has no row {stream.row}")
+            stream.restore(state["rows"][str(stream.row)])
+        self._batches = int(state["batches"])
 
     # -- iteration ------------------------------------------------------------------------------------------
 
     def __next__(self) -> dict[str, np.ndarray]:
-        rows: list[PackedRow | None] = []
-        while len(rows) < self.batch_size and (row := self._next_row()) is not None:
-            rows.append(row)
-        if not rows:
-            raise StopIteration
-        real_rows = len(rows)
-        rows += [None] * (self.batch_size - real_rows)  # only at the end of a finite stream
-        placed = [
-            place_row(row, self.seq_len, row_phase(self.seed, self._rows_emitted + i, self.anchor_stride), self.pad_id)
-            for i, row in enumerate(rows)
-        ]
-        self._rows_emitted += real_rows
+        first_row = self._batches * self.batch_size
+        placed = [place_row(stream.next_row(), self.seq_len,
+                            row_phase(self.seed, first_row + stream.row, self.anchor_stride), self.pad_id)
+                  for stream in self.streams]
+        self._batches += 1
         return {key: np.stack([p[key] for p in placed]) for key in ROW_KEYS}
 
     def stats(self) -> dict[str, int]:
-        """Counters for logging; `rows` survives resume, the others count since construction."""
+        """Counters for logging; `batches` survives resume, the others count since construction."""
         return {
-            "epoch": self.state()["epoch"],
-            "rows": self._rows_emitted,
-            "documents_read": self._documents_read,
+            "batches": self._batches,
+            "documents_read": sum(stream.documents_read for stream in self.streams),
             "split_documents": self._split_documents,
-            "skipped_records": self.corpus.skipped_records,
+            "skipped_records": sum(stream.corpus.skipped_records for stream in self.streams),
         }
 
     def close(self) -> None:
-        self.corpus.close()
-
-    def _next_row(self) -> PackedRow | None:
-        while not self._completed:
-            item = self._read_document()
-            if item is None:
-                return self._packer.flush()
-            self._completed.extend(self._packer.add(*item))
-        return self._completed.popleft()
-
-    def _read_document(self) -> tuple[Document, Cursor] | None:
-        """The next tokenized document and its cursor, or None at the end of the last epoch."""
-        while True:
-            cursor = self._next_document
-            if self.num_epochs is not None and cursor.epoch >= self.num_epochs:
-                return None
-            if cursor.document >= len(self.corpus):
-                self._next_document = Cursor(cursor.epoch + 1, 0)
-                continue
-            self._next_document = Cursor(cursor.epoch, cursor.document + 1)
-            index = int(self._epoch_order(cursor.epoch)[cursor.document])
-            where = self.corpus.where(index)
-            try:
-                document = tokenize_record(self.corpus.read(index), self.tokenizer, where, self.chat_template_kwargs)
-            except DataError as e:
-                self.corpus.report_bad_record(e)
-                continue
-            self._documents_read += 1
-            if len(document) > self._packer.capacity:
-                self._report_split(where, len(document))
-            return self._resume_slice(document, cursor, where), cursor
-
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        if epoch != self._order_epoch:
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.corpus))
-            self._order_epoch = epoch
-        return self._order
-
-    def _resume_slice(self, document: Document, cursor: Cursor, where: str) -> Document:
-        """The part of `document` from `cursor.token_offset` (non-zero only when resuming inside a split one)."""
-        if cursor.token_offset == 0:
-            return document
-        if cursor.token_offset >= len(document):
-            raise DataError(where, f"resume offset {cursor.token_offset} is past the document's {len(document)} "
-                                   "tokens; the corpus or tokenizer changed since the state was saved")
-        return Document(document.input_ids[cursor.token_offset :], document.loss_mask[cursor.token_offset :])
+        for stream in self.streams:
+            stream.corpus.close()
 
     def _report_split(self, where: str, length: int) -> None:
-        capacity = self._packer.capacity
+        capacity = row_capacity(self.seq_len, self.anchor_stride)
         message = "%s: document of %d tokens exceeds the row capacity of %d; split into %d rows (positions continue)"
         # Warn once so the user knows it happens; the count is in stats(), per-document detail at debug level.
         level = logging.WARNING if self._split_documents == 0 else logging.DEBUG
         log.log(level, message, where, length, capacity, -(-length // capacity))
         self._split_documents += 1
+
+
+def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The position of the whole batch from the states of loaders that build disjoint rows of it (one per
+    host), taken after the same batch."""
+    merged = {key: value for key, value in states[0].items() if key != "rows"}
+    rows: dict[str, Any] = {}
+    for state in states:
+        different = [key for key in merged if state.get(key) != merged[key]]
+        if different:
+            raise ValueError(f"loader states disagree on {different}: {state} vs {states[0]}")
+        rows.update(state["rows"])
+    return {**merged, "rows": dict(sorted(rows.items(), key=lambda item: int(item[0])))}
+
+
+def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted ranges with adjacent ones joined."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and merged[-1][1] == lo:
+            merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _spans(rows: Sequence[int]) -> str:
+    """Rows as runs: [0, 1, 2, 5] -> "0-2, 5"."""
+    runs = _merged([(row, row + 1) for row in rows])
+    return ", ".join(str(lo) if hi == lo + 1 else f"{lo}-{hi - 1}" for lo, hi in runs)

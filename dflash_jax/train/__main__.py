@@ -38,8 +38,9 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
     try:
         distributed.initialize(config.distributed)  # before any other JAX call
-        if jax.process_index() > 0:  # process 0 speaks for the run; the others only warn and fail
+        if jax.process_index() > 0:  # process 0 speaks for the run; the others warn, fail, and tell their data
             logging.getLogger("dflash_jax").setLevel(logging.WARNING)
+            logging.getLogger("dflash_jax.data").setLevel(logging.INFO)  # each process reads its own share
         validate_config(config)
         validate_eval_files(config)
         # Exact τ on config.data.eval_files every config.eval_every steps (design §9), logged as eval/* metrics.

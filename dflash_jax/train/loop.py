@@ -22,17 +22,17 @@ from ml_collections import ConfigDict
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from dflash_jax.data import BatchLoader
-from dflash_jax.errors import ConfigError
+from dflash_jax.data import BatchLoader, Prefetcher, merge_states
+from dflash_jax.errors import ConfigError, DataError
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import load_target
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import BATCH_AXES, state_shardings
-from dflash_jax.train import flops, validate
+from dflash_jax.train import distributed, flops, validate
 from dflash_jax.train.checkpoint import DRAFTER_CONFIG_FILE, Checkpointer, StopRequest, workdir_path
 from dflash_jax.train.loss import acceptance_metrics
 from dflash_jax.train.state import init_train_state, state_spec
-from dflash_jax.train.step import make_step, put_batch
+from dflash_jax.train.step import make_step, process_rows, put_batch
 from dflash_jax.train.tracking import Trackers
 
 log = logging.getLogger(__name__)
@@ -77,10 +77,13 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
         log.info("resuming from %s at step %d", workdir / "checkpoints", start_step)
         state, data_state = checkpointer.restore(start_step, spec.abstract)
 
-    loader = BatchLoader(config.data.train_files, tokenizer, seq_len=config.data.seq_len, anchor_stride=config.data.anchor_stride,
-                         batch_size=config.data.batch_size, seed=config.data.shuffle_seed,
-                         pad_id=tokenizer.pad_token_id or 0, bad_records=config.data.bad_records,
-                         chat_template_kwargs=config.data.chat_template_kwargs, state=data_state)
+    # This process's rows of every batch, built in a background thread (data/loader.py, data/prefetch.py).
+    data = config.data
+    rows = process_rows(mesh, data.batch_size)
+    batches = Prefetcher(_agreed(lambda: BatchLoader(
+        data.train_files, tokenizer, seq_len=data.seq_len, anchor_stride=data.anchor_stride,
+        batch_size=data.batch_size, rows=rows, seed=data.shuffle_seed, pad_id=tokenizer.pad_token_id or 0,
+        bad_records=data.bad_records, chat_template_kwargs=data.chat_template_kwargs, state=data_state)))
 
     target_graphdef, target_state = nnx.split(target)
     step_fns = make_step(config, drafter_config, spec, target_graphdef, state_shardings(target_state, mesh), mesh)
@@ -103,12 +106,14 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
     step = start_step
     progress = tqdm(total=config.total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                     disable=not main)
+    stopping, vote = False, distributed.StopVote()
     try:
         with StopRequest() as stop:
-            while step < config.total_steps and not stop.requested:
-                batch = next(loader)
+            while step < config.total_steps and not stopping:
+                batch, data_position = next(batches)
                 with jax.set_mesh(mesh):  # so splash attention traces per shard (ops/splash_attention.py)
-                    state, metrics = step_fns.train_step(state, target_state, put_batch(batch, mesh))
+                    state, metrics = step_fns.train_step(state, target_state,
+                                                         put_batch(batch, mesh, rows, data.batch_size))
                 step += 1
                 interval_steps += 1
                 pending.append(metrics)
@@ -137,23 +142,42 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
                         log.info("eval at step %d: %s", step, json.dumps(eval_metrics))
                         write_metrics({"step": step, **{f"eval/{name}": value for name, value in eval_metrics.items()}})
 
-                if step % config.checkpoint_every == 0 or step == config.total_steps or stop.requested:
-                    checkpointer.save(step, state, loader.state())
-            if stop.requested:
-                log.warning("stopped by %s at step %d; rerun the same command to resume", stop.requested, step)
+                # Every process stops after the same step, also when a signal reached only some of them.
+                stopping = vote(stop.requested is not None)
+                if step % config.checkpoint_every == 0 or step == config.total_steps or stopping:
+                    checkpointer.save(step, state, merge_states(distributed.gather_json(data_position)))
+            stopped_by = (stop.requested or "a stop on another process") if stopping else None
+            if stopped_by:
+                log.warning("stopped by %s at step %d; rerun the same command to resume", stopped_by, step)
     finally:
         progress.close()
         checkpointer.close()
         metrics_file.close()
         if trackers is not None:
             trackers.close()
-        loader.close()
+        batches.close()
 
-    summary = {"start_step": start_step, "final_step": step, "stopped_by": stop.requested,
+    summary = {"start_step": start_step, "final_step": step, "stopped_by": stopped_by,
                "compile_seconds": compile_seconds, "last": history[-1] if history else None}
     log.info("summary: %s", json.dumps(summary))
     return summary
 
+
+
+def _agreed(build: Callable[[], BatchLoader]) -> BatchLoader:
+    """`build()` on every process; if it fails on any (each one validates only its own share of the data),
+    all of them stop with an error, rather than the others waiting for the failed one in a collective."""
+    try:
+        loader, error = build(), None
+    except DataError as e:
+        loader, error = None, e
+    failed = [index for index, flag in enumerate(distributed.process_flags(error is not None)) if flag]
+    if error is not None:
+        raise error
+    if failed:
+        raise DataError("training data", f"process {failed[0]} could not read its share of the data (its log "
+                                         "says why)")
+    return loader
 
 
 def _write_drafter_config(path: epath.Path, drafter_config, write: bool = True) -> None:

@@ -157,16 +157,28 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
     return StepFunctions(teacher, drafter_loss, jitted)
 
 
-def put_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """The global host batch -> global device arrays split over the batch axes; each process copies only the
-    rows its own devices hold (with one process: all of them).
+def process_rows(mesh: Mesh, batch_size: int) -> list[int]:
+    """The rows of the global batch that this process's devices hold (with one process: all of them), in
+    order: the rows its loader builds."""
+    indices = batch_sharding(mesh).addressable_devices_indices_map((batch_size, 1))
+    return sorted({row for index in indices.values() for row in range(batch_size)[index[0]]})
 
-    Every process packs the same deterministic global row stream, so the loader position saved in a
-    checkpoint is the same on all of them and resume stays exact; the cost is that every host tokenizes and
-    packs every row of the global batch, not just its own share."""
+
+def put_batch(batch: dict[str, np.ndarray], mesh: Mesh, rows: list[int] | None = None,
+              batch_size: int | None = None) -> dict[str, jax.Array]:
+    """Host arrays holding rows `rows` (this process's: `process_rows`) of a global batch of `batch_size`
+    rows -> global device arrays split over the batch axes; each device gets its rows from these arrays.
+    Default: the arrays hold the whole batch."""
+    if rows is None:
+        batch_size = len(batch[BATCH_KEYS[0]])
+        rows = list(range(batch_size))
     sharding = batch_sharding(mesh)
+    position = {row: i for i, row in enumerate(rows)}
 
     def rows_of(value: np.ndarray) -> jax.Array:
-        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+        def shard(index: tuple[slice, ...]) -> np.ndarray:
+            return value[[position[row] for row in range(batch_size)[index[0]]]][(slice(None), *index[1:])]
+
+        return jax.make_array_from_callback((batch_size, *value.shape[1:]), sharding, shard)
 
     return {key: rows_of(batch[key]) for key in BATCH_KEYS}

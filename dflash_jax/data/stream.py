@@ -1,0 +1,108 @@
+"""One row of every batch: its own share of the corpus, shuffled per epoch, packed greedily into rows.
+
+Row r of every global batch comes from stream r, which reads only the records that start in byte range r of
+`batch_size` equal ranges of the corpus (data/corpus.py), each epoch in its own permutation seeded by
+(seed, epoch, r). The document stream runs across epochs without a break and never ends. Since a stream
+depends on nothing but its row index, a host builds exactly the rows its devices hold, and the saved
+position (one cursor per row) resumes on any number of hosts.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from dflash_jax.data.corpus import Corpus
+from dflash_jax.data.packing import Cursor, PackedRow, RowPacker
+from dflash_jax.data.tokenize import Document, tokenize_record
+from dflash_jax.errors import DataError
+
+
+class RowStream:
+    """Packed rows of batch row `row` from `corpus` (that row's share), in order; `position` / `restore`
+    save and reload the point of the next row.
+
+    on_split(where, length): called for every document longer than a row (it is split; positions continue).
+    """
+
+    def __init__(self, corpus: Corpus, row: int, *, seed: int, capacity: int, tokenizer: PreTrainedTokenizerBase,
+                 chat_template_kwargs: dict[str, Any] | None, on_split: Callable[[str, int], None]):
+        self.corpus, self.row, self.seed = corpus, row, seed
+        self.tokenizer, self.chat_template_kwargs, self._on_split = tokenizer, chat_template_kwargs, on_split
+        self._packer = RowPacker(capacity)
+        self._completed: collections.deque[PackedRow] = collections.deque()
+        self._next_document = Cursor(0, 0)
+        self._order_epoch, self._order = -1, np.empty(0, np.int64)
+        self.documents_read = 0
+
+    def position(self) -> dict[str, int]:
+        """JSON-serialisable point of the next row: the cursor of its first piece."""
+        if self._completed:
+            start = self._completed[0].start
+        elif self._packer.open_start is not None:
+            start = self._packer.open_start
+        else:
+            start = self._next_document
+        # `records` is checked on restore: a cursor only means something for the same share of the corpus.
+        return {"epoch": start.epoch, "document": start.document, "token_offset": start.token_offset,
+                "records": len(self.corpus)}
+
+    def restore(self, position: dict[str, int]) -> None:
+        if position.get("records") != len(self.corpus):
+            raise DataError("loader state", f"row {self.row}'s share of the corpus has {len(self.corpus)} records "
+                                            f"but {position.get('records')!r} in the saved state; the saved "
+                                            "position does not apply to this data")
+        self._next_document = Cursor(int(position["epoch"]), int(position["document"]),
+                                     int(position["token_offset"]))
+
+    def next_row(self) -> PackedRow:
+        while not self._completed:
+            self._completed.extend(self._packer.add(*self._read_document()))
+        return self._completed.popleft()
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The order in which epoch `epoch` visits this stream's records."""
+        if epoch != self._order_epoch:
+            self._order = np.random.default_rng([self.seed, epoch, self.row]).permutation(len(self.corpus))
+            self._order_epoch = epoch
+        return self._order
+
+    def _read_document(self) -> tuple[Document, Cursor]:
+        """The next tokenized document and its cursor."""
+        while True:
+            cursor = self._next_document
+            if cursor.document >= len(self.corpus):
+                self._next_document = Cursor(cursor.epoch + 1, 0)
+                continue
+            self._next_document = Cursor(cursor.epoch, cursor.document + 1)
+            index = int(self.epoch_order(cursor.epoch)[cursor.document])
+            try:
+                document = self._tokenize(index)
+            except DataError as e:
+                self.corpus.report_bad_record(e)
+                continue
+            self.documents_read += 1
+            if len(document) > self._packer.capacity:
+                self._on_split(self.corpus.byte_location(index), len(document))
+            return self._resume_slice(document, cursor, index), cursor
+
+    def _tokenize(self, index: int) -> Document:
+        record = self.corpus.read(index)
+        try:
+            return tokenize_record(record, self.tokenizer, "", self.chat_template_kwargs)
+        except DataError as e:  # the record's `path:line` is worked out only for a message
+            raise DataError(self.corpus.where(index), e.reason) from None
+
+    def _resume_slice(self, document: Document, cursor: Cursor, index: int) -> Document:
+        """The part of `document` from `cursor.token_offset` (non-zero only when resuming inside a split one)."""
+        if cursor.token_offset == 0:
+            return document
+        if cursor.token_offset >= len(document):
+            raise DataError(self.corpus.where(index), f"resume offset {cursor.token_offset} is past the "
+                            f"document's {len(document)} tokens; the corpus or tokenizer changed since the state "
+                            "was saved")
+        return Document(document.input_ids[cursor.token_offset :], document.loss_mask[cursor.token_offset :])
