@@ -4,7 +4,7 @@
 #   launch/gpu.sh configs/qwen3_8b.py /ckpt/dflash-qwen3-8b \
 #       --config.target_dir=/ckpt/Qwen3-8B --config.data.train_files=/data/train.jsonl
 #
-# Rerun the same command to resume. Installs the project with its CUDA extra on first use.
+# Rerun the same command to resume. Installs the pinned package set on first use (launch/install.sh gpu).
 # Several hosts: run it on each with JAX_COORDINATOR_ADDRESS=<host 0>:<port>, JAX_NUM_PROCESSES=<hosts> and
 # JAX_PROCESS_ID=<0..hosts-1> set, and a workdir every host sees (see README, "Multi-host pods").
 set -euo pipefail
@@ -12,10 +12,7 @@ config=${1:?usage: launch/gpu.sh CONFIG WORKDIR [--config.key=value ...]}
 workdir=${2:?usage: launch/gpu.sh CONFIG WORKDIR [--config.key=value ...]}
 shift 2
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-  .venv/bin/pip install -q -e '.[gpu]'
-fi
+[ -x .venv/bin/python ] || launch/install.sh gpu
 # Let XLA use most of each GPU's memory for the frozen target, the drafter and the step's temporaries.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 exec .venv/bin/python -m dflash_jax.train --config "$config" --workdir "$workdir" "$@"

@@ -17,8 +17,5 @@ config=${1:?usage: launch/tpu_vm.sh CONFIG WORKDIR [--config.key=value ...]}
 workdir=${2:?usage: launch/tpu_vm.sh CONFIG WORKDIR [--config.key=value ...]}
 shift 2
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-  .venv/bin/pip install -q -e '.[tpu]'
-fi
+[ -x .venv/bin/python ] || launch/install.sh tpu
 exec .venv/bin/python -m dflash_jax.train --config "$config" --workdir "$workdir" --config.distributed=on "$@"
