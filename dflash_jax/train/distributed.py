@@ -2,7 +2,7 @@
 
 A multi-process run is the same command on every host. After `initialize`, `jax.devices()` lists every
 device of every process and the mesh spans them all; each process reads, tokenizes and packs only the batch
-rows its own devices hold (`train.step.process_rows`, data/loader.py), process 0 alone writes the run files
+rows its own devices hold (`train.step.process_rows`, design §16), process 0 alone writes the run files
 and log lines, and every process takes part in Orbax checkpointing (which coordinates the hosts itself; the
 workdir must be on storage all hosts share, e.g. a GCS bucket or NFS). The processes agree before acting
 where one of them alone could decide: a stop request (`StopVote`), a data error at start-up
