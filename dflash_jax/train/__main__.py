@@ -21,7 +21,7 @@ from ml_collections import config_flags
 from dflash_jax.errors import CheckpointError, ConfigError, DataError
 from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.train import distributed
-from dflash_jax.train.loop import train
+from dflash_jax.train.loop import train, use_compilation_cache
 from dflash_jax.train.validate import exit_on_unknown_overrides, validate_config, validate_eval_files
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file under configs/ (e.g. configs/tiny.py).",
@@ -45,6 +45,7 @@ def main(argv: list[str]) -> None:
         validate_eval_files(config)
         # Exact τ on config.data.eval_files every config.eval_every steps (design §9), logged as eval/* metrics.
         evaluate = make_train_evaluator(config) if config.eval_every else None
+        use_compilation_cache(config, _WORKDIR.value)
         train(config, _WORKDIR.value, evaluate=evaluate)
     except (ConfigError, DataError, CheckpointError) as error:  # a bad setup is a sentence, not a traceback
         sys.exit(f"error: {error}")

@@ -107,14 +107,17 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
     progress = tqdm(total=config.total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                     disable=not main)
     stopping, vote = False, distributed.StopVote()
+    profile = _Profile(config.profile_steps, workdir / "profile")
     try:
         with StopRequest() as stop:
             while step < config.total_steps and not stopping:
                 batch, data_position = next(batches)
+                profile.before(step + 1)
                 with jax.set_mesh(mesh):  # so splash attention traces per shard (ops/splash_attention.py)
                     state, metrics = step_fns.train_step(state, target_state,
                                                          put_batch(batch, mesh, rows, data.batch_size))
                 step += 1
+                profile.after(step, metrics)
                 interval_steps += 1
                 pending.append(metrics)
                 progress.update(1)
@@ -162,6 +165,35 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
     log.info("summary: %s", json.dumps(summary))
     return summary
 
+
+
+def use_compilation_cache(config: ConfigDict, workdir: str | os.PathLike) -> None:
+    """XLA's persistent compilation cache in config.compilation_cache_dir (default <workdir>/compilation_cache).
+    The setting is process-wide and read once, at the first compilation, so the train command sets it before
+    anything compiles; `train` itself leaves it alone."""
+    if config.compilation_cache_dir == "off":
+        return
+    directory = config.compilation_cache_dir or workdir_path(workdir) / "compilation_cache"
+    jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
+    log.info("compilation cache: %s", directory)
+
+
+class _Profile:
+    """A jax.profiler trace of steps first..last of config.profile_steps (None: no trace)."""
+
+    def __init__(self, steps: tuple[int, int] | None, directory: epath.Path):
+        self.first, self.last = steps if steps else (None, None)
+        self.directory = directory
+
+    def before(self, step: int) -> None:
+        if step == self.first:
+            jax.profiler.start_trace(os.fspath(self.directory))
+
+    def after(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        if step == self.last:
+            jax.block_until_ready(metrics)  # the trace holds the device work of its last step
+            jax.profiler.stop_trace()
+            log.info("profile of steps %d-%d written under %s", self.first, self.last, self.directory)
 
 
 def _agreed(build: Callable[[], BatchLoader]) -> BatchLoader:
