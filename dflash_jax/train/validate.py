@@ -71,6 +71,9 @@ def validate_config(config: ConfigDict) -> None:
         value = _field(config, path)
         _require(value >= 1, f"config.{path} must be >= 1, got {value}")
     _require(config.eval_every >= 0, f"config.eval_every must be >= 0 (0 = never), got {config.eval_every}")
+    profile = config.profile_steps
+    _require(profile is None or (len(profile) == 2 and 1 <= profile[0] <= profile[1]),
+             f"config.profile_steps must be (first, last) with 1 <= first <= last, got {profile!r}")
     _require(data.batch_size % config.grad_accum_steps == 0,
              f"config.data.batch_size ({data.batch_size}) must be a multiple of config.grad_accum_steps "
              f"({config.grad_accum_steps})")
