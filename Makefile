@@ -37,10 +37,10 @@ clean:
 # $(call toy_job,CONFIG,RUN_DIR,EXPORT_DIR)
 define toy_job
 	rm -rf $(2)
-	env -u XLA_FLAGS $(PY) -m dflash_jax.train --config $(1) --workdir $(2)
-	env -u XLA_FLAGS $(PY) -m dflash_jax.evaluate --config $(1) --workdir $(2) --max_new_tokens 128 \
+	env -u XLA_FLAGS $(VENV)/bin/dflash-jax train --config $(1) --workdir $(2)
+	env -u XLA_FLAGS $(VENV)/bin/dflash-jax evaluate --config $(1) --workdir $(2) --max_new_tokens 128 \
 		--json $(2)/eval.json
-	env -u XLA_FLAGS $(PY) convert/export_drafter.py --workdir $(2) --out $(3) --overwrite
+	env -u XLA_FLAGS $(VENV)/bin/dflash-jax export --workdir $(2) --out $(3) --overwrite
 endef
 
 demo: $(VENV)/.base-installed

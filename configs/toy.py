@@ -1,9 +1,9 @@
 """The demo: a small drafter against the bundled toy target (dflash_jax/assets/toy_target), trained on its
 target-regenerated data (dflash_jax/assets/toy_data). `make demo` runs, from the repository root:
 
-    python -m dflash_jax.train --config configs/toy.py --workdir out/toy_run
-    python -m dflash_jax.evaluate --config configs/toy.py --workdir out/toy_run --max_new_tokens 128
-    python convert/export_drafter.py --workdir out/toy_run --out out/toy_drafter --overwrite
+    dflash-jax train --config configs/toy.py --workdir out/toy_run
+    dflash-jax evaluate --config configs/toy.py --workdir out/toy_run --max_new_tokens 128
+    dflash-jax export --workdir out/toy_run --out out/toy_drafter --overwrite
 
 `configs/toy.py` (the default, "demo") trains 480 steps with Muon, about four minutes on 2 CPU cores.
 `configs/toy.py:long` (`make demo-long`) trains five times longer with AdamW, about twenty minutes: the run the τ

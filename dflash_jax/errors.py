@@ -26,3 +26,7 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint directory or file that cannot be used, with the reason."""
+
+
+class OutputExistsError(UserError, FileExistsError):
+    """An output path that is in the way (not empty, or not a directory) and may not be replaced."""

@@ -1,30 +1,30 @@
-"""Evaluate a drafter (design §9): exact greedy τ, its histogram, per-slot acceptance, DDTree τ, against an
+r"""Evaluate a drafter (design §9): exact greedy τ, its histogram, per-slot acceptance, DDTree τ, against an
 untrained baseline; optionally the KV-cached speculative generator's τ and speed against plain greedy.
 
-    python -m dflash_jax.evaluate --config configs/qwen3_8b.py --workdir /ckpt/run1 \
+    dflash-jax evaluate --config configs/qwen3_8b.py --workdir /ckpt/run1 \
         [--prompts eval.jsonl] [--json out.json] [--drafter EXPORT_DIR] [--step N] [--num_prompts 32] \
         [--continuation generate|data] [--max_new_tokens 256] [--budgets 8,22] [--speed] [--config.<key>=...]
 
-The drafter is the latest (or --step) checkpoint of the training workdir, or an exported z-lab directory
-(--drafter). Prompts: JSONL records as for training (default config.data.eval_files); `generate` continues each
-prompt with the target's own KV-cached greedy decoding (Qwen3 dense targets), `data` uses the record's
-completion / last assistant turn.
+`python -m dflash_jax.evaluate` is the same command. The drafter is the latest (or --step) checkpoint of the
+training workdir, or an exported z-lab directory (--drafter). Prompts: JSONL records as for training (default
+config.data.eval_files); `generate` continues each prompt with the target's own KV-cached greedy decoding (Qwen3
+dense targets), `data` uses the record's completion / last assistant turn.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import jax
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
 from flax import nnx
-from ml_collections import ConfigDict, config_flags
+from ml_collections import ConfigDict
 from transformers import AutoTokenizer
 
-from dflash_jax.errors import CheckpointError, ConfigError, DataError
+from dflash_jax import cli
+from dflash_jax.errors import ConfigError
 from dflash_jax.eval.examples import read_examples, stop_token_ids, with_greedy_continuations
 from dflash_jax.eval.exact_tau import evaluate_drafter
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, generator_shapes
@@ -34,24 +34,32 @@ from dflash_jax.models.qwen3 import Qwen3
 from dflash_jax.models.target import load_target
 from dflash_jax.sharding import replicated
 from dflash_jax.train.checkpoint import restore_drafter
-from dflash_jax.train.validate import dtype_of, exit_on_unknown_overrides, mesh_from_config
+from dflash_jax.train.validate import dtype_of, mesh_from_config
 from dflash_jax.weights.drafter_export import load_drafter_dir
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "The training config file (e.g. configs/tiny.py).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir: drafter_config.json and checkpoints/.")
-_DRAFTER = flags.DEFINE_string("drafter", None, "An exported drafter directory (z-lab layout) instead of --workdir.")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step of --workdir (default: the latest).")
-_PROMPTS = flags.DEFINE_list("prompts", None, "JSONL prompt files (default: config.data.eval_files).")
-_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Records to evaluate (default: config.eval_prompts).")
+FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
+_CONFIG = cli.define_config_flag(FLAGS)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir: drafter_config.json and checkpoints/.",
+                               flag_values=FLAGS)
+_DRAFTER = flags.DEFINE_string("drafter", None, "An exported drafter directory (z-lab layout) instead of --workdir.",
+                               flag_values=FLAGS)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step of --workdir (default: the latest).", flag_values=FLAGS)
+_PROMPTS = flags.DEFINE_list("prompts", None, "JSONL prompt files (default: config.data.eval_files).",
+                             flag_values=FLAGS)
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Records to evaluate (default: config.eval_prompts).",
+                                    flag_values=FLAGS)
 _CONTINUATION = flags.DEFINE_enum("continuation", "generate", ["generate", "data"],
-                                  "generate: the target's greedy continuation; data: the record's own.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Generated (or kept data) continuation tokens per prompt.")
-_BUDGETS = flags.DEFINE_list("budgets", ["8", "22"], "DDTree node budgets.")
+                                  "generate: the target's greedy continuation; data: the record's own.",
+                                  flag_values=FLAGS)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Generated (or kept data) continuation tokens per prompt.",
+                                flag_values=FLAGS)
+_BUDGETS = flags.DEFINE_list("budgets", ["8", "22"], "DDTree node budgets.", flag_values=FLAGS)
 flags.register_validator("budgets", lambda values: all(v.isdigit() and int(v) > 0 for v in values),
-                         "--budgets must be positive integers, e.g. --budgets=8,22")
-_SPEED = flags.DEFINE_bool("speed", False, "Also time the speculative generator against plain greedy decoding.")
-_JSON = flags.DEFINE_string("json", None, "Write every figure to this JSON file.")
-
+                         "--budgets must be positive integers, e.g. --budgets=8,22", flag_values=FLAGS)
+_SPEED = flags.DEFINE_bool("speed", False, "Also time the speculative generator against plain greedy decoding.",
+                           flag_values=FLAGS)
+_JSON = flags.DEFINE_string("json", None, "Write every figure to this JSON file.", flag_values=FLAGS)
+flags.mark_flags_as_required(["config"], flag_values=FLAGS)
 
 
 def load_drafter(workdir: str | None, drafter_dir: str | None, step: int | None) -> tuple[Drafter, DrafterConfig, str]:
@@ -121,22 +129,14 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
     return results
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def main() -> None:
     absl_logging.set_verbosity(absl_logging.WARNING)
-    try:
-        results = run(_CONFIG.value, workdir=_WORKDIR.value, drafter_dir=_DRAFTER.value, step=_STEP.value,
-                      prompts=_PROMPTS.value, num_prompts=_NUM_PROMPTS.value, continuation=_CONTINUATION.value,
-                      max_new_tokens=_MAX_NEW.value, budgets=tuple(int(b) for b in _BUDGETS.value),
-                      speed=_SPEED.value)
-    except (ConfigError, DataError, CheckpointError) as error:  # a bad setup is a sentence, not a traceback
-        sys.exit(f"error: {error}")
+    results = run(_CONFIG.value, workdir=_WORKDIR.value, drafter_dir=_DRAFTER.value, step=_STEP.value,
+                  prompts=_PROMPTS.value, num_prompts=_NUM_PROMPTS.value, continuation=_CONTINUATION.value,
+                  max_new_tokens=_MAX_NEW.value, budgets=tuple(int(b) for b in _BUDGETS.value), speed=_SPEED.value)
     if _JSON.value:
         Path(_JSON.value).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":
-    flags.mark_flags_as_required(["config"])
-    exit_on_unknown_overrides(sys.argv[1:])
-    app.run(main)
+    cli.run(main, FLAGS)

@@ -1,14 +1,14 @@
 """Regenerate training data with the target itself: every response in the prompt records becomes the
 target's own (greedy by default), as the published DFlash recipes train on.
 
-    python -m dflash_jax.regenerate --config configs/qwen3_8b.py --prompts prompts.jsonl --out train.jsonl \
+    dflash-jax regenerate --config configs/qwen3_8b.py --prompts prompts.jsonl --out train.jsonl \
         [--max_new_tokens 2048] [--batch_size 64] [--temperature 0] [--top_p 1] [--seed 0] [--config.<key>=...]
 
-The target is config.target_dir (a Hugging Face or Orbax directory; Qwen3 dense or the Qwen3.5/3.6 hybrid)
-in config.target_dtype, its weights and the batch split over the mesh of config.mesh; chats are rendered with
-config.data.chat_template_kwargs (e.g. {"enable_thinking": False}). Input records are the training formats
-(`{"prompt"}` or `{"messages"}`; responses optional, see dflash_jax/regeneration/records.py); the output is
-training JSONL. Rerun the same command to continue a stopped job (SIGTERM/SIGINT stop it after the batch in
+`python -m dflash_jax.regenerate` is the same command. The target is config.target_dir (a Hugging Face or Orbax
+directory; Qwen3 dense or the Qwen3.5/3.6 hybrid) in config.target_dtype, its weights and the batch split over the
+mesh of config.mesh; chats are rendered with config.data.chat_template_kwargs (e.g. {"enable_thinking": False}).
+Input records are the training formats (`{"prompt"}` or `{"messages"}`; responses optional, see
+dflash_jax/regeneration/records.py); the output is training JSONL. Rerun the same command to continue a stopped job (SIGTERM/SIGINT stop it after the batch in
 flight, exit code 75): records already written are kept, the rest are appended, each exactly once.
 """
 
@@ -18,29 +18,37 @@ import logging
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
-from ml_collections import ConfigDict, config_flags
+from ml_collections import ConfigDict
 from transformers import AutoTokenizer
 
-from dflash_jax.errors import ConfigError, DataError, UserError
+from dflash_jax import cli
+from dflash_jax.errors import ConfigError, DataError
 from dflash_jax.eval.examples import stop_token_ids
 from dflash_jax.models.target import load_target
 from dflash_jax.regeneration.decode import BatchDecoder, Sampling
 from dflash_jax.regeneration.job import Summary, regenerate
 from dflash_jax.regeneration.output import ResumableJsonl
 from dflash_jax.sharding import BATCH_AXES
-from dflash_jax.train.validate import dtype_of, exit_on_unknown_overrides, mesh_from_config
+from dflash_jax.train.validate import dtype_of, mesh_from_config
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "A config file under configs/ (its target and mesh).")
-_PROMPTS = flags.DEFINE_list("prompts", None, "JSONL prompt files ({'prompt'} or {'messages'} records).")
-_OUT = flags.DEFINE_string("out", None, "Output JSONL (training records); resumed if it exists.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 2048, "Most tokens per response (a stop token ends it sooner).")
-_BATCH = flags.DEFINE_integer("batch_size", 64, "Prompts decoded together (a multiple of the mesh's data x fsdp).")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the most likely tokens holding this mass.")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (a record's response depends on it and its index only).")
-_QUIET = flags.DEFINE_bool("quiet", False, "No progress bar.")
+FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
+_CONFIG = cli.define_config_flag(FLAGS)
+_PROMPTS = flags.DEFINE_list("prompts", None, "JSONL prompt files ({'prompt'} or {'messages'} records).",
+                             flag_values=FLAGS)
+_OUT = flags.DEFINE_string("out", None, "Output JSONL (training records); resumed if it exists.", flag_values=FLAGS)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 2048, "Most tokens per response (a stop token ends it sooner).",
+                                flag_values=FLAGS)
+_BATCH = flags.DEFINE_integer("batch_size", 64, "Prompts decoded together (a multiple of the mesh's data x fsdp).",
+                              flag_values=FLAGS)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.", flag_values=FLAGS)
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the most likely tokens holding this mass.",
+                            flag_values=FLAGS)
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (a record's response depends on it and its index only).",
+                             flag_values=FLAGS)
+_QUIET = flags.DEFINE_bool("quiet", False, "No progress bar.", flag_values=FLAGS)
+flags.mark_flags_as_required(["config", "prompts", "out"], flag_values=FLAGS)
 
 STOPPED_EXIT_CODE = os.EX_TEMPFAIL  # stopped by a signal after writing the batch in flight: rerun to continue
 
@@ -88,18 +96,11 @@ def run(config: ConfigDict, prompts: list[str], out: str, *, max_new_tokens: int
                       chat_template_kwargs=config.data.chat_template_kwargs, progress=progress)
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def main() -> None:
     logging.getLogger("dflash_jax").setLevel(logging.INFO)
     absl_logging.set_verbosity(absl_logging.WARNING)
-    try:
-        summary = run(_CONFIG.value, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value,
-                      batch_size=_BATCH.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
-                      seed=_SEED.value, progress=not _QUIET.value)
-    except UserError as error:  # a bad setup is a sentence, not a traceback
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    summary = run(_CONFIG.value, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value, batch_size=_BATCH.value,
+                  temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value, progress=not _QUIET.value)
     log.info("%d records written this run (%d input records done); %d tokens at %.0f tokens/s; %d responses cut "
              "at max_new_tokens, %d empty completions dropped, %d prompts too long skipped", summary.written,
              summary.records_done, summary.generated_tokens, summary.tokens_per_second, summary.truncated,
@@ -110,6 +111,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    flags.mark_flags_as_required(["config", "prompts", "out"])
-    exit_on_unknown_overrides(sys.argv[1:])
-    app.run(main)
+    cli.run(main, FLAGS)

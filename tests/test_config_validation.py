@@ -167,7 +167,7 @@ def test_cli_reports_a_config_error_as_one_line(tmp_path):
         [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"),
          "--workdir", str(tmp_path), "--config.target_dir=/nonexistent", "--config.data.train_files=x.jsonl",
          "--config.drafter.block_size=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "error: config.drafter.block_size must be >= 2" in result.stderr
     assert "Traceback" not in result.stderr
 

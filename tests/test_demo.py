@@ -10,26 +10,26 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.command import REPO, SCRIPT
 
 
 def run(*args: str) -> None:
-    # Single CPU device, as `make demo` runs on a laptop (the suite's conftest simulates 8).
+    """`dflash-jax *args` as `make demo` runs it: one CPU device, as on a laptop (the suite's conftest
+    simulates 8)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    subprocess.run([sys.executable, *args], check=True, cwd=REPO, env=env)
+    subprocess.run([str(SCRIPT), *args], check=True, cwd=REPO, env=env)
 
 
 def toy_job(config: str, out: Path) -> tuple[dict, Path]:
     """Train and evaluate as `make demo` does; returns the evaluation and the workdir."""
     workdir = out / "run"
-    run("-m", "dflash_jax.train", "--config", config, "--workdir", str(workdir))
-    run("-m", "dflash_jax.evaluate", "--config", config, "--workdir", str(workdir),
+    run("train", "--config", config, "--workdir", str(workdir))
+    run("evaluate", "--config", config, "--workdir", str(workdir),
         "--max_new_tokens", "128", "--json", str(out / "eval.json"))
     return json.loads((out / "eval.json").read_text()), workdir
 
@@ -49,7 +49,7 @@ def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     results, workdir = toy_job("configs/toy.py", out)
     export = out / "drafter"
-    run("convert/export_drafter.py", "--workdir", str(workdir), "--out", str(export))
+    run("export", "--workdir", str(workdir), "--out", str(export))
     return results, workdir, export
 
 

@@ -17,6 +17,7 @@ from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import drafter_from_torch_layout, drafter_to_torch_layout
 from dflash_jax.ops.mask import AnchorGrid
 from dflash_jax.weights.drafter_export import drafter_config_from_zlab, export_drafter, load_drafter_dir, zlab_config
+from tests.command import dflash_jax, user_error
 from tests.test_drafter import (BLOCK, FULL, HIDDEN, MASK_ID, SEQ_LEN, SLIDING, VOCAB, forward, make_config,
                                 packed_rows, random_weights, relative_error)
 from tests.torch_reference import ReferenceDrafter, block_ids, reference_logits
@@ -221,13 +222,13 @@ def training_workdir(tmp_path, steps=(2, 4)):
     return workdir, config, weights
 
 
-def test_export_cli_restores_the_latest_or_a_given_step(tmp_path, capsys):
-    from convert.export_drafter import main
+def test_export_cli_restores_the_latest_or_a_given_step(tmp_path):
     workdir, config, weights = training_workdir(tmp_path)
     for args, step in (([], 4), (["--step", "2"], 2)):
         out = tmp_path / f"export{step}"
-        assert main(["--workdir", str(workdir), "--out", str(out), *args]) == 0
-        printed = capsys.readouterr().out
+        result = dflash_jax("export", "--workdir", str(workdir), "--out", str(out), *args)
+        assert result.returncode == 0, result.stderr[-3000:]
+        printed = result.stdout
         assert f"exported step {step} of {workdir}" in printed
         assert ("vllm serve /ckpt/target --speculative-config "
                 f"'{{\"method\":\"dflash\",\"model\":\"{out}\",\"num_speculative_tokens\":{BLOCK - 1}}}'") in printed
@@ -238,13 +239,11 @@ def test_export_cli_restores_the_latest_or_a_given_step(tmp_path, capsys):
             np.testing.assert_array_equal(tensor, rounded, err_msg=name)
 
 
-def test_export_cli_errors(tmp_path, capsys):
-    from convert.export_drafter import main
+def test_export_cli_errors(tmp_path):
     workdir, _, _ = training_workdir(tmp_path)
 
     def error(*args) -> str:
-        assert main(list(args)) == 1
-        return capsys.readouterr().err
+        return user_error(dflash_jax("export", *args))
 
     assert f"{workdir}/checkpoints: no checkpoint at step 3; available steps: 2, 4" in error(
         "--workdir", str(workdir), "--out", str(tmp_path / "a"), "--step", "3")
@@ -253,7 +252,7 @@ def test_export_cli_errors(tmp_path, capsys):
     (out / "model.safetensors").write_text("old")
     assert f"{out}: output directory is not empty (pass --overwrite" in error(
         "--workdir", str(workdir), "--out", str(out))
-    assert main(["--workdir", str(workdir), "--out", str(out), "--overwrite"]) == 0
+    assert dflash_jax("export", "--workdir", str(workdir), "--out", str(out), "--overwrite").returncode == 0
     empty = tmp_path / "empty"
     (empty / "checkpoints").mkdir(parents=True)
     (empty / "drafter_config.json").write_text((workdir / "drafter_config.json").read_text())
@@ -264,7 +263,7 @@ def test_export_cli_errors(tmp_path, capsys):
 
 def test_export_writes_a_model_card_whose_commands_parse(tmp_path):
     """The card names the run's target, data and step, the last logged exact/DDTree τ, and serve commands
-    that parse: vLLM's speculative config as JSON, SGLang's flags. With --push-to-hub and no network (here:
+    that parse: vLLM's speculative config as JSON, SGLang's flags. With --push_to_hub and no network (here:
     HF_HUB_OFFLINE=1) everything up to the upload happens and the upload is one error line."""
     import argparse
     import os
@@ -283,9 +282,9 @@ def test_export_writes_a_model_card_whose_commands_parse(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"HF_HUB_OFFLINE": "1"}
     repo = Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, "convert/export_drafter.py", "--workdir", str(workdir), "--out", str(out),
-                          "--push-to-hub", "my-org/qwen3-8b-dflash"], cwd=repo, env=env, capture_output=True,
+                          "--push_to_hub", "my-org/qwen3-8b-dflash"], cwd=repo, env=env, capture_output=True,
                          text=True, timeout=600)
-    assert run.returncode == 1
+    assert run.returncode == 2
     (error,) = run.stderr.strip().splitlines()[-1:]
     assert error.startswith(f"error: pushing {out} to the Hub repo 'my-org/qwen3-8b-dflash' failed")
     card = (out / "README.md").read_text()

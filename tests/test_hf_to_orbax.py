@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from convert.hf_to_orbax import main as hf_to_orbax
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.target import load_target
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.weights.orbax_target import MARKER_FILE, write_orbax_target
+from tests.command import dflash_jax, user_error
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
 
@@ -52,8 +52,7 @@ def qwen3_dirs(tmp_path_factory):
         save_qwen3(root / name, qwen3_config(tie_word_embeddings=tied), seed=1)
         (root / name / "tokenizer.json").write_text("{}")  # stands in for the tokenizer files
         for dtype in ("float32", "bfloat16"):
-            assert hf_to_orbax(["--hf-dir", str(root / name), "--out", str(root / f"{name}_{dtype}"),
-                                "--dtype", dtype]) == 0
+            write_orbax_target(root / name, root / f"{name}_{dtype}", dtype=jnp.dtype(dtype), progress=False)
     return root
 
 
@@ -106,24 +105,27 @@ def test_qwen3_5_target(tmp_path):
     assert_same_model(restored, direct)
 
 
-def test_converter_errors(qwen3_dirs, tmp_path, capsys):
+def test_converter_errors(qwen3_dirs, tmp_path):
+    def convert(*args):
+        return dflash_jax("convert", "--hf_dir", *args)
+
     out = tmp_path / "out"
     out.mkdir()
     (out / "something").write_text("x")
-    assert hf_to_orbax(["--hf-dir", str(qwen3_dirs / "untied"), "--out", str(out)]) == 1
-    assert "out: output directory is not empty (pass --overwrite" in capsys.readouterr().err
-    assert hf_to_orbax(["--hf-dir", str(qwen3_dirs / "untied"), "--out", str(out), "--overwrite"]) == 0
+    assert "out: output directory is not empty (pass --overwrite" in user_error(convert(str(qwen3_dirs / "untied"),
+                                                                                       "--out", str(out)))
+    assert convert(str(qwen3_dirs / "untied"), "--out", str(out), "--overwrite").returncode == 0
     assert not (out / "something").exists()
 
     bad = tmp_path / "llama"
     shutil.copytree(qwen3_dirs / "untied", bad)
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
-    assert hf_to_orbax(["--hf-dir", str(bad), "--out", str(tmp_path / "o1")]) == 1
-    assert "llama/config.json: unsupported model_type 'llama'" in capsys.readouterr().err
+    assert "llama/config.json: unsupported model_type 'llama'" in user_error(convert(str(bad), "--out",
+                                                                                   str(tmp_path / "o1")))
     (bad / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 4}))
-    assert hf_to_orbax(["--hf-dir", str(bad), "--out", str(tmp_path / "o2")]) == 1
-    assert "missing tensors ['model.layers.3.input_layernorm.weight'" in capsys.readouterr().err
+    assert "missing tensors ['model.layers.3.input_layernorm.weight'" in user_error(convert(str(bad), "--out",
+                                                                                         str(tmp_path / "o2")))
 
 
 def test_restore_refuses_a_config_that_does_not_match_the_arrays(qwen3_dirs, tmp_path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import sys
 from collections.abc import Iterable
 
 import jax
@@ -126,15 +125,6 @@ def check_overrides(argv: Iterable[str], flag: str = "config") -> None:
         path = arg[len(flag) + 3:].split("=", 1)[0]
         if path not in known and not any(path.startswith(field + ".") for field in known):
             raise ConfigError(unknown_field_message(path, known))
-
-
-def exit_on_unknown_overrides(argv: Iterable[str]) -> None:
-    """`check_overrides` for a command line: an unknown field is one `error:` line and exit code 2."""
-    try:
-        check_overrides(argv)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
 
 
 def check_fields(config: ConfigDict) -> None:

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from dflash_jax.errors import CheckpointError
+from dflash_jax.errors import CheckpointError, OutputExistsError
 from dflash_jax.models.drafter import Drafter, DrafterConfig, drafter_from_torch_layout, drafter_to_torch_layout
 from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.safetensors_dir import INDEX_FILE, SINGLE_FILE, CheckpointReader, read_config
@@ -76,11 +76,11 @@ def serve_command(target: str, export_dir: str | Path, block_size: int) -> str:
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Raise FileExistsError unless `out_dir` is absent, empty, or `overwrite` is set."""
+    """Raise OutputExistsError unless `out_dir` is absent, empty, or `overwrite` is set."""
     if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir}: exists and is not a directory")
+        raise OutputExistsError(f"{out_dir}: exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir}: output directory is not empty (pass --overwrite to replace its "
+        raise OutputExistsError(f"{out_dir}: output directory is not empty (pass --overwrite to replace its "
                               f"config.json and *.safetensors)")
 
 

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from orbax.checkpoint import v1 as ocp
 from tqdm import tqdm
 
-from dflash_jax.errors import CheckpointError
+from dflash_jax.errors import CheckpointError, OutputExistsError
 from dflash_jax.sharding import state_shardings
 from dflash_jax.weights.mapping import WeightRule
 from dflash_jax.weights.hub import local_dir
@@ -107,7 +107,7 @@ def write_orbax_target(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfl
     family, config = _family_and_config(hf_config, hf_dir / "config.json")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         if not overwrite:
-            raise FileExistsError(f"{out_dir}: output directory is not empty (pass --overwrite to replace it)")
+            raise OutputExistsError(f"{out_dir}: output directory is not empty (pass --overwrite to replace it)")
         if out_dir.is_dir():
             shutil.rmtree(out_dir)
         else:

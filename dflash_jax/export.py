@@ -1,0 +1,50 @@
+"""Export a trained drafter from a training workdir in the z-lab layout vLLM serves (design §10).
+
+    dflash-jax export --workdir /ckpt/run1 --out /ckpt/run1-dflash [--step N] [--overwrite] \
+        [--push_to_hub OWNER/NAME]
+
+`python -m dflash_jax.export` (or `python convert/export_drafter.py`) is the same command. Reads
+<workdir>/drafter_config.json and the drafter params of <workdir>/checkpoints/<step> (the latest step unless
+--step), writes <out>/config.json + <out>/model.safetensors (bf16) and a model card <out>/README.md (target,
+data, steps, block size, feature layers, the last exact/DDTree τ, the vLLM and SGLang commands), prints the
+`vllm serve` line, and with --push_to_hub uploads <out> to that Hub repo.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from absl import flags
+
+from dflash_jax import cli
+from dflash_jax.train.checkpoint import restore_drafter, workdir_path
+from dflash_jax.weights.drafter_export import check_out_dir, export_drafter, serve_command
+from dflash_jax.weights.model_card import CARD_FILE, push_to_hub, training_facts, write_model_card
+
+FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
+_WORKDIR = flags.DEFINE_string("workdir", None, "The training run's --workdir (a local path or a bucket URI such as "
+                               "gs://bucket/run).", flag_values=FLAGS)
+_OUT = flags.DEFINE_string("out", None, "Export directory (config.json, model.safetensors).", flag_values=FLAGS)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the latest).", flag_values=FLAGS)
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace config.json and *.safetensors in a non-empty --out.",
+                               flag_values=FLAGS)
+_PUSH = flags.DEFINE_string("push_to_hub", None, "Then upload --out to this Hugging Face Hub model repo (owner/name; "
+                            "needs hf auth login).", flag_values=FLAGS)
+flags.mark_flags_as_required(["workdir", "out"], flag_values=FLAGS)
+
+
+def main() -> None:
+    workdir, out = workdir_path(_WORKDIR.value), Path(_OUT.value)
+    check_out_dir(out, _OVERWRITE.value)  # before the (possibly long) restore
+    drafter, config, step = restore_drafter(workdir, _STEP.value)
+    out = export_drafter(drafter, config, out, overwrite=_OVERWRITE.value)
+    facts = training_facts(workdir, step)
+    write_model_card(out, config, facts, drafter=_PUSH.value or str(out.absolute()))
+    print(f"exported step {step} of {workdir} to {out} (model card: {out / CARD_FILE})")
+    print("serve it with:\n  " + serve_command(facts.target, out.absolute(), config.block_size))
+    if _PUSH.value:
+        print(f"uploaded to {push_to_hub(out, _PUSH.value)}")
+
+
+if __name__ == "__main__":
+    cli.run(main, FLAGS)
