@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from flax import nnx
 
-from dflash_jax.weights.hf_qwen3_5 import load_qwen3_5
+from dflash_jax.weights.targets import load_target
 
 # Two periods of [GDN, GDN, GDN, gated attention], value/key head ratio 3 as in the 27B.
 TINY_TEXT_CONFIG = dict(
@@ -54,7 +54,7 @@ def main():
     hf_model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TINY_TEXT_CONFIG)).eval()
     with tempfile.TemporaryDirectory() as directory:
         hf_model.save_pretrained(directory)
-        model, config = load_qwen3_5(directory, param_dtype=jnp.float32)
+        model, config = load_target(directory, param_dtype=jnp.float32)
 
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.length))
     positions = np.broadcast_to(np.arange(args.length), ids.shape)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from transformers import AutoTokenizer
 
 from dflash_jax.eval.examples import stop_token_ids
-from dflash_jax.models.target import load_target
+from dflash_jax.weights.targets import load_target
 from dflash_jax.regeneration.decode import BatchDecoder
 from dflash_jax.regeneration.job import regenerate
 from dflash_jax.regeneration.output import ResumableJsonl

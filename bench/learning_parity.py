@@ -31,7 +31,7 @@ from dflash_jax.eval.examples import read_examples, stop_token_ids, with_greedy_
 from dflash_jax.eval.exact_tau import evaluate_drafter
 from dflash_jax.eval.generate import SpeculativeGenerator, generator_shapes
 from dflash_jax.models.drafter import DrafterConfig, drafter_from_torch_layout
-from dflash_jax.models.target import load_target
+from dflash_jax.weights.targets import load_target
 from dflash_jax.train.checkpoint import DRAFTER_CONFIG_FILE, restore_drafter
 from dflash_jax.train.loop import train
 

@@ -31,7 +31,7 @@ from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, generator_
 from dflash_jax.eval.report import format_result, format_speed
 from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.models.qwen3 import Qwen3
-from dflash_jax.models.target import load_target
+from dflash_jax.weights.targets import load_target
 from dflash_jax.sharding import replicated
 from dflash_jax.train.checkpoint import restore_drafter
 from dflash_jax.train.validate import dtype_of, mesh_from_config

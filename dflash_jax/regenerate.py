@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from dflash_jax import cli
 from dflash_jax.errors import ConfigError, DataError
 from dflash_jax.eval.examples import stop_token_ids
-from dflash_jax.models.target import load_target
+from dflash_jax.weights.targets import load_target
 from dflash_jax.regeneration.decode import BatchDecoder, Sampling
 from dflash_jax.regeneration.job import Summary, regenerate
 from dflash_jax.regeneration.output import ResumableJsonl

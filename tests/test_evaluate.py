@@ -16,7 +16,7 @@ from dflash_jax.errors import ConfigError
 from dflash_jax.eval.examples import read_examples
 from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.models.drafter import Drafter
-from dflash_jax.models.target import load_target
+from dflash_jax.weights.targets import load_target
 from dflash_jax.train import validate
 from dflash_jax.weights.drafter_export import export_drafter
 from tests.train_fixtures import make_target, tiny_config, write_corpus

@@ -15,7 +15,7 @@ from dflash_jax.eval.exact_tau import DraftScorer, Example, evaluate_drafter, sc
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.mask import AnchorGrid
-from dflash_jax.weights.hf_qwen3 import load_qwen3
+from dflash_jax.weights.targets import load_target
 from tests.hf_fixtures import qwen3_config, save_qwen3
 from tests.test_generate import BLOCK, VOCAB, drafter_config
 from tests.train_fixtures import fast_cpu_compiles
@@ -129,7 +129,7 @@ def test_exact_tau_equals_the_generators_tau(tmp_path):
     """One test (one training run, whichever xdist worker gets it): a briefly trained drafter whose drafts
     are partly accepted, the KV-cached generators, and the exact-τ forward over the same greedy texts."""
     save_qwen3(tmp_path, qwen3_config(vocab_size=VOCAB), seed=5)
-    target = load_qwen3(tmp_path, param_dtype=jnp.float32)[0]
+    target = load_target(tmp_path, param_dtype=jnp.float32)[0]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in rng.integers(3, 13, 8)]
     plain = SpeculativeGenerator(target, None, prefill_len=16, capacity=64)

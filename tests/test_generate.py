@@ -17,7 +17,7 @@ from dflash_jax.eval.drafter_cache import add_context, draft_block, init_drafter
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, continue_text
 from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.ops.mask import AnchorGrid
-from dflash_jax.weights.hf_qwen3 import load_qwen3
+from dflash_jax.weights.targets import load_target
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
 VOCAB, BLOCK = 96, 4
@@ -36,7 +36,7 @@ def drafter_config() -> DrafterConfig:
 def target(tmp_path_factory):
     directory = tmp_path_factory.mktemp("target")
     save_qwen3(directory, qwen3_config(vocab_size=VOCAB), seed=5)
-    return load_qwen3(directory, param_dtype=jnp.float32)[0]
+    return load_target(directory, param_dtype=jnp.float32)[0]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from dflash_jax.errors import CheckpointError
-from dflash_jax.models.target import load_target
+from dflash_jax.weights.targets import load_target
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.weights.orbax_target import MARKER_FILE, write_orbax_target
 from tests.command import dflash_jax, user_error

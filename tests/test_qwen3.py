@@ -13,7 +13,7 @@ import torch
 from flax import nnx
 
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
-from dflash_jax.weights.hf_qwen3 import load_qwen3
+from dflash_jax.weights.targets import load_target
 from tests.decode_check import max_relative_error_of_cached_logits
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
@@ -71,7 +71,7 @@ def pair(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf_model = save_qwen3(directory, hf_config, seed=len(request.param), max_shard_size=shard_size)
     assert (directory / "model.safetensors.index.json").is_file() == (shard_size is not None)
-    model, _ = load_qwen3(directory, param_dtype=jnp.float32)
+    model, _ = load_target(directory, param_dtype=jnp.float32)
     input_ids = np.random.default_rng(0).integers(0, hf_config.vocab_size, (2, SEQ_LEN), dtype=np.int32)
     return hf_model, model, input_ids
 
@@ -128,7 +128,7 @@ def test_decode_cache_logits_equal_the_full_forward(pair):
 
 def test_packed_documents_match_documents_alone(tmp_path):
     save_qwen3(tmp_path, qwen3_config(), seed=3)
-    model, config = load_qwen3(tmp_path, param_dtype=jnp.float32)
+    model, config = load_target(tmp_path, param_dtype=jnp.float32)
     rng = np.random.default_rng(1)
     lengths = (30, 25)
     docs = [rng.integers(0, config.vocab_size, (length,), dtype=np.int32) for length in lengths]

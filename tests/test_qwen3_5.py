@@ -19,9 +19,8 @@ from safetensors.numpy import load_file, save_file
 from configs.qwen27b import target_config
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5, Qwen3_5Config
-from dflash_jax.models.target import load_target
 from dflash_jax.sharding import make_mesh, state_shardings
-from dflash_jax.weights.hf_qwen3_5 import load_qwen3_5
+from dflash_jax.weights.targets import load_target
 from tests.decode_check import max_relative_error_of_cached_logits
 
 LIN, FULL = LINEAR_ATTENTION, FULL_ATTENTION
@@ -99,7 +98,7 @@ def relative_error(actual, expected) -> float:
 @pytest.mark.parametrize("layout", ["causal_lm", "conditional_generation"])
 def test_parity_with_transformers(checkpoints, layout):
     directory, hf_model = checkpoints[layout]
-    model, config = load_qwen3_5(directory, param_dtype=jnp.float32)
+    model, config = load_target(directory, param_dtype=jnp.float32)
     layers = config.num_hidden_layers
     assert config.layer_types == (LIN, LIN, LIN, FULL) * 2 and len(config.layer_period()) == 4
     rng = np.random.default_rng(2)
@@ -118,7 +117,7 @@ def test_parity_with_transformers(checkpoints, layout):
 def test_decode_cache_logits_equal_the_full_forward(checkpoints):
     """Batched prompts of 5, 11 and 70 tokens (70: two gated-delta chunks in the prefill), left-padded, then
     single tokens and short blocks: attention K/V, conv inputs and recurrent state carried (fp32, 1e-4)."""
-    model, config = load_qwen3_5(checkpoints["causal_lm"][0], param_dtype=jnp.float32)
+    model, config = load_target(checkpoints["causal_lm"][0], param_dtype=jnp.float32)
     assert max_relative_error_of_cached_logits(model, config.vocab_size, (5, 11, 70)) < 1e-4
 
 
@@ -146,8 +145,8 @@ def test_load_onto_mesh_shards_weights_and_keeps_outputs(checkpoints):
     directory = checkpoints["conditional_generation"][0]
     ids = np.random.default_rng(4).integers(0, 96, (2, 64))  # the parity test's shapes: its compile is reused
     inputs = (ids, np.broadcast_to(np.arange(64), ids.shape), np.zeros_like(ids), tuple(range(8)))
-    plain, _ = load_qwen3_5(directory, param_dtype=jnp.float32)
-    sharded, _ = load_qwen3_5(directory, param_dtype=jnp.float32, mesh=make_mesh(1, 4, 2))
+    plain, _ = load_target(directory, param_dtype=jnp.float32)
+    sharded, _ = load_target(directory, param_dtype=jnp.float32, mesh=make_mesh(1, 4, 2))
     gdn = sharded.periods.layers[0].linear_attn
     assert gdn.in_proj_qkv.kernel[...].sharding.spec == PartitionSpec(None, "fsdp", "tensor")
     assert gdn.in_proj_qkv.kernel[...].addressable_shards[0].data.shape == (2, 64 // 4, 208 // 2)
@@ -158,7 +157,7 @@ def test_load_onto_mesh_shards_weights_and_keeps_outputs(checkpoints):
 
 
 def test_packed_documents_equal_documents_alone(checkpoints):
-    model, config = load_qwen3_5(checkpoints["causal_lm"][0], param_dtype=jnp.float32)
+    model, config = load_target(checkpoints["causal_lm"][0], param_dtype=jnp.float32)
     feature_ids = (0, 3, 6)
     rng = np.random.default_rng(3)
     lengths = (90, 70)  # the second document starts mid-chunk; the conv window (K=4) straddles the boundary
@@ -248,7 +247,7 @@ def test_visual_and_mtp_tensors_are_skipped(checkpoints, tmp_path):
              "mtp.layers.0.self_attn.q_proj.weight": np.zeros((256, 64), np.float32),
              "model.visual.blocks.0.attn.qkv.weight": np.zeros((96, 32), np.float32)}
     directory = rewrite_checkpoint(source, tmp_path / "extra", lambda tensors: {**tensors, **extra})
-    model, _ = load_qwen3_5(directory, param_dtype=jnp.float32)
+    model, _ = load_target(directory, param_dtype=jnp.float32)
     expected = load_file(source / "model.safetensors")[LAYER0 + "conv1d.weight"][:, 0]
     np.testing.assert_array_equal(model.periods.layers[0].linear_attn.conv1d.weight[...][0], expected)
 
@@ -266,7 +265,7 @@ def test_visual_and_mtp_tensors_are_skipped(checkpoints, tmp_path):
 def test_loader_reports_bad_checkpoints(checkpoints, tmp_path, edit, message):
     directory = rewrite_checkpoint(checkpoints["causal_lm"][0], tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message):
-        load_qwen3_5(directory, param_dtype=jnp.float32)
+        load_target(directory, param_dtype=jnp.float32)
 
 
 def test_loader_reports_bad_config(checkpoints, tmp_path):
@@ -274,4 +273,4 @@ def test_loader_reports_bad_config(checkpoints, tmp_path):
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "linear_num_key_heads": 4}))
     with pytest.raises(CheckpointError, match="config.json.*linear_num_value_heads"):
-        load_qwen3_5(directory, param_dtype=jnp.float32)
+        load_target(directory, param_dtype=jnp.float32)

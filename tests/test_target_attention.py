@@ -23,7 +23,7 @@ from dflash_jax.ops.attention import causal_attention, causal_segment_mask, grou
 from dflash_jax.ops.splash_attention import causal_attention_splash
 from dflash_jax.sharding import make_mesh, replicated
 from dflash_jax.train.step import put_batch
-from dflash_jax.weights.hf_qwen3 import load_qwen3
+from dflash_jax.weights.targets import load_target
 from tests.hf_fixtures import qwen3_config, save_qwen3
 from tests.test_generate import VOCAB, drafter_config
 from tests.test_qwen3_5 import TEXT_CONFIG
@@ -166,7 +166,7 @@ def test_exact_tau_scorer_traces_the_target_under_its_mesh(tmp_path, monkeypatch
     text = np.random.default_rng(0).integers(0, VOCAB, 40).astype(np.int32)
     scores = {}
     for impl in ("xla", "splash"):
-        target = load_qwen3(tmp_path, param_dtype=jnp.float32, mesh=mesh, attention_impl=impl)[0]
+        target = load_target(tmp_path, param_dtype=jnp.float32, mesh=mesh, attention_impl=impl)[0]
         scores[impl] = DraftScorer(target, drafter, top_k=4)(text)
     assert meshes and all(dict(traced.shape) == dict(mesh.shape) for traced in meshes)
     np.testing.assert_array_equal(scores["splash"][0], scores["xla"][0])  # the target's greedy tokens

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.data.records import CompletionRecord, parse_record
-from dflash_jax.weights.hf_qwen3 import load_qwen3
 from dflash_jax.weights.safetensors_dir import CheckpointReader
+from dflash_jax.weights.targets import load_target
 from tools.toy_target.corpus import split_of
 from tools.toy_target.drafter_data import BATCH_SIZE
 
@@ -53,12 +53,12 @@ def _jax_logits(model, ids: list[int]) -> np.ndarray:
     return np.asarray(model.logits(hidden), np.float32)[0]
 
 
-def test_loads_with_load_qwen3_and_transformers_same_logits():
+def test_loads_with_load_target_and_transformers_same_logits():
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
     ids = _tokenizer()(CODE, add_special_tokens=False)["input_ids"]
-    model, config = load_qwen3(TARGET, param_dtype=jnp.float32)
+    model, config = load_target(TARGET, param_dtype=jnp.float32)
     got = _jax_logits(model, ids)
     hf_model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -70,7 +70,7 @@ def test_loads_with_load_qwen3_and_transformers_same_logits():
 def test_is_a_trained_model_of_code():
     # A random model scores about log(vocab) ~ 8.3 nats/token; the trained one is far below that.
     ids = _tokenizer()(CODE, add_special_tokens=False)["input_ids"]
-    model, _ = load_qwen3(TARGET, param_dtype=jnp.float32)
+    model, _ = load_target(TARGET, param_dtype=jnp.float32)
     log_probs = np.asarray(jax.nn.log_softmax(_jax_logits(model, ids)[:-1], axis=-1))
     loss = -np.mean(log_probs[np.arange(len(ids) - 1), ids[1:]])
     assert loss < 3.0, loss

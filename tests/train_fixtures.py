@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from configs import tiny
 from dflash_jax.data import BatchLoader
 from dflash_jax.models.drafter import DrafterConfig
-from dflash_jax.models.target import load_target
+from dflash_jax.weights.targets import load_target
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.train import validate

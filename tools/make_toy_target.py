@@ -11,7 +11,7 @@ out). Steps:
 2. Train a byte-level BPE tokenizer on the LM files (HF `tokenizers`), wrap it as a
    `PreTrainedTokenizerFast` with a ChatML chat template and a `<|mask|>` token.
 3. Train the model (AdamW, warmup + cosine) on random 512-token windows of the LM files.
-4. Save it in Hugging Face format (bf16) to dflash_jax/assets/toy_target/, reload it with `load_qwen3` and
+4. Save it in Hugging Face format (bf16) to dflash_jax/assets/toy_target/, reload it with `load_target` and
    with transformers, and check both give the same logits.
 5. Write target-regenerated drafter data to dflash_jax/assets/toy_data/{train,eval}.jsonl: prompts are
    code prefixes cut at line ends from held-out files, completions are the saved model's greedy
@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from dflash_jax.weights.hf_qwen3 import load_qwen3  # noqa: E402
+from dflash_jax.weights.targets import load_target  # noqa: E402
 from tools.toy_target import corpus, drafter_data, language_model  # noqa: E402
 from tools.toy_target.language_model import log  # noqa: E402
 from tools.toy_target.readme import write_readme  # noqa: E402
@@ -147,15 +147,15 @@ def main() -> None:
         language_model.save_target(trained, tokenizer, target_dir)
 
     # Everything below uses the bundled (bf16-rounded, reloaded) weights, not the in-memory fp32 ones.
-    model, loaded_config = load_qwen3(target_dir, param_dtype=jnp.float32)
+    model, loaded_config = load_target(target_dir, param_dtype=jnp.float32)
     if loaded_config != config:
         raise SystemExit(f"the saved config differs from the tokenizer's: {loaded_config} vs {config}")
     if not args.data_only:  # the tokenizer as saved; --data-only loaded it from there already
         tokenizer = PreTrainedTokenizerFast.from_pretrained(target_dir)
     hf_diff = language_model.check_against_transformers(target_dir, model, tokenizer, heldout_files[0][1][:4000])
-    log(f"{target_dir}: transformers vs load_qwen3 max |logit diff| {hf_diff:.2e}")
+    log(f"{target_dir}: transformers vs load_target max |logit diff| {hf_diff:.2e}")
     if hf_diff > 1e-3:
-        raise SystemExit(f"transformers and load_qwen3 disagree on the saved model ({hf_diff:.2e})")
+        raise SystemExit(f"transformers and load_target disagree on the saved model ({hf_diff:.2e})")
 
     windows = 16 if args.quick else 128
     heldout = language_model.evaluate(model, heldout_stream, args.seq_len, max_windows=windows)

@@ -49,7 +49,7 @@ from transformers import AutoTokenizer, Qwen3Config, get_cosine_schedule_with_wa
 from dflash_jax.data import BatchLoader
 from dflash_jax.data import anchors as grid_ops
 from dflash_jax.models.drafter import DrafterConfig, drafter_to_torch_layout
-from dflash_jax.models.target import load_target
+from dflash_jax.weights.targets import load_target
 from dflash_jax.ops.mask import AnchorGrid
 from dflash_jax.train.state import make_drafter
 from dflash_jax.train.validate import dtype_of

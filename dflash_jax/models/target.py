@@ -1,19 +1,16 @@
-"""The frozen target model: its output type and loading by Hugging Face `model_type`."""
+"""What every frozen target model shares: its output type, feature capture, attention backends, and the
+embedding and LM head the drafter borrows. Loading a target by its `model_type`: weights/targets.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
-from dflash_jax.errors import CheckpointError
 from dflash_jax.ops.attention import QUERY_CHUNK, causal_attention, causal_segment_mask, grouped_attention
 from dflash_jax.ops.splash_attention import causal_attention_splash
-from dflash_jax.weights.safetensors_dir import read_config
 
 # The full-sequence attention of the targets by resolved `attention_impl` (ops/backends.py): query chunks in
 # XLA, or the splash kernel. The KV-cached decoding path always uses the dense `grouped_attention`.
@@ -108,32 +105,3 @@ class EmbeddingAndHead:
         if self.config.tie_word_embeddings:
             return self.embed_tokens.embedding[...].T
         return self.lm_head.kernel[...]
-
-
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
-
-
-def load_target(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None,
-                attention_impl: str = "xla"):
-    """Load a Hugging Face target checkpoint directory into its NNX model; returns (model, config).
-
-    With a mesh, every weight is placed on its sharding (from the logical-axis rule table) as it is read.
-    An Orbax target directory (written by convert/hf_to_orbax.py) is restored shard by shard instead.
-    attention_impl ("xla", "splash" or "auto") picks the backend of the model's full-sequence forward.
-    checkpoint_dir may also be a Hugging Face Hub repo id (weights/hub.py).
-    """
-    from dflash_jax.weights.hub import local_dir
-    from dflash_jax.weights.orbax_target import is_orbax_target, load_orbax_target
-    checkpoint_dir = local_dir(checkpoint_dir, "target")
-    options = dict(param_dtype=param_dtype, mesh=mesh, attention_impl=attention_impl)
-    if is_orbax_target(checkpoint_dir):
-        return load_orbax_target(checkpoint_dir, **options)
-    model_type = read_config(checkpoint_dir).get("model_type")
-    if model_type == "qwen3":
-        from dflash_jax.weights.hf_qwen3 import load_qwen3
-        return load_qwen3(checkpoint_dir, **options)
-    if model_type in ("qwen3_5", "qwen3_5_text"):
-        from dflash_jax.weights.hf_qwen3_5 import load_qwen3_5
-        return load_qwen3_5(checkpoint_dir, **options)
-    raise CheckpointError(f"{Path(checkpoint_dir) / 'config.json'}: unsupported model_type {model_type!r}; "
-                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from dflash_jax.data import BatchLoader, Prefetcher, merge_states
 from dflash_jax.errors import ConfigError, DataError
 from dflash_jax.models.drafter import Drafter
-from dflash_jax.models.target import load_target
+from dflash_jax.weights.targets import load_target
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import BATCH_AXES, state_shardings
 from dflash_jax.train import distributed, flops, validate

@@ -1,6 +1,6 @@
 """Write a `dflash_jax.models.qwen3.Qwen3` as a Hugging Face `Qwen3ForCausalLM` directory.
 
-The inverse of `dflash_jax.weights.hf_qwen3.load_qwen3`: it walks the same weight table backwards, so a
+The inverse of `load_target` on a Qwen3 directory: it walks the same weight table backwards, so a
 model saved here loads there (and in transformers / vLLM) with the same weights. Kernels go from the JAX
 [in, out] layout back to PyTorch's [out, in]; stacked layers are split into `model.layers.{i}.*`; tied
 models get no `lm_head.weight`.
@@ -19,7 +19,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
-from dflash_jax.weights.hf_qwen3 import qwen3_weight_rules
+from dflash_jax.weights.families import QWEN3
 from dflash_jax.weights.mapping import identity, transpose
 
 _NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -29,7 +29,7 @@ def qwen3_hf_tensors(model: Qwen3) -> dict[str, np.ndarray]:
     """HF tensor name -> fp32 NumPy array in HF layout, for every weight of `model`."""
     flat = {path: variable for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     tensors = {}
-    for rule in qwen3_weight_rules(model.config):
+    for rule in QWEN3.weight_rules(model.config, "model."):
         # Both load-time fix-ups are their own inverse (a 2-D transpose, or nothing).
         if rule.fixup not in (transpose, identity):
             raise ValueError(f"no inverse known for the fix-up of {rule.hf_name}")

@@ -1,7 +1,7 @@
 """A frozen target as an Orbax (tensorstore) checkpoint: written from a Hugging Face directory, restored onto
 any mesh shard by shard.
 
-Directory layout written by `write_orbax_target` (and `convert/hf_to_orbax.py`):
+Directory layout written by `write_orbax_target` (`dflash-jax convert`):
     config.json (+ the tokenizer and other small files)   copied from the HF directory
     params/                                                Orbax checkpoint: one array per NNX variable, named
                                                            by its path ("layers.mlp.up_proj.kernel"), in the
@@ -14,10 +14,8 @@ memory-mapped safetensors; restoring reads each device's shard straight from ten
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -30,6 +28,7 @@ from tqdm import tqdm
 
 from dflash_jax.errors import CheckpointError, OutputExistsError
 from dflash_jax.sharding import state_shardings
+from dflash_jax.weights.families import resolve
 from dflash_jax.weights.mapping import WeightRule
 from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.safetensors_dir import INDEX_FILE, CheckpointReader, read_config, read_json
@@ -37,51 +36,6 @@ from dflash_jax.weights.safetensors_dir import INDEX_FILE, CheckpointReader, rea
 MARKER_FILE = "dflash_target.json"
 PARAMS_DIR = "params"
 FORMAT, VERSION = "dflash_jax.orbax_target", 1
-
-
-@dataclasses.dataclass(frozen=True)
-class _Family:
-    """How one HF model_type maps onto its NNX model: config parser, model class, weight table."""
-
-    config_from_hf: Callable
-    model: Callable
-    rules: Callable  # (config, tensor names) -> (weight rules, HF name prefixes to skip)
-
-
-def _qwen3() -> _Family:
-    from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
-    from dflash_jax.weights.hf_qwen3 import qwen3_weight_rules
-
-    def rules(config, names):
-        return qwen3_weight_rules(config), ("lm_head.weight",) if config.tie_word_embeddings else ()
-    return _Family(Qwen3Config.from_hf, Qwen3, rules)
-
-
-def _qwen3_5() -> _Family:
-    from dflash_jax.models.qwen3_5 import Qwen3_5, Qwen3_5Config
-    from dflash_jax.weights import hf_qwen3_5
-
-    def rules(config, names):
-        multimodal = any(name.startswith(hf_qwen3_5.MULTIMODAL_PREFIX) for name in names)
-        prefix = hf_qwen3_5.MULTIMODAL_PREFIX if multimodal else hf_qwen3_5.TEXT_ONLY_PREFIX
-        skipped = hf_qwen3_5.SKIPPED_PREFIXES + (("lm_head.weight",) if config.tie_word_embeddings else ())
-        return hf_qwen3_5.weight_rules(config, prefix), skipped
-    return _Family(Qwen3_5Config.from_hf, Qwen3_5, rules)
-
-
-FAMILIES = {"qwen3": _qwen3, "qwen3_5": _qwen3_5, "qwen3_5_text": _qwen3_5}
-
-
-def _family_and_config(hf_config: dict, config_path: Path):
-    model_type = hf_config.get("model_type")
-    if model_type not in FAMILIES:
-        raise CheckpointError(f"{config_path}: unsupported model_type {model_type!r}; supported: "
-                              f"{', '.join(FAMILIES)}")
-    family = FAMILIES[model_type]()
-    try:
-        return family, family.config_from_hf(hf_config)
-    except ValueError as error:
-        raise CheckpointError(f"{config_path}: {error}") from None
 
 
 def leaf_name(path: tuple) -> str:
@@ -104,7 +58,7 @@ def write_orbax_target(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfl
     """
     hf_dir, out_dir = Path(local_dir(hf_dir, "target")), Path(out_dir)  # hf_dir may be a Hub repo id
     hf_config = read_config(hf_dir)
-    family, config = _family_and_config(hf_config, hf_dir / "config.json")
+    family, config = resolve(hf_config, hf_dir / "config.json")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         if not overwrite:
             raise OutputExistsError(f"{out_dir}: output directory is not empty (pass --overwrite to replace it)")
@@ -115,9 +69,9 @@ def write_orbax_target(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfl
     out_dir.mkdir(parents=True, exist_ok=True)
 
     reader = CheckpointReader(hf_dir)
-    rules, skipped = family.rules(config, reader.names())
-    _check_tensor_names(reader, rules, skipped)
-    abstract = nnx.eval_shape(lambda: family.model(config, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    rules = family.weight_rules(config, family.prefix(reader.names()))
+    _check_tensor_names(reader, rules, family.ignored(config))
+    abstract = family.abstract_model(config, param_dtype=dtype)
     variables = dict(nnx.to_flat_state(nnx.state(abstract)))
     uncovered = sorted(leaf_name(path) for path in set(variables) - {rule.path for rule in rules})
     if uncovered:
@@ -171,9 +125,8 @@ def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: 
     if marker.get("format") != FORMAT or marker.get("version") != VERSION:
         raise CheckpointError(f"{directory / MARKER_FILE}: format {marker.get('format')!r} version "
                               f"{marker.get('version')!r}, expected {FORMAT!r} version {VERSION}")
-    family, config = _family_and_config(read_config(directory), directory / "config.json")
-    abstract = nnx.eval_shape(lambda: family.model(config, param_dtype=param_dtype, rngs=nnx.Rngs(0),
-                                                   attention_impl=attention_impl))
+    family, config = resolve(read_config(directory), directory / "config.json")
+    abstract = family.abstract_model(config, param_dtype=param_dtype, attention_impl=attention_impl)
     graphdef, state = nnx.split(abstract)
     if mesh is not None:
         shardings = {path: s.get_value() for path, s in nnx.to_flat_state(state_shardings(state, mesh))}

@@ -48,7 +48,7 @@ def write_readme(target_dir: Path, report: dict) -> None:
         f"{r['diversity_reference']['mean_distinct_token_fraction']:.3f}, distinct 4-grams "
         f"{r['diversity_reference']['mean_distinct_4gram_fraction']:.3f}, repeated lines "
         f"{r['repeated_lines_reference']:.3f}.",
-        f"- transformers vs `load_qwen3` on the saved files: max |logit diff| {r['hf_max_abs_diff']:.2e} (fp32).",
+        f"- transformers vs `load_target` on the saved files: max |logit diff| {r['hf_max_abs_diff']:.2e} (fp32).",
         "",
         "## Drafter data (`dflash_jax/assets/toy_data/`)",
         "",

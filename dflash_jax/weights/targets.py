@@ -1,0 +1,39 @@
+"""`load_target`: a target directory (Hugging Face safetensors, or Orbax written by `dflash-jax convert`) or a
+Hub repo id into its NNX model, by the family its config.json names (`weights/families.py`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from dflash_jax.sharding import state_shardings
+from dflash_jax.weights.families import resolve
+from dflash_jax.weights.hub import local_dir
+from dflash_jax.weights.mapping import load_weights
+from dflash_jax.weights.orbax_target import is_orbax_target, load_orbax_target
+from dflash_jax.weights.safetensors_dir import CheckpointReader, read_config
+
+
+def load_target(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None,
+                attention_impl: str = "xla") -> tuple[nnx.Module, object]:
+    """Load a target checkpoint directory into its NNX model; returns (model, config).
+
+    With a mesh, every weight is placed on its sharding (from the logical-axis rule table) as it is read. An
+    Orbax target directory is restored shard by shard. attention_impl ("xla", "splash" or "auto") picks the
+    backend of the model's full-sequence forward. Anything unusable (a missing or corrupt file, an unknown
+    model_type, a bad config field, missing, unexpected or mis-shaped tensors) raises CheckpointError naming
+    the file and what is wrong. checkpoint_dir may also be a Hugging Face Hub repo id (weights/hub.py).
+    """
+    checkpoint_dir = local_dir(checkpoint_dir, "target")
+    if is_orbax_target(checkpoint_dir):
+        return load_orbax_target(checkpoint_dir, param_dtype=param_dtype, mesh=mesh, attention_impl=attention_impl)
+    family, config = resolve(read_config(checkpoint_dir), Path(checkpoint_dir) / "config.json")
+    reader = CheckpointReader(checkpoint_dir)
+    abstract = family.abstract_model(config, param_dtype=param_dtype, attention_impl=attention_impl)
+    shardings = state_shardings(nnx.state(abstract), mesh) if mesh is not None else None
+    rules = family.weight_rules(config, family.prefix(reader.names()))
+    model = load_weights(abstract, reader, rules, ignore_prefixes=family.ignored(config), shardings=shardings)
+    return model, config
