@@ -30,10 +30,10 @@ from configs import toy
 from dflash_jax.eval.examples import read_examples, stop_token_ids, with_greedy_continuations
 from dflash_jax.eval.exact_tau import evaluate_drafter
 from dflash_jax.eval.generate import SpeculativeGenerator, generator_shapes
-from dflash_jax.models.drafter import DrafterConfig, drafter_from_torch_layout
-from dflash_jax.weights.targets import load_target
-from dflash_jax.train.checkpoint import DRAFTER_CONFIG_FILE, restore_drafter
+from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.train.loop import train
+from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE, drafter_from_torch_layout, restore_drafter
+from dflash_jax.weights.targets import load_target
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_PYTHON = REPO / ".venv-speculators" / "bin" / "python"

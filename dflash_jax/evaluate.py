@@ -30,12 +30,10 @@ from dflash_jax.eval.exact_tau import evaluate_drafter
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, generator_shapes
 from dflash_jax.eval.report import format_result, format_speed
 from dflash_jax.models.drafter import Drafter, DrafterConfig
-from dflash_jax.models.qwen3 import Qwen3
-from dflash_jax.weights.targets import load_target
 from dflash_jax.sharding import replicated
-from dflash_jax.train.checkpoint import restore_drafter
 from dflash_jax.train.validate import dtype_of, mesh_from_config
-from dflash_jax.weights.drafter_export import load_drafter_dir
+from dflash_jax.weights.drafter_files import load_drafter
+from dflash_jax.weights.targets import load_target
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _CONFIG = cli.define_config_flag(FLAGS)
@@ -60,15 +58,6 @@ _SPEED = flags.DEFINE_bool("speed", False, "Also time the speculative generator 
                            flag_values=FLAGS)
 _JSON = flags.DEFINE_string("json", None, "Write every figure to this JSON file.", flag_values=FLAGS)
 flags.mark_flags_as_required(["config"], flag_values=FLAGS)
-
-
-def load_drafter(workdir: str | None, drafter_dir: str | None, step: int | None) -> tuple[Drafter, DrafterConfig, str]:
-    """(fp32 drafter, its config, where it came from) from an export directory or a workdir checkpoint."""
-    if drafter_dir:
-        drafter, drafter_config = load_drafter_dir(drafter_dir)
-        return drafter, drafter_config, drafter_dir
-    drafter, drafter_config, step = restore_drafter(workdir, step)
-    return drafter, drafter_config, f"{workdir} step {step}"
 
 
 def placed(drafter: Drafter, config: DrafterConfig, dtype, sharding) -> Drafter:
@@ -107,9 +96,9 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
     stops = stop_token_ids(config.target_dir, tokenizer)
     plain = None
     if continuation == "generate" or speed:
-        if not isinstance(target, Qwen3):
-            raise ConfigError(f"--continuation=generate and --speed need the KV-cached generator, which supports "
-                              f"Qwen3 dense targets; {config.target_dir} is not one (use --continuation=data)")
+        if not target.croppable_cache:
+            raise ConfigError(f"--continuation=generate and --speed need the KV-cached generator, which "
+                              f"{config.target_dir} does not support (use --continuation=data)")
         shapes = generator_shapes([len(e.prompt_ids) for e in examples], max_new_tokens, drafter_config.block_size)
         plain = SpeculativeGenerator(target, None, **shapes)
     if continuation == "generate":

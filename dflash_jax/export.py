@@ -17,8 +17,7 @@ from pathlib import Path
 from absl import flags
 
 from dflash_jax import cli
-from dflash_jax.train.checkpoint import restore_drafter, workdir_path
-from dflash_jax.weights.drafter_export import check_out_dir, export_drafter, serve_command
+from dflash_jax.weights.drafter_files import check_out_dir, export_drafter, restore_drafter, serve_command, workdir_path
 from dflash_jax.weights.model_card import CARD_FILE, push_to_hub, training_facts, write_model_card
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("dflash-jax")  # installed by `pip install -e .` ([project.scripts])
 
 
-def dflash_jax(*args: str, devices: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
+def dflash_jax(*args: str, devices: int = 1, timeout: float = 1800) -> subprocess.CompletedProcess:
     """`dflash-jax *args` from the repository root on `devices` CPU devices; stdout and stderr as text."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                JAX_DISABLE_MOST_OPTIMIZATIONS="1")  # small models: compile time dominates

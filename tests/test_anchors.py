@@ -1,4 +1,4 @@
-"""The static anchor grid (dflash_jax.data.anchors) against a direct Python loop over the design §4 text."""
+"""The static anchor grid (dflash_jax.ops.anchors) against a direct Python loop over the design §4 text."""
 
 from __future__ import annotations
 
@@ -9,20 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.data import (
-    Cursor,
-    Document,
-    RowPacker,
-    anchor_utilisation,
-    anchor_validity,
-    block_positions,
-    block_segment_ids,
-    block_token_ids,
-    place_row,
-    row_capacity,
-    slot_mask,
-)
-from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.data import Cursor, Document, RowPacker, place_row, row_capacity
+from dflash_jax.ops.anchors import (AnchorGrid, anchor_utilisation, anchor_validity, block_positions,
+                                   block_segment_ids, block_token_ids, slot_mask)
 
 MASK_TOKEN_ID = 999
 

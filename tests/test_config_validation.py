@@ -72,8 +72,9 @@ def test_static_config_errors_name_their_field(overrides, message):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"drafter.target_layer_ids": (1, 12)}, "config.drafter.target_layer_ids [1, 12] has ids [12] outside [0, 11]"),
-    ({"drafter.target_layer_ids": (-1, 3)}, "has ids [-1] outside [0, 11]"),
+    ({"drafter.target_layer_ids": (1, 12)}, "config.drafter: DrafterConfig.target_layer_ids [1, 12] has ids [12] "
+                                            "outside [0, num_target_layers-1 = 11]"),
+    ({"drafter.target_layer_ids": (-1, 3)}, "has ids [-1] outside [0, num_target_layers-1 = 11]"),
     ({"drafter.target_layer_ids": (1, 5, 9)}, "config.drafter.target_layer_ids has 3 ids but "
                                               "config.drafter.num_feature_layers is 2"),
     ({"drafter.hidden_size": 128}, "config.drafter.hidden_size (128) must equal the target's hidden_size (64): fc "

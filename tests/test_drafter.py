@@ -10,16 +10,11 @@ import pytest
 import torch
 from flax import nnx
 
-from dflash_jax.models.drafter import (
-    Drafter,
-    DrafterConfig,
-    default_target_layer_ids,
-    drafter_from_torch_layout,
-    drafter_to_torch_layout,
-)
-from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids
+from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs
 from dflash_jax.sharding import make_mesh, state_shardings
-from dflash_jax.weights.drafter_export import zlab_config  # the config.json the export writes (design §10)
+# zlab_config: the config.json the export writes (design §10)
+from dflash_jax.weights.drafter_files import drafter_from_torch_layout, drafter_to_torch_layout, zlab_config
 from tests.torch_reference import ReferenceDrafter, block_ids, reference_logits
 
 SEQ_LEN, BLOCK, HIDDEN, VOCAB, MASK_ID, PAD = 24, 4, 32, 50, 49, -1
@@ -57,9 +52,7 @@ def packed_rows(seed: int, num_features: int):
 
 
 def _forward(drafter, features, embeds, positions, segments, grid):
-    offsets = jnp.arange(grid.block_size)
-    block_positions = (positions[:, grid.anchors][:, :, None] + offsets).reshape(positions.shape[0], -1)
-    return drafter(features, embeds, positions, block_positions, segments, segments[:, grid.anchors], grid)
+    return drafter(features, embeds, DrafterInputs.from_rows(grid, positions, segments))[0]
 
 
 forward = nnx.jit(_forward, static_argnames="grid")

@@ -18,7 +18,7 @@ from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.weights.targets import load_target
 from dflash_jax.train import validate
-from dflash_jax.weights.drafter_export import export_drafter
+from dflash_jax.weights.drafter_files import export_drafter
 from tests.train_fixtures import make_target, tiny_config, write_corpus
 
 

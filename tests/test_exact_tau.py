@@ -9,12 +9,11 @@ import optax
 import pytest
 from flax import nnx
 
-from dflash_jax.data import anchors as grid_ops
 from dflash_jax.eval.ddtree import accepted_depth, build_tree
 from dflash_jax.eval.exact_tau import DraftScorer, Example, evaluate_drafter, score_response, summarize, walk
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
 from dflash_jax.models.drafter import Drafter
-from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, block_token_ids
 from dflash_jax.weights.targets import load_target
 from tests.hf_fixtures import qwen3_config, save_qwen3
 from tests.test_generate import BLOCK, VOCAB, drafter_config
@@ -99,8 +98,8 @@ def train_briefly(target, drafter: Drafter, examples: list[Example], steps: int)
     segments = jnp.ones(texts.shape, jnp.int32)
     features = target(jnp.asarray(texts), positions, segments, config.target_layer_ids).features
     features = features.reshape(len(texts), length, -1)
-    embeds = target.embed(grid_ops.block_token_ids(texts, grid.anchors, BLOCK, config.mask_token_id))
-    block_positions = grid_ops.block_positions(positions, grid.anchors, BLOCK)
+    embeds = target.embed(block_token_ids(texts, grid.anchors, BLOCK, config.mask_token_id))
+    inputs = DrafterInputs.from_rows(grid, positions, segments)
     slot_index = grid.anchors[:, None] + np.arange(BLOCK)[None, :]
     labels = jnp.asarray(texts[:, np.minimum(slot_index, length - 1)])
     weights = ((grid.anchors[None, :, None] >= starts) & (slot_index[None] < ends) & (slot_index[None] > grid.anchors[
@@ -111,7 +110,7 @@ def train_briefly(target, drafter: Drafter, examples: list[Example], steps: int)
     @nnx.jit
     def step(drafter, optimizer):
         def loss_fn(model):
-            hidden = model(features, embeds, positions, block_positions, segments, segments[:, grid.anchors], grid)
+            hidden, _ = model(features, embeds, inputs)
             logits = hidden.reshape(len(texts), length, BLOCK, -1) @ lm_head
             return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, labels) * weights) / weights.sum()
 

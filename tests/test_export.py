@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_jax.errors import CheckpointError
-from dflash_jax.models.drafter import drafter_from_torch_layout, drafter_to_torch_layout
-from dflash_jax.ops.mask import AnchorGrid
-from dflash_jax.weights.drafter_export import drafter_config_from_zlab, export_drafter, load_drafter_dir, zlab_config
+from dflash_jax.ops.anchors import AnchorGrid
+from dflash_jax.weights.drafter_files import (drafter_config_from_zlab, drafter_from_torch_layout, drafter_to_torch_layout,
+                                             export_drafter, load_drafter_dir, zlab_config)
 from tests.command import dflash_jax, user_error
 from tests.test_drafter import (BLOCK, FULL, HIDDEN, MASK_ID, SEQ_LEN, SLIDING, VOCAB, forward, make_config,
                                 packed_rows, random_weights, relative_error)

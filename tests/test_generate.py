@@ -12,11 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax.data import anchors as grid_ops
-from dflash_jax.eval.drafter_cache import add_context, draft_block, init_drafter_cache
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, continue_text
-from dflash_jax.models.drafter import Drafter, DrafterConfig
-from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.models.drafter import DecodeStep, Drafter, DrafterConfig
+from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, block_token_ids
 from dflash_jax.weights.targets import load_target
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
@@ -96,7 +94,7 @@ def test_cached_plain_greedy_matches_uncached_greedy(target, generators, prompts
 
 
 def test_drafter_cache_matches_the_drafter_forward():
-    """draft_block over cached context equals Drafter.__call__ at that anchor (stride-1 grid, §5 mask), also
+    """The drafter with a cache drafts what it drafts without one at that anchor (stride-1 grid, §5 mask), also
     when the context arrives in pieces with stale rows past the anchor, as in the generator."""
     config = drafter_config()
     drafter = Drafter(config, rngs=nnx.Rngs(1))
@@ -108,18 +106,21 @@ def test_drafter_cache_matches_the_drafter_forward():
     grid = AnchorGrid(length, 1, BLOCK)
     positions = jnp.arange(length)[None]
     segments = jnp.ones((1, length), jnp.int32)
-    block_ids = grid_ops.block_token_ids(ids, grid.anchors, BLOCK, config.mask_token_id)
-    expected = nnx.jit(lambda model: model(
-        features, embed[block_ids], positions, grid_ops.block_positions(positions, grid.anchors, BLOCK), segments,
-        segments[:, grid.anchors], grid))(drafter).reshape(length, BLOCK, -1)
+    block_ids = block_token_ids(ids, grid.anchors, BLOCK, config.mask_token_id)
+    expected = nnx.jit(lambda model: model(features, embed[block_ids], DrafterInputs.from_rows(grid, positions,
+                                                                                             segments))[0])(drafter)
+    expected = expected.reshape(length, BLOCK, -1)
 
-    add, draft = nnx.jit(add_context), nnx.jit(draft_block)
-    cache = add(drafter, init_drafter_cache(drafter, 1, 32), features[:, :5], 0)
-    cache = add(drafter, cache, jnp.asarray(rng.standard_normal((1, 5, width)), jnp.float32), 5)  # stale rows
-    for anchor, piece in ((1, None), (5, None), (9, 5), (14, 10)):  # before and after the window (5) is full
-        if piece is not None:  # the next 5 committed positions overwrite what was there
-            cache = add(drafter, cache, features[:, piece:piece + 5], piece)
-        hidden = draft(drafter, cache, embed[block_ids[:, anchor * BLOCK:(anchor + 1) * BLOCK]], anchor)
+    draft = nnx.jit(lambda model, context, block, start, anchor, cache: model(
+        context, block, DecodeStep(jnp.int32(start), jnp.int32(anchor)), cache))
+    cache = drafter.init_cache(1, 32)
+    stale = jnp.asarray(rng.standard_normal((1, 5, width)), jnp.float32)
+    # (new context, where it starts, anchor): before and after the sliding window (5) is full; the rows after
+    # position 4 are first stale ones, then the committed positions that overwrite them.
+    for context, start, anchor in ((features[:, :5], 0, 1), (stale, 5, 5), (features[:, 5:10], 5, 9),
+                                   (features[:, 10:15], 10, 14)):
+        block = embed[block_ids[:, anchor * BLOCK:(anchor + 1) * BLOCK]]
+        hidden, cache = draft(drafter, context, block, start, anchor, cache)
         np.testing.assert_allclose(hidden[0], expected[anchor], rtol=1e-4, atol=1e-5, err_msg=f"anchor {anchor}")
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from dflash_jax.ops.attention import grouped_attention
 from dflash_jax.ops.dflash_attention import context_reach, dflash_attention
-from dflash_jax.ops.mask import AnchorGrid, dense_mask, position_mask, tile_fraction
+from dflash_jax.ops.anchors import AnchorGrid
+from dflash_jax.ops.mask import dense_mask, position_mask, tile_fraction
 from tests.torch_reference import reference_mask
 
 PAD = -1
@@ -132,7 +133,7 @@ def _attention_inputs(grid: AnchorGrid, seed: int, q_heads=4, kv_heads=2, head_d
 def _chunked(grid, window, chunk):
     def attend(q, k_ctx, v_ctx, k_blk, v_blk, segments):
         return dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, segments, segments[:, grid.anchors], grid, window,
-                                0.35, chunk)
+                                0.35, query_chunk_blocks=chunk)
     return attend
 
 

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from dflash_jax import regenerate
 from dflash_jax.eval.examples import stop_token_ids
-from dflash_jax.eval.generate import fp32_logits
+from dflash_jax.ops.lm_head import fp32_logits
 from dflash_jax.weights.targets import load_target
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
 from tests.train_fixtures import make_qwen3_5_target, make_target, tiny_config

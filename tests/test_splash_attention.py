@@ -11,13 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.models.drafter import drafter_from_torch_layout
 from dflash_jax.ops import splash_attention
 from dflash_jax.ops.attention import grouped_attention
 from dflash_jax.ops.backends import resolve_attention_impl
-from dflash_jax.ops.mask import AnchorGrid, dense_mask
+from dflash_jax.ops.anchors import AnchorGrid
+from dflash_jax.ops.mask import dense_mask
 from dflash_jax.ops.splash_attention import dflash_attention_splash, splash_tile_fraction, splash_tiles
 from dflash_jax.sharding import make_mesh
+from dflash_jax.weights.drafter_files import drafter_from_torch_layout
 from tests.test_drafter import BLOCK, FULL, SEQ_LEN, SLIDING, forward, make_config, packed_rows, random_weights
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAD = 4, 2, 16, -1
@@ -46,9 +47,9 @@ def _dense(grid, window, segments, scale, q, k_ctx, v_ctx, k_blk, v_blk):
     return grouped_attention(q, keys, values, dense_mask(grid, segments, window), scale)
 
 
-def _splash(grid, window, segments, scale, q, k_ctx, v_ctx, k_blk, v_blk):
+def _splash(grid, window, segments, scale, q, k_ctx, v_ctx, k_blk, v_blk, mesh=None):
     return dflash_attention_splash(q, k_ctx, v_ctx, k_blk, v_blk, segments, segments[:, grid.anchors], grid,
-                                   window, scale, 1, interpret=True)
+                                   window, scale, mesh=mesh, interpret=True)
 
 
 def _relative_error(actual, expected) -> float:
@@ -86,8 +87,8 @@ def test_splash_matches_dense_oracle_values_and_gradients(grid, window):
 
 @pytest.mark.parametrize("mesh_shape", [(1, 2, 2), (1, 2, 4)], ids=["heads_split", "heads_replicated"])
 def test_splash_on_a_mesh_runs_per_shard(mesh_shape):
-    """Under jax.set_mesh the kernel runs per shard (shard_map); values and gradients are unchanged, also when
-    the 2 kv heads do not split over tensor=4 and each tensor shard computes all heads."""
+    """Given a mesh the kernel runs per shard (shard_map); values and gradients are unchanged, also when the 2
+    kv heads do not split over tensor=4 and each tensor shard computes all heads."""
     grid, window = AnchorGrid(64, 2, 4), 12
     segments = jnp.asarray(_segments(grid.seq_len))
     inputs = _inputs(grid, seed=5)
@@ -98,10 +99,9 @@ def test_splash_on_a_mesh_runs_per_shard(mesh_shape):
     expected_loss, expected_grads = jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5))(_dense, *inputs)
     data, fsdp, tensor = mesh_shape
     mesh = make_mesh(data, fsdp, tensor, devices=jax.devices()[: data * fsdp * tensor])
-    with jax.set_mesh(mesh):
-        splash_loss = functools.partial(loss, _splash)
-        sharded_loss, grads = jax.jit(jax.value_and_grad(splash_loss, argnums=(0, 1, 2, 3, 4)))(*inputs)
-        assert "shard_map" in str(jax.make_jaxpr(splash_loss)(*inputs))
+    splash_loss = functools.partial(loss, functools.partial(_splash, mesh=mesh))
+    sharded_loss, grads = jax.jit(jax.value_and_grad(splash_loss, argnums=(0, 1, 2, 3, 4)))(*inputs)
+    assert "shard_map" in str(jax.make_jaxpr(splash_loss)(*inputs))
     assert _relative_error(sharded_loss, expected_loss) < 1e-5
     for grad, expected in zip(grads, expected_grads):
         assert _relative_error(grad, expected) < 1e-4
@@ -144,7 +144,7 @@ def test_bad_shapes_are_refused():
     segments = jnp.asarray(_segments(grid.seq_len))
     with pytest.raises(ValueError, match=r"k_ctx has shape \(2, 64, 2, 16\), expected leading dimensions \(2, 128\)"):
         dflash_attention_splash(q, k_ctx[:, :64], v_ctx, k_blk, v_blk, segments, segments[:, grid.anchors], grid,
-                                None, 1.0, 1, interpret=True)
+                                None, 1.0, interpret=True)
 
 
 def test_resolve_attention_impl(monkeypatch):
@@ -173,5 +173,5 @@ def test_drafter_on_splash_matches_xla(layer_types, window, stride, caplog):
             drafter = drafter_from_torch_layout(weights, config, attention_impl=impl, query_chunk_blocks=2)
             hidden[impl] = np.asarray(forward(drafter, *args))
     assert "Pallas interpreter" in caplog.text  # splash off TPU: interpreted, with a warning
-    assert drafter.layers[0].self_attn.attention_impl == "splash"
+    assert drafter.attention_impl == "splash"
     assert _relative_error(hidden["splash"], hidden["xla"]) < 1e-5

@@ -95,15 +95,14 @@ def test_splash_bfloat16_inputs():
 
 @pytest.mark.parametrize("rows", [2, 1], ids=["rows_split", "single_row"])
 def test_splash_on_a_mesh_runs_per_shard(rows):
-    """Under jax.set_mesh the kernel runs per shard: heads split over tensor=2, rows over fsdp=2 when they
-    divide evenly; a single row (as in evaluation) goes whole to every shard."""
+    """Given a mesh the kernel runs per shard: heads split over tensor=2, rows over fsdp=2 when they divide
+    evenly; a single row (as in evaluation) goes whole to every shard."""
     q, k, v = qkv(4, 2, seed=4, rows=rows)
     segments = jnp.asarray(packed_segments(SEQ_LEN)[:rows])
     mesh = make_mesh(1, 2, 2, devices=jax.devices()[:4])
-    with jax.set_mesh(mesh):
-        attend = lambda *x: causal_attention_splash(*x, segments, SCALE, interpret=True)  # noqa: E731
-        out = jax.jit(attend)(q, k, v)
-        assert "shard_map" in str(jax.make_jaxpr(attend)(q, k, v))
+    attend = lambda *x: causal_attention_splash(*x, segments, SCALE, mesh=mesh, interpret=True)  # noqa: E731
+    out = jax.jit(attend)(q, k, v)
+    assert "shard_map" in str(jax.make_jaxpr(attend)(q, k, v))
     np.testing.assert_allclose(out, dense(q, k, v, segments), atol=1e-5, rtol=0)
 
 
@@ -150,17 +149,17 @@ def test_targets_agree_on_every_backend(family, monkeypatch):
 
 
 def test_exact_tau_scorer_traces_the_target_under_its_mesh(tmp_path, monkeypatch):
-    """The exact-τ forward (one row) of a target loaded onto a 4-device mesh: on splash it is traced under that
-    mesh (so the kernel runs per shard, as it must on several chips) and scores as on xla."""
+    """The exact-τ forward (one row) of a target loaded onto a 4-device mesh: on splash the kernel is given that
+    mesh (so it runs per shard, as it must on several chips) and scores as on xla."""
     save_qwen3(tmp_path, qwen3_config(vocab_size=VOCAB), seed=5)
     mesh = make_mesh(1, 2, 2, devices=jax.devices()[:4])
     config = drafter_config()
     drafter = placed(Drafter(config, rngs=nnx.Rngs(0)), config, jnp.float32, replicated(mesh))
     meshes = []
 
-    def recording_splash(*args):
-        meshes.append(jax.sharding.get_abstract_mesh())
-        return causal_attention_splash(*args)
+    def recording_splash(*args, mesh):
+        meshes.append(mesh)
+        return causal_attention_splash(*args, mesh=mesh)
 
     monkeypatch.setitem(CAUSAL_ATTENTION_IMPLS, "splash", recording_splash)
     text = np.random.default_rng(0).integers(0, VOCAB, 40).astype(np.int32)

@@ -41,7 +41,7 @@ def test_stop_at_step_10_and_rerun_matches_a_straight_run(files, tmp_path, optim
 
     preempted: list[int] = []
     with fast_cpu_compiles():
-        straight = train(config, tmp_path / "straight")
+        straight = train(config, tmp_path / "straight", evaluate=lambda step, drafter, target: {})
         first = train(config, tmp_path / "resumed", evaluate=preempt_once)
         second = train(config, tmp_path / "resumed", evaluate=preempt_once)
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax.ops.mask import AnchorGrid, position_mask
+from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs
+from dflash_jax.ops.mask import position_mask
 from dflash_jax.train import flops
 from dflash_jax.train.optimizer import learning_rate_schedule
 from dflash_jax.train.step import put_batch
@@ -52,9 +53,10 @@ def reference_loss(setup, params, batch):
     block_ids[:, :, 0] = ids[:, grid.anchors]
     block_pos = pos[:, grid.anchors][:, :, None] + np.arange(block)
     drafter = nnx.merge(setup.spec.graphdef, params)
-    hidden = drafter(out.features.reshape(rows, length, -1), target.embed(jnp.asarray(block_ids.reshape(rows, -1))),
-                     jnp.asarray(pos), jnp.asarray(block_pos.reshape(rows, -1)), jnp.asarray(seg),
-                     jnp.asarray(seg[:, grid.anchors]), grid)
+    inputs = DrafterInputs(grid, jnp.asarray(pos), jnp.asarray(block_pos.reshape(rows, -1)), jnp.asarray(seg),
+                           jnp.asarray(seg[:, grid.anchors]))
+    hidden, _ = drafter(out.features.reshape(rows, length, -1),
+                        target.embed(jnp.asarray(block_ids.reshape(rows, -1))), inputs)
     logits = np.asarray(target.logits(hidden), np.float64).reshape(rows, grid.num_anchors, block, -1)
 
     total, count = 0.0, 0
@@ -177,8 +179,8 @@ def test_peak_flops_come_from_config_then_the_device_table(files):
 
 
 def test_init_from_an_exported_drafter_starts_from_its_weights(files, tmp_path):
-    from dflash_jax.models.drafter import Drafter, drafter_to_torch_layout
-    from dflash_jax.weights.drafter_export import export_drafter
+    from dflash_jax.models.drafter import Drafter
+    from dflash_jax.weights.drafter_files import drafter_to_torch_layout, export_drafter
 
     fresh = build(tiny_config(*files), mesh_of())
     source = Drafter(fresh.drafter_config, rngs=nnx.Rngs(7))

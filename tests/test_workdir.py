@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from dflash_jax.train.checkpoint import CHECKPOINTS_DIR, workdir_path
+from dflash_jax.weights.drafter_files import CHECKPOINTS_DIR, workdir_path
 
 
 def test_bucket_uris_stay_uris():

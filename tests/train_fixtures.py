@@ -23,9 +23,10 @@ from dflash_jax.weights.targets import load_target
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.train import validate
-from dflash_jax.train.checkpoint import DRAFTER_CONFIG_FILE, Checkpointer
+from dflash_jax.train.checkpoint import Checkpointer
 from dflash_jax.train.state import StateSpec, TrainState, init_train_state, state_spec
 from dflash_jax.train.step import StepFunctions, make_step
+from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE
 from tests.hf_fixtures import qwen3_config, save_qwen3
 from tests.tokenizer_fixture import _WORDS, make_chat_tokenizer
 

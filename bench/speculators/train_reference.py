@@ -47,12 +47,13 @@ from speculators.train.optimizers import build_optimizers
 from transformers import AutoTokenizer, Qwen3Config, get_cosine_schedule_with_warmup
 
 from dflash_jax.data import BatchLoader
-from dflash_jax.data import anchors as grid_ops
-from dflash_jax.models.drafter import DrafterConfig, drafter_to_torch_layout
-from dflash_jax.weights.targets import load_target
-from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.models.drafter import DrafterConfig
+from dflash_jax.ops import anchors as grid_ops
+from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.train.state import make_drafter
 from dflash_jax.train.validate import dtype_of
+from dflash_jax.weights.drafter_files import drafter_to_torch_layout
+from dflash_jax.weights.targets import load_target
 
 
 def speculators_drafter(config: ConfigDict, drafter: DrafterConfig, initial: dict[str, np.ndarray]) -> DFlashDraftModel:

@@ -1,13 +1,6 @@
-"""Training data: JSONL records -> tokens + loss mask -> packed, phase-shifted rows -> batches; anchor grid."""
+"""Training data: JSONL records -> tokens + loss mask -> packed, phase-shifted rows -> batches (the anchor
+grid they are cut for: ops/anchors.py)."""
 
-from dflash_jax.data.anchors import (
-    anchor_utilisation,
-    anchor_validity,
-    block_positions,
-    block_segment_ids,
-    block_token_ids,
-    slot_mask,
-)
 from dflash_jax.data.corpus import Corpus
 from dflash_jax.data.loader import BatchLoader, merge_states
 from dflash_jax.data.packing import Cursor, PackedRow, RowPacker, place_row, row_capacity, row_phase
@@ -25,17 +18,11 @@ __all__ = [
     "PackedRow",
     "Prefetcher",
     "RowPacker",
-    "anchor_utilisation",
-    "anchor_validity",
-    "block_positions",
-    "block_segment_ids",
-    "block_token_ids",
     "check_chat_tokenizer",
     "merge_states",
     "parse_record",
     "place_row",
     "row_capacity",
     "row_phase",
-    "slot_mask",
     "tokenize_record",
 ]

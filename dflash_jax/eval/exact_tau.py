@@ -17,7 +17,6 @@ DDTree τ walks the same way with accepted(p) = the depth the continuation reach
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -27,14 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
-from dflash_jax.data import anchors as grid_ops
 from dflash_jax.eval.ddtree import accepted_depth, build_tree
-from dflash_jax.eval.generate import fp32_logits
+from dflash_jax.models.dflash import target_context
 from dflash_jax.models.drafter import Drafter
-from dflash_jax.ops.mask import AnchorGrid
-from dflash_jax.train.loss import greedy_labels
+from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs
+from dflash_jax.ops.lm_head import fp32_logits
 
 DEFAULT_BUDGETS = (8, 22)
 
@@ -62,10 +59,6 @@ class DraftScorer:
         target_def, self._target_state = nnx.split(target)
         drafter_def, self._drafter_state = nnx.split(drafter)
         self._static = (target_def, drafter_def, min(top_k, drafter.config.vocab_size), row_chunk, vocab_chunk)
-        # The forward is traced under the mesh the target's weights live on, so that its splash attention (if
-        # chosen) runs per shard: a Pallas kernel on several chips must (ops/splash_attention.py `_on_mesh`).
-        sharding = jax.tree.leaves(self._target_state)[0].sharding
-        self._mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
 
     def __call__(self, sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """sequence [L] -> (target greedy token after each position [L], drafted top-k tokens and their
@@ -73,8 +66,7 @@ class DraftScorer:
         length = len(sequence)
         padded = np.zeros((1, -(-length // self.length_bucket) * self.length_bucket), np.int32)
         padded[0, :length] = sequence  # padding sits after the text: causal, so it changes nothing before
-        with jax.set_mesh(self._mesh) if self._mesh is not None else contextlib.nullcontext():
-            scores = _score(*self._static, self._target_state, self._drafter_state, padded)
+        scores = _score(*self._static, self._target_state, self._drafter_state, padded)
         greedy, tokens, log_probs = jax.device_get(scores)
         return greedy[:length], tokens[:length], log_probs[:length]
 
@@ -86,15 +78,11 @@ def _score(target_def, drafter_def, top_k, row_chunk, vocab_chunk, target_state,
     grid = AnchorGrid(length, 1, config.block_size)
     positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
     segments = jnp.ones((batch, length), jnp.int32)
-    out = target(input_ids, positions, segments, config.target_layer_ids)
-    lm_head = target.lm_head_kernel()
-    greedy = greedy_labels(out.hidden, lm_head, vocab_chunk)[0]
-    block_ids = grid_ops.block_token_ids(input_ids, grid.anchors, config.block_size, config.mask_token_id)
-    hidden = drafter(out.features.reshape(batch, length, -1), target.embed(block_ids), positions,
-                     grid_ops.block_positions(positions, grid.anchors, config.block_size), segments,
-                     segments[:, grid.anchors], grid)
+    context = target_context(target, input_ids, positions, segments, grid, config, vocab_chunk=vocab_chunk)
+    greedy = context.labels[0, :, 1]  # slot 1 of the block at anchor p: the target's greedy token after p
+    hidden, _ = drafter(context.features, context.block_embeds, DrafterInputs.from_rows(grid, positions, segments))
     drafted = hidden.reshape(length, config.block_size, -1)[:, 1:].reshape(-1, hidden.shape[-1])
-    tokens, log_probs = _top_k_log_probs(drafted, lm_head, top_k, row_chunk)
+    tokens, log_probs = _top_k_log_probs(drafted, context.lm_head, top_k, row_chunk)
     shape = (length, config.block_size - 1, top_k)
     return greedy, tokens.reshape(shape), log_probs.reshape(shape)
 

@@ -1,15 +1,15 @@
 """Greedy speculative decoding with a KV-cached Qwen3 target and a DFlash drafter (design §9.3).
 
-One loop serves both modes, so their speeds are comparable: with a drafter each step drafts a block and the
-target verifies [bonus, d1..d_{B-1}] in one forward; without one the block is just [bonus] (plain greedy
-decoding, block size 1). Per step, at start = the bonus token's position (its target features do not exist
-yet):
-  1. the drafter drafts slots 1..B-1 from its cached context (positions < start) and the block
-     [bonus, mask...] at positions start..start+B-1; greedy argmax per slot;
-  2. the target extends its KV cache by the block; posterior = its greedy token after each block position;
-  3. accepted = the leading drafts equal to the posterior; commit them plus posterior[accepted] (the new
+One loop serves both modes, so their speeds are comparable: with a drafter each step verifies a drafted block
+[bonus, d1..d_{B-1}] in one target forward and drafts the next; without one the block is just [bonus] (plain
+greedy decoding, block size 1). The prefill runs the target over the prompt, takes its greedy token as the
+first bonus and drafts the first block. Per step, at start = the bonus token's position:
+  1. the target extends its KV cache by the block; posterior = its greedy token after each block position;
+  2. accepted = the leading drafts equal to the posterior; commit them plus posterior[accepted] (the new
      bonus); crop the target cache to start + accepted + 1;
-  4. the drafter caches the context K/V of the verified positions (its block K/V are never kept).
+  3. the drafter caches the context K/V of the verified positions (its block K/V are never kept) and drafts
+     slots 1..B-1 of the block [new bonus, mask...] at the new start, from the context before it (the new
+     bonus's own target features do not exist yet); greedy argmax per slot.
 Committed tokens never pass `max_new_tokens`: a step accepts at most what still fits with its bonus, and a
 stop token is always committed as a bonus (drafts after it do not count), so the output and the acceptance
 lengths are exactly those of `exact_tau` on the same greedy continuation.
@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.eval.drafter_cache import add_context, draft_block, init_drafter_cache
-from dflash_jax.models.drafter import Drafter
-from dflash_jax.models.qwen3 import KVCache, Qwen3
+from dflash_jax.models.dflash import drafter_features
+from dflash_jax.models.drafter import DecodeStep, Drafter
+from dflash_jax.ops.anchors import block_token_ids
+from dflash_jax.ops.lm_head import greedy_tokens
 
 
 @dataclasses.dataclass
@@ -39,17 +40,7 @@ class Generation:
     decode_seconds: float  # wall time of the verification loop (prefill excluded, as z-lab's TPOT)
 
 
-def fp32_logits(hidden: jax.Array, lm_head_kernel: jax.Array) -> jax.Array:
-    """hidden @ lm_head with fp32 accumulation, as the training labels (`train.loss.greedy_labels`): every
-    greedy decision here and in `exact_tau` uses this, so they agree on near-ties in bf16."""
-    return jnp.dot(hidden, lm_head_kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
-
-
-def greedy_tokens(hidden: jax.Array, lm_head_kernel: jax.Array) -> jax.Array:
-    return jnp.argmax(fp32_logits(hidden, lm_head_kernel), axis=-1).astype(jnp.int32)
-
-
-def continue_text(target: Qwen3, ids: jax.Array, cache: KVCache, feature_layer_ids: tuple[int, ...]):
+def continue_text(target, ids: jax.Array, cache, feature_layer_ids: tuple[int, ...]):
     """The target's cached forward over ids [b, t] continuing each row's one document at cache.length."""
     positions = jnp.broadcast_to(cache.length + jnp.arange(ids.shape[1]), ids.shape)
     return target(ids, positions, jnp.zeros_like(ids), feature_layer_ids, cache=cache)
@@ -64,9 +55,10 @@ class SpeculativeGenerator:
     `capacity` cache columns (at least prompt + max_new_tokens + block size). Fixed shapes mean one compile
     per generator, whatever the prompt."""
 
-    def __init__(self, target: Qwen3, drafter: Drafter | None, *, prefill_len: int, capacity: int):
-        if not isinstance(target, Qwen3):
-            raise TypeError(f"the KV-cached generator supports Qwen3 dense targets only, got {type(target).__name__}")
+    def __init__(self, target, drafter: Drafter | None, *, prefill_len: int, capacity: int):
+        if not target.croppable_cache:
+            raise TypeError(f"the speculative generator crops the target's decode cache after each verification, "
+                            f"which a {type(target).__name__} cache does not allow")
         self.block_size = drafter.config.block_size if drafter is not None else 1
         if capacity < prefill_len:
             raise ValueError(f"capacity ({capacity}) must be >= prefill_len ({prefill_len})")
@@ -86,38 +78,46 @@ class SpeculativeGenerator:
     def _feature_ids(self, drafter):
         return drafter.config.target_layer_ids if drafter is not None else ()
 
+    def _draft(self, target, drafter, drafter_cache, out, context_start, bonus, anchor):
+        """The drafter caches the context of the target's new positions (out, from context_start on) and
+        drafts the block after `bonus` [1] at `anchor`: (drafts [1, B-1], drafter cache). No drafter: none."""
+        if drafter is None:
+            return jnp.zeros((1, 0), jnp.int32), None
+        block_ids = block_token_ids(bonus[:, None], np.zeros(1, np.int32), self.block_size, drafter.config.mask_token_id)
+        hidden, drafter_cache = drafter(drafter_features(out), target.embed(block_ids),
+                                        DecodeStep(context_start, anchor), drafter_cache)
+        return greedy_tokens(hidden[:, 1:], target.lm_head_kernel()), drafter_cache
+
     def _prefill_fn(self, target_state, drafter_state, prompt, length):
-        """prompt: [1, prefill_len] padded; length: its real length. Returns caches and the first token."""
+        """prompt: [1, prefill_len] padded; length: its real length. Returns the caches, the first token (the
+        first bonus) and the first drafts."""
         target, drafter = self._models(target_state, drafter_state)
         out = continue_text(target, prompt, target.init_cache(1, self.capacity), self._feature_ids(drafter))
         cache = out.cache._replace(length=length)  # drop the padding
         last = jax.lax.dynamic_index_in_dim(out.hidden, length - 1, axis=1, keepdims=False)
         first = greedy_tokens(last, target.lm_head_kernel())  # [1]
-        drafter_cache = None
-        if drafter is not None:
-            features = out.features.reshape(*out.features.shape[:2], -1)
-            drafter_cache = add_context(drafter, init_drafter_cache(drafter, 1, self.capacity), features, 0)
-        return cache, drafter_cache, first
+        # The padding's context lands at columns >= length, invisible until the next step overwrites it.
+        drafter_cache = drafter.init_cache(1, self.capacity) if drafter is not None else None
+        drafts, drafter_cache = self._draft(target, drafter, drafter_cache, out, 0, first, length)
+        return cache, drafter_cache, first, drafts
 
-    def _step_fn(self, target_state, drafter_state, cache, drafter_cache, bonus, limit):
-        """One verification step from the bonus token [1] at position cache.length; at most `limit` drafts
-        are accepted. Returns (cache, drafter_cache, block [1, B], posterior [1, B], accepted)."""
+    def _step_fn(self, target_state, drafter_state, cache, drafter_cache, bonus, drafts, limit):
+        """One verification step of [bonus, drafts] from the bonus token [1] at position cache.length; at most
+        `limit` drafts are accepted. Returns (cache, drafter_cache, block [1, B], posterior [1, B], accepted,
+        the next step's bonus and drafts)."""
         target, drafter = self._models(target_state, drafter_state)
         start = cache.length
-        block = bonus[:, None]
-        if drafter is not None:
-            mask = jnp.full((1, self.block_size - 1), drafter.config.mask_token_id, jnp.int32)
-            hidden = draft_block(drafter, drafter_cache, target.embed(jnp.concatenate([block, mask], 1)), start)
-            drafts = greedy_tokens(hidden[:, 1:], target.lm_head_kernel())
-            block = jnp.concatenate([block, drafts], axis=1)
+        block = jnp.concatenate([bonus[:, None], drafts], axis=1)
         out = continue_text(target, block, cache, self._feature_ids(drafter))
         cache, posterior = out.cache, greedy_tokens(out.hidden, target.lm_head_kernel())
         matches = (block[0, 1:] == posterior[0, :-1]).astype(jnp.int32)
         accepted = jnp.minimum(jnp.sum(jnp.cumprod(matches)), limit)
         cache = cache._replace(length=start + accepted + 1)
-        if drafter is not None:
-            drafter_cache = add_context(drafter, drafter_cache, out.features.reshape(1, self.block_size, -1), start)
-        return cache, drafter_cache, block, posterior, accepted
+        # Positions past the accepted ones carry a rejected draft's context, at columns >= the next anchor.
+        next_bonus = jax.lax.dynamic_index_in_dim(posterior, accepted, axis=1, keepdims=False)
+        next_drafts, drafter_cache = self._draft(target, drafter, drafter_cache, out, start, next_bonus,
+                                                 start + accepted + 1)
+        return cache, drafter_cache, block, posterior, accepted, next_bonus, next_drafts
 
     # ---- the host loop ----------------------------------------------------------------------------------
 
@@ -135,24 +135,23 @@ class SpeculativeGenerator:
                              f"this generator has {self.capacity}")
         padded = np.zeros((1, self.prefill_len), np.int32)
         padded[0, :length] = prompt
-        cache, drafter_cache, bonus = self._prefill(self._target_state, self._drafter_state, padded,
-                                                    np.int32(length))
+        cache, drafter_cache, bonus, drafts = self._prefill(self._target_state, self._drafter_state, padded,
+                                                            np.int32(length))
         tokens = [int(bonus[0])]
         acceptance_lengths = []
         began = time.perf_counter()
         while len(tokens) < max_new_tokens and tokens[-1] not in stop_token_ids:
             # The accepted drafts and the new bonus must fit in max_new_tokens.
             limit = min(self.block_size - 1, max_new_tokens - len(tokens) - 1)
-            cache, drafter_cache, block, posterior, accepted = self._step(
-                self._target_state, self._drafter_state, cache, drafter_cache, bonus, np.int32(limit))
+            cache, drafter_cache, block, posterior, accepted, bonus, drafts = self._step(
+                self._target_state, self._drafter_state, cache, drafter_cache, bonus, drafts, np.int32(limit))
             accepted = int(accepted)  # waits for the step, so the timing is honest
             block, posterior = np.asarray(block[0]), np.asarray(posterior[0])
             stop = next((k for k in range(1, accepted + 1) if block[k] in stop_token_ids), None)
             if stop is not None:  # the response ends there: the stop token is this step's bonus, as in exact_tau
                 accepted = stop - 1
             tokens.extend(int(t) for t in block[1:accepted + 1])
-            tokens.append(int(posterior[accepted]))
-            bonus = np.asarray([posterior[accepted]], np.int32)
+            tokens.append(int(posterior[accepted]))  # the step's bonus: `bonus` unless a stop token ends here
             acceptance_lengths.append(accepted + 1)
         decode_seconds = time.perf_counter() - began
         return Generation(np.asarray(tokens, np.int32), acceptance_lengths, decode_seconds)

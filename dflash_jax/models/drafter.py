@@ -3,27 +3,35 @@
 ctx = hidden_norm(fc(concat of the n target feature layers)) is computed once and feeds every layer's own
 k_proj/v_proj (never input_layernorm). Queries are the block tokens only; the mask is design §5. The drafter
 owns no embedding or LM head: the caller embeds block ids and applies lm_head with the frozen target's.
+
+One forward serves training, exact τ and decoding (the Flax gemma pattern): without a cache the blocks of
+whole rows attend to the rows' context on the anchor grid; with a cache (`init_cache`), each decoding step
+appends the newly verified context's keys/values and drafts one block over the cached columns. Only the
+attention mask and kernel differ (`Attend`); projections, norms, RoPE and the layer step are shared.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
-from dflash_jax.models.layers import MLP, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
+from dflash_jax.models.layers import (MLP, Linear, RMSNorm, apply_rope, decoder_layer_params,
+                                      rope_inverse_frequencies)
 from dflash_jax.ops.backends import resolve_attention_impl
-from dflash_jax.ops.dflash_attention import dflash_attention
-from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs
+from dflash_jax.ops.dflash_attention import cached_dflash_attention, dflash_attention
 from dflash_jax.ops.splash_attention import dflash_attention_splash
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ATTENTION_IMPLS = {"xla": dflash_attention, "splash": dflash_attention_splash}
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
@@ -105,16 +113,43 @@ class DrafterConfig:
         # hold the config must be hashable for jit caching).
         return hash(json.dumps(dataclasses.asdict(self), sort_keys=True))
 
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights every block token is multiplied by in the decoder layers (q/k/v/o and the MLP; not fc),
+        for FLOP counts."""
+        return self.num_hidden_layers * decoder_layer_params(self.hidden_size, self.num_attention_heads,
+                                                             self.num_key_value_heads, self.head_dim,
+                                                             self.intermediate_size)
+
     def window(self, layer_index: int) -> int | None:
         """The attention window of a layer: W for sliding_attention, None (full attention) otherwise."""
         return self.sliding_window if self.layer_types[layer_index] == "sliding_attention" else None
 
 
-class DrafterAttention(nnx.Module):
-    """Block queries; keys/values over [ctx | block]; q_norm/k_norm before RoPE; the §5 mask."""
+class DrafterCache(NamedTuple):
+    """The context keys (after k_norm and RoPE) and values of every layer, for decoding; column = position."""
 
-    def __init__(self, config: DrafterConfig, window: int | None, *, rngs: nnx.Rngs, param_dtype, dtype,
-                 attention_impl: str, query_chunk_blocks: int):
+    keys: jax.Array  # [layers, b, capacity, kv_heads, head_dim]
+    values: jax.Array  # [layers, b, capacity, kv_heads, head_dim]
+
+
+class DecodeStep(NamedTuple):
+    """Where one decoding step's inputs sit, one document per row (column = position): the new context
+    features at positions context_start.., and the block at `anchor` (its bonus token, whose features do not
+    exist yet)."""
+
+    context_start: jax.Array  # int32 scalar
+    anchor: jax.Array  # int32 scalar
+
+
+# attend(q, k_ctx, v_ctx, k_blk, v_blk, window, scale) -> [b, queries, Hq, D]: the mask and kernel of one forward.
+Attend = Callable[..., jax.Array]
+
+
+class DrafterAttention(nnx.Module):
+    """Block queries; keys/values over [context | block]; q_norm/k_norm before RoPE; the design §5 mask."""
+
+    def __init__(self, config: DrafterConfig, window: int | None, *, rngs: nnx.Rngs, param_dtype, dtype):
         hidden, head_dim = config.hidden_size, config.head_dim
         q_width, kv_width = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         linear = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
@@ -128,45 +163,36 @@ class DrafterAttention(nnx.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim
         self.window = window
-        self.attention_impl = attention_impl
-        self.query_chunk_blocks = query_chunk_blocks
 
     def _heads(self, x: jax.Array, num_heads: int) -> jax.Array:
         return x.reshape(*x.shape[:2], num_heads, self.head_dim)
 
-    def __call__(self, h, ctx, context_positions, block_positions, context_segment_ids, anchor_segment_ids,
-                 grid: AnchorGrid, inv_freq: np.ndarray) -> jax.Array:
+    def key_values(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """k_norm/RoPE keys and values of x [b, t, H] at `positions`: of the context (every layer's own
+        k_proj/v_proj on ctx, never input_layernorm) and of the block tokens alike."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), positions, inv_freq)
+        return k, self._heads(self.v_proj(x), self.num_kv_heads)
+
+    def __call__(self, h: jax.Array, context: tuple[jax.Array, jax.Array], block_positions: jax.Array,
+                 attend: Attend, inv_freq: np.ndarray) -> jax.Array:
         q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.num_heads)), block_positions, inv_freq)
-        # k_norm applies to the context keys too (§3); RoPE at context positions for ctx, block positions
-        # for the block.
-        k_ctx = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.num_kv_heads)), context_positions,
-                           inv_freq)
-        k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(h), self.num_kv_heads)), block_positions,
-                           inv_freq)
-        v_ctx = self._heads(self.v_proj(ctx), self.num_kv_heads)
-        v_blk = self._heads(self.v_proj(h), self.num_kv_heads)
-        attention = ATTENTION_IMPLS[self.attention_impl]
-        out = attention(q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, anchor_segment_ids, grid,
-                        self.window, self.head_dim**-0.5, self.query_chunk_blocks)
+        k_blk, v_blk = self.key_values(h, block_positions, inv_freq)
+        out = attend(q, *context, k_blk, v_blk, window=self.window, scale=self.head_dim**-0.5)
         return self.o_proj(out.reshape(*out.shape[:2], self.num_heads * self.head_dim))
 
 
 class DrafterLayer(nnx.Module):
-    """Pre-norm Qwen3 decoder layer over the block tokens; ctx enters attention without input_layernorm."""
+    """Pre-norm Qwen3 decoder layer over the block tokens; the context enters attention as keys/values."""
 
-    def __init__(self, config: DrafterConfig, window: int | None, *, rngs: nnx.Rngs, param_dtype, dtype,
-                 attention_impl: str, query_chunk_blocks: int):
+    def __init__(self, config: DrafterConfig, window: int | None, *, rngs: nnx.Rngs, param_dtype, dtype):
         eps, hidden = config.rms_norm_eps, config.hidden_size
         self.input_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
-        self.self_attn = DrafterAttention(config, window, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
-                                          attention_impl=attention_impl, query_chunk_blocks=query_chunk_blocks)
+        self.self_attn = DrafterAttention(config, window, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
         self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
 
-    def __call__(self, x, ctx, context_positions, block_positions, context_segment_ids, anchor_segment_ids,
-                 grid: AnchorGrid, inv_freq: np.ndarray) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, context_positions, block_positions,
-                               context_segment_ids, anchor_segment_ids, grid, inv_freq)
+    def __call__(self, x, context, block_positions, attend: Attend, inv_freq: np.ndarray) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), context, block_positions, attend, inv_freq)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -174,37 +200,81 @@ class Drafter(nnx.Module):
     """fc + hidden_norm over the target features, the decoder layers, and the final norm (design §3).
 
     param_dtype: storage dtype of the weights (fp32 master weights by default); dtype: compute dtype
-    (defaults to param_dtype). attention_impl picks the §5 attention backend: "xla", "splash", or "auto"
-    (splash on TPU, else xla; ops/backends.py). query_chunk_blocks is the number of blocks per query chunk
-    of the XLA backend (its memory knob).
+    (defaults to param_dtype). attention_impl picks the training forward's §5 attention backend: "xla",
+    "splash", or "auto" (splash on TPU, else xla; ops/backends.py); query_chunk_blocks is the number of
+    blocks per query chunk of the XLA backend (its memory knob); mesh is the device mesh the activations are
+    sharded on, where splash runs per shard (None: one device). Decoding with a cache always runs in XLA.
     """
 
     def __init__(self, config: DrafterConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=None,
-                 attention_impl: str = "xla", query_chunk_blocks: int = 32):
-        attention_impl = resolve_attention_impl(attention_impl)
+                 attention_impl: str = "xla", query_chunk_blocks: int = 32, mesh: Mesh | None = None):
         rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)  # refuse bad rope now
         dtype = param_dtype if dtype is None else dtype
         hidden = config.hidden_size
         self.config = config
         self.dtype = dtype
+        self.attention_impl = resolve_attention_impl(attention_impl)
+        self.query_chunk_blocks = query_chunk_blocks
+        self.mesh = mesh
         self.fc = Linear(len(config.target_layer_ids) * hidden, hidden, axes=("fc_in", "embed"), rngs=rngs,
                          param_dtype=param_dtype, dtype=dtype)
         self.hidden_norm = RMSNorm(hidden, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.layers = nnx.List([
-            DrafterLayer(config, config.window(i), rngs=rngs, param_dtype=param_dtype, dtype=dtype,
-                         attention_impl=attention_impl, query_chunk_blocks=query_chunk_blocks)
+            DrafterLayer(config, config.window(i), rngs=rngs, param_dtype=param_dtype, dtype=dtype)
             for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(hidden, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, context_features: jax.Array, block_embeds: jax.Array, context_positions: jax.Array,
-                 block_positions: jax.Array, context_segment_ids: jax.Array, anchor_segment_ids: jax.Array,
-                 grid: AnchorGrid) -> jax.Array:
-        """Hidden states [b, N*B, H] after the drafter's final norm (the input of the target's lm_head).
+    def init_cache(self, batch: int, capacity: int) -> DrafterCache:
+        """An empty decoding cache of `capacity` context columns per row."""
+        config = self.config
+        shape = (config.num_hidden_layers, batch, capacity, config.num_key_value_heads, config.head_dim)
+        return DrafterCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
 
-        context_features: [b, T, n*H], the target feature layers concatenated in target_layer_ids order;
-        block_embeds: [b, N*B, H], the target's embedding of the block ids; positions are RoPE positions;
-        anchor_segment_ids: [b, N], the segment id at each anchor of `grid`.
+    def __call__(self, context_features: jax.Array, block_embeds: jax.Array, inputs: DrafterInputs | DecodeStep,
+                 cache: DrafterCache | None = None) -> tuple[jax.Array, DrafterCache | None]:
+        """(hidden states after the drafter's final norm, the input of the target's lm_head; the cache).
+
+        context_features: [b, t, n*H], the target feature layers concatenated in target_layer_ids order;
+        block_embeds: [b, queries, H], the target's embedding of the block ids.
+        Without a cache (training, exact τ): t = T, a whole row; the blocks sit on `inputs.grid`
+        (`DrafterInputs`), queries = N*B, hidden [b, N*B, H].
+        With a cache (decoding, `DecodeStep`): the context of positions inputs.context_start.. is written
+        into the cache first (a committed position's context is cached once; columns past the anchor may hold
+        stale rows, which stay invisible until overwritten); then the one block at inputs.anchor (queries =
+        B) sees the cached columns before the anchor, by the same §5 rules. Returns the updated cache.
         """
+        config = self.config
+        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        if cache is None:
+            self._check_shapes(context_features, block_embeds, inputs.grid)
+            context_positions, block_positions = inputs.context_positions, inputs.block_positions
+            attend = functools.partial(self._backend(), context_segment_ids=inputs.context_segment_ids,
+                                       anchor_segment_ids=inputs.anchor_segment_ids, grid=inputs.grid)
+        else:
+            context_positions = _positions(inputs.context_start, context_features.shape[:2])
+            block_positions = _positions(inputs.anchor, block_embeds.shape[:2])
+            attend = functools.partial(cached_dflash_attention, anchor=inputs.anchor)
+        ctx = self.hidden_norm(self.fc(context_features))
+        x = block_embeds.astype(self.dtype)
+        keys, values = [], []
+        for index, layer in enumerate(self.layers):
+            context = layer.self_attn.key_values(ctx, context_positions, inv_freq)
+            if cache is not None:
+                context = tuple(jax.lax.dynamic_update_slice_in_dim(cached[index], new.astype(cached.dtype),
+                                                                    inputs.context_start, axis=1)
+                                for cached, new in zip(cache, context))
+                keys.append(context[0])
+                values.append(context[1])
+            x = layer(x, context, block_positions, attend, inv_freq)
+        return self.norm(x), (DrafterCache(jnp.stack(keys), jnp.stack(values)) if cache is not None else None)
+
+    def _backend(self) -> Attend:
+        """The training forward's attention: the §5 mask on the anchor grid, by attention_impl."""
+        if self.attention_impl == "splash":
+            return functools.partial(dflash_attention_splash, mesh=self.mesh)
+        return functools.partial(dflash_attention, query_chunk_blocks=self.query_chunk_blocks)
+
+    def _check_shapes(self, context_features: jax.Array, block_embeds: jax.Array, grid: AnchorGrid) -> None:
         config = self.config
         width = len(config.target_layer_ids) * config.hidden_size
         if context_features.shape[-1] != width:
@@ -219,54 +289,8 @@ class Drafter(nnx.Module):
             raise ValueError(f"context_features {context_features.shape} and block_embeds {block_embeds.shape} "
                              f"do not fit {grid} with hidden_size {config.hidden_size}: expected [b, "
                              f"{grid.seq_len}, n*H] and [b, {grid.num_queries}, {config.hidden_size}]")
-        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-        ctx = self.hidden_norm(self.fc(context_features))
-        x = block_embeds.astype(self.dtype)
-        for layer in self.layers:
-            x = layer(x, ctx, context_positions, block_positions, context_segment_ids, anchor_segment_ids, grid,
-                      inv_freq)
-        return self.norm(x)
 
 
-def _torch_name(path: tuple) -> tuple[str, bool]:
-    """NNX parameter path -> (z-lab export name, whether the tensor is a Linear kernel to transpose).
-
-    The module attributes above carry the export names, so ('layers', 0, 'self_attn', 'q_proj', 'kernel')
-    becomes 'layers.0.self_attn.q_proj.weight'.
-    """
-    *module_path, leaf = path
-    return ".".join(map(str, module_path)) + ".weight", leaf == "kernel"
-
-
-def drafter_to_torch_layout(drafter: Drafter) -> dict[str, np.ndarray]:
-    """Every trained weight under its z-lab export name (design §10), Linear weights in PyTorch [out, in]."""
-    tensors = {}
-    for path, param in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
-        name, is_kernel = _torch_name(path)
-        value = np.asarray(param.get_value())
-        tensors[name] = value.T if is_kernel else value
-    return tensors
-
-
-def drafter_from_torch_layout(tensors: Mapping[str, np.ndarray], config: DrafterConfig, *,
-                              param_dtype=jnp.float32, **drafter_kwargs) -> Drafter:
-    """The inverse of `drafter_to_torch_layout`: a Drafter holding exactly these tensors.
-
-    Raises ValueError naming missing or unexpected tensors and shape mismatches. drafter_kwargs go to Drafter.
-    """
-    abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0), param_dtype=param_dtype,
-                                              **drafter_kwargs))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    variables = {_torch_name(path): variable for path, variable in nnx.to_flat_state(params)}
-    expected = {name for name, _ in variables}
-    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-    if missing or unexpected:
-        raise ValueError(f"drafter tensors do not match the DrafterConfig: missing {missing}, unexpected {unexpected}")
-    for (name, is_kernel), variable in variables.items():
-        value = np.asarray(tensors[name])
-        value = value.T if is_kernel else value
-        if value.shape != tuple(variable.shape):
-            torch_shape = tuple(reversed(variable.shape)) if is_kernel else tuple(variable.shape)
-            raise ValueError(f"tensor {name} has shape {np.asarray(tensors[name]).shape}, expected {torch_shape}")
-        variable.set_value(jnp.asarray(value, dtype=variable.dtype))
-    return nnx.merge(graphdef, params, rest)
+def _positions(start: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """[b, t] positions start, start+1, ... of every row."""
+    return jnp.broadcast_to(start + jnp.arange(shape[1]), shape)

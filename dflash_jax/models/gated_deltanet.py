@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.models.layers import Linear
+from dflash_jax.models.layers import Linear, param
 from dflash_jax.ops.gated_delta import chunked_gated_delta_rule, segment_starts
 
 _L2_EPS = 1e-6  # transformers `l2norm` default, added to the sum of squares
@@ -41,7 +41,7 @@ class CausalDepthwiseConv(nnx.Module):
 
     def __init__(self, channels: int, kernel_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         init = jax.random.normal(rngs.params(), (channels, kernel_size), param_dtype) * kernel_size**-0.5
-        self.weight = nnx.Param(init, out_sharding=("linear_qkv", "conv"))
+        self.weight = param(init, ("linear_qkv", "conv"))
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array,
                  history: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
@@ -70,7 +70,7 @@ class GatedRMSNorm(nnx.Module):
     · silu(z) in fp32, over the last axis (one value head). The weight starts at 1 and is shared by heads."""
 
     def __init__(self, features: int, *, eps: float, param_dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((features,), param_dtype), out_sharding=("head_dim",))
+        self.weight = param(jnp.ones((features,), param_dtype), ("head_dim",))
         self.eps = eps
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
@@ -103,9 +103,9 @@ class GatedDeltaNet(nnx.Module):
                                           param_dtype=param_dtype)
         # The decay parameters stay fp32 whatever the model dtype (HF upcasts A_log; dt_bias enters the fp32
         # softplus). Initial values as transformers: dt_bias = 1, A = exp(A_log) ~ U(1, 16).
-        self.dt_bias = nnx.Param(jnp.ones((num_value_heads,), jnp.float32), out_sharding=("linear_heads",))
+        self.dt_bias = param(jnp.ones((num_value_heads,), jnp.float32), ("linear_heads",))
         decay_rate = jax.random.uniform(rngs.params(), (num_value_heads,), jnp.float32, 1.0, 16.0)
-        self.A_log = nnx.Param(jnp.log(decay_rate), out_sharding=("linear_heads",))
+        self.A_log = param(jnp.log(decay_rate), ("linear_heads",))
         self.norm = GatedRMSNorm(value_head_dim, eps=rms_norm_eps, param_dtype=param_dtype)
         self.out_proj = linear(value_dim, hidden_size, ("linear_value", "embed"))
 

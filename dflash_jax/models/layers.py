@@ -15,6 +15,12 @@ from flax import nnx
 INIT_STD = 0.02  # HF Qwen `initializer_range`
 
 
+def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
+    """A trainable weight carrying the logical names of its axes. It is created unsharded: shardings come from
+    the logical-axis rules (`dflash_jax.sharding`), applied by jit in/out shardings under the mesh."""
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
 class Linear(nnx.Module):
     """y = x @ kernel, no bias. `axes` names the (in, out) kernel dimensions.
 
@@ -24,7 +30,7 @@ class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, axes: tuple[str, str], rngs: nnx.Rngs,
                  param_dtype=jnp.float32, dtype=None):
         init = jax.random.normal(rngs.params(), (in_features, out_features), param_dtype) * INIT_STD
-        self.kernel = nnx.Param(init, out_sharding=axes)
+        self.kernel = param(init, axes)
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -38,7 +44,7 @@ class Embed(nnx.Module):
 
     def __init__(self, vocab_size: int, features: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         init = jax.random.normal(rngs.params(), (vocab_size, features), param_dtype) * INIT_STD
-        self.embedding = nnx.Param(init, out_sharding=("vocab", "embed"))
+        self.embedding = param(init, ("vocab", "embed"))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], ids, axis=0)
@@ -59,7 +65,7 @@ class RMSNorm(nnx.Module):
     def __init__(self, features: int, *, eps: float, zero_centered: bool = False, axis_name: str = "embed",
                  param_dtype=jnp.float32):
         init = jnp.zeros if zero_centered else jnp.ones
-        self.weight = nnx.Param(init((features,), param_dtype), out_sharding=(axis_name,))
+        self.weight = param(init((features,), param_dtype), (axis_name,))
         self.eps = eps
         self.zero_centered = zero_centered
 
@@ -86,6 +92,12 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def decoder_layer_params(hidden: int, q_heads: int, kv_heads: int, head_dim: int, intermediate: int) -> int:
+    """Matmul weights of one Qwen3 decoder layer (q/k/v/o projections and the SwiGLU MLP), for FLOP counts."""
+    q_width, kv_width = q_heads * head_dim, kv_heads * head_dim
+    return hidden * (2 * q_width + 2 * kv_width) + 3 * hidden * intermediate
 
 
 def rope_inverse_frequencies(rotary_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:

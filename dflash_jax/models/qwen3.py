@@ -16,8 +16,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
-from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
+from dflash_jax.models.layers import (MLP, Embed, Linear, RMSNorm, apply_rope, decoder_layer_params,
+                                      rope_inverse_frequencies)
 from dflash_jax.models.target import (NO_SEGMENT, AttentionCache, EmbeddingAndHead, TargetOutput,
                                       causal_self_attention, feature_slots, write_columns)
 from dflash_jax.ops.backends import resolve_attention_impl
@@ -58,6 +60,19 @@ class Qwen3Config:
             raise ValueError(f"Qwen3 config field 'tie_word_embeddings' must be a bool, "
                              f"got {self.tie_word_embeddings!r}")
         rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)  # refuses unsupported types
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights every token is multiplied by in the decoder layers (q/k/v/o and the MLP; not the embedding
+        or the LM head), for FLOP counts."""
+        return self.num_hidden_layers * decoder_layer_params(self.hidden_size, self.num_attention_heads,
+                                                             self.num_key_value_heads, self.head_dim,
+                                                             self.intermediate_size)
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with softmax attention over the sequence (all of them)."""
+        return self.num_hidden_layers
 
     @classmethod
     def from_hf(cls, config: Mapping) -> Qwen3Config:
@@ -110,10 +125,10 @@ class KVCache(NamedTuple):
 class Attention(nnx.Module):
     """Qwen3Attention: per-head RMSNorm on q and k before RoPE, GQA, scale head_dim^-0.5, no biases."""
 
-    def __init__(self, config: Qwen3Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str):
+    def __init__(self, config: Qwen3Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str, mesh: Mesh | None):
         hidden, dim = config.hidden_size, config.head_dim
         self.q_heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, dim
-        self.attention_impl = attention_impl
+        self.attention_impl, self.mesh = attention_impl, mesh
         self.q_proj = Linear(hidden, self.q_heads * dim, axes=("embed", "q_heads"), rngs=rngs,
                              param_dtype=param_dtype)
         self.k_proj = Linear(hidden, self.kv_heads * dim, axes=("embed", "kv_heads"), rngs=rngs,
@@ -131,17 +146,19 @@ class Attention(nnx.Module):
         k = self.k_norm(self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, cache = causal_self_attention(q, k, v, segment_ids, self.head_dim**-0.5, self.attention_impl, cache)
+        out, cache = causal_self_attention(q, k, v, segment_ids, self.head_dim**-0.5, self.attention_impl, self.mesh,
+                                           cache)
         return self.o_proj(out.reshape(batch, length, self.q_heads * self.head_dim)), cache
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: x += attn(norm(x)); x += mlp(norm(x))."""
 
-    def __init__(self, config: Qwen3Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str):
+    def __init__(self, config: Qwen3Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str, mesh: Mesh | None):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
-        self.self_attn = Attention(config, param_dtype=param_dtype, rngs=rngs, attention_impl=attention_impl)
+        self.self_attn = Attention(config, param_dtype=param_dtype, rngs=rngs, attention_impl=attention_impl,
+                                   mesh=mesh)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
         self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
 
@@ -155,10 +172,14 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
     """Qwen3ForCausalLM. `layers` holds all decoder layers stacked on a leading `layers` axis.
 
     attention_impl: the backend of `__call__`'s attention, "xla" (query chunks), "splash" (the TPU kernel; the
-    Pallas interpreter elsewhere) or "auto" (splash on TPU, else xla; ops/backends.py).
+    Pallas interpreter elsewhere) or "auto" (splash on TPU, else xla; ops/backends.py). mesh: the device mesh
+    the activations are sharded on, where splash runs per shard (None: one device).
     """
 
-    def __init__(self, config: Qwen3Config, *, param_dtype=jnp.float32, rngs: nnx.Rngs, attention_impl: str = "xla"):
+    croppable_cache = True  # every layer's cache is keys/values by column
+
+    def __init__(self, config: Qwen3Config, *, param_dtype=jnp.float32, rngs: nnx.Rngs, attention_impl: str = "xla",
+                 mesh: Mesh | None = None):
         self.config = config
         attention_impl = resolve_attention_impl(attention_impl)
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, param_dtype=param_dtype)
@@ -166,7 +187,8 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         @nnx.split_rngs(splits=config.num_hidden_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_layers(layer_rngs):
-            return DecoderLayer(config, param_dtype=param_dtype, rngs=layer_rngs, attention_impl=attention_impl)
+            return DecoderLayer(config, param_dtype=param_dtype, rngs=layer_rngs, attention_impl=attention_impl,
+                                mesh=mesh)
 
         self.layers = make_layers(rngs)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)

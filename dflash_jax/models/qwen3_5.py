@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from dflash_jax.models.gated_deltanet import GatedDeltaNet, RecurrentCache
 from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
@@ -43,10 +44,11 @@ class GatedAttention(nnx.Module):
     """`Qwen3_5Attention`: q_proj yields per head [query | gate]; (1+w) q_norm/k_norm; partial rotate-half
     RoPE; GQA with scale head_dim^-0.5; o_proj(attn · sigmoid(gate))."""
 
-    def __init__(self, config: Qwen3_5Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str):
+    def __init__(self, config: Qwen3_5Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str,
+                 mesh: Mesh | None):
         hidden, dim = config.hidden_size, config.head_dim
         self.q_heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, dim
-        self.attention_impl = attention_impl
+        self.attention_impl, self.mesh = attention_impl, mesh
         linear = lambda n_in, n_out, axes: Linear(n_in, n_out, axes=axes, rngs=rngs, param_dtype=param_dtype)
         # Output rows are [h0 query, h0 gate, h1 query, ...]: a tensor split over heads keeps pairs together.
         self.q_proj = linear(hidden, self.q_heads * dim * 2, ("embed", "q_heads"))
@@ -65,7 +67,8 @@ class GatedAttention(nnx.Module):
         k = self.k_norm(self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, cache = causal_self_attention(q, k, v, segment_ids, self.head_dim**-0.5, self.attention_impl, cache)
+        out, cache = causal_self_attention(q, k, v, segment_ids, self.head_dim**-0.5, self.attention_impl, self.mesh,
+                                           cache)
         out = out * jax.nn.sigmoid(gate)
         return self.o_proj(out.reshape(batch, length, self.q_heads * self.head_dim)), cache
 
@@ -74,7 +77,8 @@ class DecoderLayer(nnx.Module):
     """Pre-norm residual block: x += mixer(norm(x)); x += mlp(norm(x)). The mixer attribute is named as in
     the checkpoint: `linear_attn` (Gated DeltaNet) or `self_attn` (gated attention)."""
 
-    def __init__(self, config: Qwen3_5Config, layer_type: str, *, param_dtype, rngs: nnx.Rngs, attention_impl: str):
+    def __init__(self, config: Qwen3_5Config, layer_type: str, *, param_dtype, rngs: nnx.Rngs, attention_impl: str,
+                 mesh: Mesh | None):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.layer_type = layer_type
         self.input_layernorm = RMSNorm(hidden, eps=eps, zero_centered=True, param_dtype=param_dtype)
@@ -85,7 +89,8 @@ class DecoderLayer(nnx.Module):
                 conv_kernel_size=config.linear_conv_kernel_dim, rms_norm_eps=eps, rngs=rngs,
                 param_dtype=param_dtype)
         else:
-            self.self_attn = GatedAttention(config, param_dtype=param_dtype, rngs=rngs, attention_impl=attention_impl)
+            self.self_attn = GatedAttention(config, param_dtype=param_dtype, rngs=rngs, attention_impl=attention_impl,
+                                            mesh=mesh)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, zero_centered=True, param_dtype=param_dtype)
         self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
 
@@ -102,19 +107,21 @@ class DecoderLayer(nnx.Module):
 class LayerPeriod(nnx.Module):
     """One period of layer_types: `layers[k]` is the k-th decoder layer of the period."""
 
-    def __init__(self, config: Qwen3_5Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str):
+    def __init__(self, config: Qwen3_5Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str,
+                 mesh: Mesh | None):
         self.layers = nnx.List([DecoderLayer(config, layer_type, param_dtype=param_dtype, rngs=rngs,
-                                             attention_impl=attention_impl)
+                                             attention_impl=attention_impl, mesh=mesh)
                                 for layer_type in config.layer_period()])
 
 
 class Qwen3_5(EmbeddingAndHead, nnx.Module):
     """Qwen3_5ForCausalLM text model. `periods` holds the decoder layers: periods.layers[k] is stacked over
     the repetitions of the period, so HF layer i is periods.layers[i % p][i // p] (p = period length).
-    attention_impl: the attention layers' backend, "xla", "splash" or "auto" (see `Qwen3`)."""
+    attention_impl, mesh: the attention layers' backend, "xla", "splash" or "auto", and the device mesh splash
+    runs per shard of (see `Qwen3`)."""
 
     def __init__(self, config: Qwen3_5Config, *, param_dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_impl: str = "xla"):
+                 attention_impl: str = "xla", mesh: Mesh | None = None):
         self.config = config
         attention_impl = resolve_attention_impl(attention_impl)
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, param_dtype=param_dtype)
@@ -123,7 +130,8 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
         @nnx.split_rngs(splits=repeats)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_periods(period_rngs):
-            return LayerPeriod(config, param_dtype=param_dtype, rngs=period_rngs, attention_impl=attention_impl)
+            return LayerPeriod(config, param_dtype=param_dtype, rngs=period_rngs, attention_impl=attention_impl,
+                               mesh=mesh)
 
         self.periods = make_periods(rngs)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=True,

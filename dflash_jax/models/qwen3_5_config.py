@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from dflash_jax.models.layers import decoder_layer_params
+
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _POSITIVE_INTS = (*_REQUIRED, "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
@@ -67,6 +69,26 @@ class Qwen3_5Config:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)  # HF truncates the same way
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights every token is multiplied by in the decoder layers (projections, the MLP and the depthwise
+        convolution; not the embedding or the LM head), for FLOP counts."""
+        hidden, mlp = self.hidden_size, 3 * self.hidden_size * self.intermediate_size
+        # q_proj yields [query | gate]: one more q-sized projection than a Qwen3 layer.
+        attention = decoder_layer_params(hidden, self.num_attention_heads, self.num_key_value_heads, self.head_dim,
+                                         0) + hidden * self.num_attention_heads * self.head_dim
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+        mixed = 2 * key_dim + value_dim
+        delta_net = (hidden * (mixed + value_dim + 2 * self.linear_num_value_heads) + value_dim * hidden
+                     + mixed * self.linear_conv_kernel_dim)  # in_proj_qkv, z, b, a; out_proj; conv1d
+        return sum(mlp + (attention if kind == FULL_ATTENTION else delta_net) for kind in self.layer_types)
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with softmax attention over the sequence (the Gated DeltaNet layers are linear in T)."""
+        return sum(kind == FULL_ATTENTION for kind in self.layer_types)
 
     def layer_period(self) -> tuple[str, ...]:
         """The shortest prefix of layer_types whose repetition is layer_types (all of it if none shorter)."""

@@ -3,11 +3,13 @@ embedding and LM head the drafter borrows. Loading a target by its `model_type`:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from dflash_jax.ops.attention import QUERY_CHUNK, causal_attention, causal_segment_mask, grouped_attention
 from dflash_jax.ops.splash_attention import causal_attention_splash
@@ -45,17 +47,21 @@ def write_columns(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Ar
 
 
 def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, scale: float,
-                          attention_impl: str, cache: AttentionCache | None = None
+                          attention_impl: str, mesh: Mesh | None, cache: AttentionCache | None = None
                           ) -> tuple[jax.Array, AttentionCache | None]:
     """The targets' causal attention within segments; q: [b, t, Hq, D], k, v: [b, t, Hkv, D].
 
-    Without a cache: over the call's own tokens on the `attention_impl` backend. With one: the new keys and
+    Without a cache: over the call's own tokens on the `attention_impl` backend (splash runs per shard of
+    `mesh`, the device mesh the activations are sharded on; None: one device). With one: the new keys and
     values are written at columns start.. first, then every new token attends (XLA, over all columns) to the
     columns at or before its own that hold its segment, so stale columns past it (a cropped verification
     block) are never visible. Returns (output, the cache holding the new columns or None).
     """
     if cache is None:
-        return CAUSAL_ATTENTION_IMPLS[attention_impl](q, k, v, segment_ids, scale), None
+        attention = CAUSAL_ATTENTION_IMPLS[attention_impl]
+        if attention_impl == "splash":
+            attention = functools.partial(attention, mesh=mesh)
+        return attention(q, k, v, segment_ids, scale), None
     keys, values = write_columns(cache.keys, k, cache.start), write_columns(cache.values, v, cache.start)
     outputs = []  # a long prefill attends in query chunks, as `causal_attention`: [b, H, QUERY_CHUNK, capacity]
     for first in range(0, q.shape[1], QUERY_CHUNK):
@@ -90,6 +96,10 @@ class EmbeddingAndHead:
     Mixed into target modules that own `embed_tokens` (an `Embed`), `config.tie_word_embeddings`, and an
     `lm_head` (a `Linear`) when untied.
     """
+
+    # Whether a decode cache may be cut back (`cache._replace(length=n)`) to drop a rejected verification
+    # block, as the speculative generator does; a recurrent state cannot be.
+    croppable_cache: bool = False
 
     def embed(self, ids: jax.Array) -> jax.Array:
         return self.embed_tokens(ids)

@@ -16,9 +16,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.ops.attention import grouped_attention
-from dflash_jax.ops.mask import AnchorGrid, block_rule, context_rule, validate_window
+from dflash_jax.ops.anchors import AnchorGrid
+from dflash_jax.ops.mask import block_rule, context_rule, validate_window
 
 
 def context_reach(grid: AnchorGrid, window: int | None, first_block: int, end_block: int) -> tuple[int, int]:
@@ -44,6 +46,7 @@ def dflash_attention(
     grid: AnchorGrid,
     window: int | None,
     scale: float,
+    *,
     query_chunk_blocks: int,
 ) -> jax.Array:
     """Block queries attend to [context | blocks] under the design §5 mask; returns [b, N*B, Hq, D] in q.dtype.
@@ -100,3 +103,21 @@ def _attend_chunk(grid: AnchorGrid, window: int | None, scale: float, first_bloc
     keys = jnp.concatenate([k_ctx[:, start:stop], k_blk[:, rows]], axis=1)
     values = jnp.concatenate([v_ctx[:, start:stop], v_blk[:, rows]], axis=1)
     return grouped_attention(q[:, rows], keys, values, visible, scale)
+
+
+def cached_dflash_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, k_blk: jax.Array, v_blk: jax.Array,
+                            window: int | None, scale: float, *, anchor: jax.Array) -> jax.Array:
+    """The §5 mask for one block per row at a (traced) anchor position, over a decoding cache whose column is
+    the position: q, k_blk, v_blk [b, B, H*, D]; k_ctx, v_ctx [b, capacity, Hkv, D]. Context column p is
+    visible from slot k iff p < anchor (and p > anchor + k - W on a sliding layer), by `context_rule`;
+    columns at or past the anchor (stale rows of a rejected block) never are. One document per row."""
+    slots = np.arange(q.shape[1])
+    columns = jnp.arange(k_ctx.shape[1])
+    context = jnp.broadcast_to(context_rule(anchor, slots[:, None], columns[None, :], window),
+                               (slots.size, columns.size))
+    own_block = jnp.asarray(block_rule(slots[:, None], slots[None, :], slots.size, causal=window is not None))
+    visible = jnp.concatenate([context, own_block], axis=1)
+    keys = jnp.concatenate([k_ctx, k_blk.astype(k_ctx.dtype)], axis=1)
+    values = jnp.concatenate([v_ctx, v_blk.astype(v_ctx.dtype)], axis=1)
+    out = grouped_attention(q, keys, values, jnp.broadcast_to(visible, (q.shape[0], *visible.shape)), scale)
+    return out.astype(q.dtype)

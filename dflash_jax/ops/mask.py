@@ -1,4 +1,4 @@
-"""The DFlash attention mask (design §5) on the static anchor grid (design §4).
+"""The DFlash attention mask (design §5) on the static anchor grid (design §4, ops/anchors.py).
 
 Queries are the N*B block tokens (query j*B + k is slot k of block j, anchor a_j = j*S); keys are the T
 context positions followed by the N*B block tokens. The mask is a static position part, which depends only
@@ -11,54 +11,11 @@ sliding-window layer (context a_j + k - W < p < a_j, causal block), which is wha
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class AnchorGrid:
-    """Static anchors a_j = j*stride, j < seq_len/stride, each heading a block of block_size slots."""
-
-    seq_len: int
-    stride: int
-    block_size: int
-
-    def __post_init__(self):
-        for name in ("seq_len", "stride", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"AnchorGrid.{name} must be a positive int, got {value!r}")
-        if self.seq_len % self.stride:
-            raise ValueError(f"AnchorGrid.seq_len ({self.seq_len}) must be a multiple of "
-                             f"AnchorGrid.stride ({self.stride})")
-        if self.block_size < 2:
-            raise ValueError(f"AnchorGrid.block_size must be >= 2 (an anchor slot plus at least one drafted "
-                             f"slot), got {self.block_size}")
-
-    @property
-    def num_anchors(self) -> int:
-        return self.seq_len // self.stride
-
-    @property
-    def num_queries(self) -> int:
-        return self.num_anchors * self.block_size
-
-    @property
-    def anchors(self) -> np.ndarray:
-        return np.arange(self.num_anchors, dtype=np.int32) * self.stride
-
-    @property
-    def query_anchors(self) -> np.ndarray:
-        """[N*B]: the anchor a_j of every query row j*B + k."""
-        return np.repeat(self.anchors, self.block_size)
-
-    @property
-    def query_slots(self) -> np.ndarray:
-        """[N*B]: the slot k of every query row j*B + k."""
-        return np.tile(np.arange(self.block_size, dtype=np.int32), self.num_anchors)
+from dflash_jax.ops.anchors import AnchorGrid
 
 
 def validate_window(window: int | None) -> None:

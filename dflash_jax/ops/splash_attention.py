@@ -18,7 +18,8 @@ Kernel constraints (jax 0.10 `splash_attention_kernel`, enforced in interpret mo
 - GQA is native: the kernel maps query head h to kv head h // (Hq / Hkv), as `grouped_attention` does, so
   k/v are never repeated;
 - the kernel does not scale q; we scale it here;
-- jit does not partition a Pallas kernel over a device mesh: see `_on_mesh`.
+- jit does not partition a Pallas kernel over a device mesh: given the mesh the inputs are sharded on, the
+  kernel runs per shard (`_on_mesh`).
 
 The targets' attention is the kernel's lazy causal mask (its tile info is computed, not read from a [T, T]
 array) with the documents as segment ids; it is built without backward tiles, as the targets are frozen.
@@ -35,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-from dflash_jax.ops.mask import AnchorGrid, position_mask, tile_fraction, validate_window
+from dflash_jax.ops.anchors import AnchorGrid
+from dflash_jax.ops.mask import position_mask, tile_fraction, validate_window
 from dflash_jax.sharding import BATCH_AXES
 
 log = logging.getLogger(__name__)
@@ -131,16 +133,14 @@ def dflash_attention_splash(
     grid: AnchorGrid,
     window: int | None,
     scale: float,
-    query_chunk_blocks: int,
     *,
+    mesh: Mesh | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """Same contract as `dflash_attention` (shapes, GQA, fp32 softmax), on the splash kernel.
-
-    query_chunk_blocks is the XLA backend's memory knob, accepted for the common signature; the kernel tiles
-    by itself. interpret: run the Pallas interpreter (None = unless the backend is TPU; slow, for tests).
+    """Same contract as `dflash_attention` (shapes, GQA, fp32 softmax), on the splash kernel, which tiles by
+    itself. mesh: the device mesh the inputs are sharded on (the kernel then runs per shard; None: one
+    device). interpret: run the Pallas interpreter (None = unless the backend is TPU; slow, for tests).
     """
-    del query_chunk_blocks
     validate_window(window)
     batch, queries = q.shape[0], grid.num_queries
     expected = {"q": (q, queries), "k_ctx": (k_ctx, grid.seq_len), "v_ctx": (v_ctx, grid.seq_len),
@@ -164,7 +164,8 @@ def dflash_attention_splash(
         kv=jnp.pad(key_segment, ((0, 0), (0, padded_keys - key_segment.shape[1])), mode="edge"))
 
     kernel = functools.partial(_kernel, grid, window, interpret=interpret)
-    out = _on_mesh(functools.partial(_attend, kernel), batch, keys.shape[1])(q_scaled, keys, values, segment_ids)
+    out = _on_mesh(functools.partial(_attend, kernel), mesh, batch, keys.shape[1])(q_scaled, keys, values,
+                                                                                   segment_ids)
     return jnp.swapaxes(out[:, :, :queries], 1, 2).astype(q.dtype)
 
 
@@ -181,9 +182,10 @@ def _causal_kernel(length: int, num_heads: int, interpret: bool):
 
 
 def causal_attention_splash(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, scale: float, *,
-                            interpret: bool | None = None) -> jax.Array:
+                            mesh: Mesh | None = None, interpret: bool | None = None) -> jax.Array:
     """Same contract as `causal_attention` (ops/attention.py: q [B, T, Hq, D], k, v [B, T, Hkv, D], segment_ids
-    [B, T], GQA, fp32 softmax), forward only, on the splash kernel. interpret: as for `dflash_attention_splash`.
+    [B, T], GQA, fp32 softmax), forward only, on the splash kernel. mesh, interpret: as for
+    `dflash_attention_splash`.
 
     T is padded at the end to a multiple of 128. Padded positions take the last segment (edge padding), so a
     padded query sees at least itself (the kernel needs every row to see a key); a padded key lies after every
@@ -194,7 +196,7 @@ def causal_attention_splash(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
     padded = _round_up(length, LANES)
     segments = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - length)), mode="edge")
     kernel = functools.partial(_causal_kernel, padded, interpret=interpret)
-    out = _on_mesh(functools.partial(_attend, kernel), q.shape[0], k.shape[2])(
+    out = _on_mesh(functools.partial(_attend, kernel), mesh, q.shape[0], k.shape[2])(
         _kernel_layout((q * scale).astype(q.dtype), padded), _kernel_layout(k, padded), _kernel_layout(v, padded),
         kernel_lib.SegmentIds(q=segments, kv=segments))
     return jnp.swapaxes(out[:, :, :length], 1, 2).astype(q.dtype)
@@ -206,13 +208,12 @@ def _attend(kernel, q, k, v, segment_ids) -> jax.Array:
     return jax.vmap(kernel(q.shape[1]))(q, k, v, segment_ids)
 
 
-def _on_mesh(attend, rows: int, num_kv_heads: int):
-    """Under a device mesh (`jax.set_mesh`), run `attend` per shard: jit cannot partition a Pallas kernel (on a
-    multi-chip TPU it refuses to compile one outside shard_map). The `rows` rows split over the batch axes when
-    they divide evenly (else, e.g. evaluation's single row, every shard takes them all), heads over `tensor`
-    when the kv heads divide evenly (else every tensor shard computes all heads). Without a mesh: unchanged."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+def _on_mesh(attend, mesh: Mesh | None, rows: int, num_kv_heads: int):
+    """On a device mesh, run `attend` per shard: jit cannot partition a Pallas kernel (on a multi-chip TPU it
+    refuses to compile one outside shard_map). The `rows` rows split over the batch axes when they divide
+    evenly (else, e.g. evaluation's single row, every shard takes them all), heads over `tensor` when the kv
+    heads divide evenly (else every tensor shard computes all heads). Without a mesh: unchanged."""
+    if mesh is None or mesh.empty:
         return attend
     batch_axes = tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
     row_axes = batch_axes if rows % math.prod(mesh.shape[axis] for axis in batch_axes) == 0 else None
@@ -221,4 +222,5 @@ def _on_mesh(attend, rows: int, num_kv_heads: int):
     heads, row_spec = PartitionSpec(row_axes, head_axis), PartitionSpec(row_axes)
     segments = kernel_lib.SegmentIds(q=row_spec, kv=row_spec)
     # check_vma=False: pallas_call has no replication rule.
-    return jax.shard_map(attend, in_specs=(heads, heads, heads, segments), out_specs=heads, check_vma=False)
+    return jax.shard_map(attend, mesh=mesh, in_specs=(heads, heads, heads, segments), out_specs=heads,
+                         check_vma=False)

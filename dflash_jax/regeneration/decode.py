@@ -9,7 +9,7 @@ same cache column, in a `lax.while_loop` that stops when every row has produced 
 `__call__` (models/target.py).
 
 Greedy decoding takes the argmax of the fp32 logits, as the training labels and the speculative generator
-do (eval/generate.py `fp32_logits`). Sampling (temperature > 0, optional top-p) draws each row's step-s token
+do (ops/lm_head.py `fp32_logits`). Sampling (temperature > 0, optional top-p) draws each row's step-s token
 with its own key (the seed's, folded with the row's record index and turn, then with s), so a response
 depends on its record alone, not on which batch it landed in or whether the job was resumed.
 """
@@ -25,7 +25,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dflash_jax.eval.generate import fp32_logits, round_up
+from dflash_jax.eval.generate import round_up
+from dflash_jax.ops.lm_head import fp32_logits
 from dflash_jax.sharding import batch_sharding
 
 PROMPT_BUCKET = 128  # prefill widths are multiples of this, so prompt sets of similar length share a compile

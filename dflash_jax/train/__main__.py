@@ -18,10 +18,8 @@ from absl import flags
 from absl import logging as absl_logging
 
 from dflash_jax import cli
-from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.train import distributed
 from dflash_jax.train.loop import train, use_compilation_cache
-from dflash_jax.train.validate import validate_config, validate_eval_files
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _CONFIG = cli.define_config_flag(FLAGS)
@@ -38,12 +36,8 @@ def main() -> None:
     if jax.process_index() > 0:  # process 0 speaks for the run; the others warn, fail, and tell their data
         logging.getLogger("dflash_jax").setLevel(logging.WARNING)
         logging.getLogger("dflash_jax.data").setLevel(logging.INFO)  # each process reads its own share
-    validate_config(config)
-    validate_eval_files(config)
-    # Exact τ on config.data.eval_files every config.eval_every steps (design §9), logged as eval/* metrics.
-    evaluate = make_train_evaluator(config) if config.eval_every else None
     use_compilation_cache(config, _WORKDIR.value)
-    train(config, _WORKDIR.value, evaluate=evaluate)
+    train(config, _WORKDIR.value)
 
 
 if __name__ == "__main__":

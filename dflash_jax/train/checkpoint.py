@@ -7,33 +7,17 @@ run had never stopped. The frozen target is never saved; it is reloaded from its
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
-from etils import epath
-from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
-from dflash_jax.errors import CheckpointError
-from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.train.state import TrainState
+from dflash_jax.weights.drafter_files import CHECKPOINTS_DIR, workdir_path
 
 log = logging.getLogger(__name__)
-
-DRAFTER_CONFIG_FILE, CHECKPOINTS_DIR = "drafter_config.json", "checkpoints"
-
-
-def workdir_path(workdir: str | os.PathLike) -> epath.Path:
-    """A run directory as every reader and writer of it addresses it: an `epath.Path` (what Orbax uses), so
-    that a bucket URI such as gs://bucket/run stays one (pathlib would turn it into the local path
-    gs:/bucket/run); local paths are made absolute, as Orbax requires."""
-    text = os.fspath(workdir)
-    return epath.Path(text) if "://" in text else epath.Path(os.path.expanduser(text)).absolute()
 
 
 class Checkpointer:
@@ -92,44 +76,3 @@ class StopRequest:
             raise KeyboardInterrupt
         self.requested = name
         log.warning("%s received: saving a checkpoint and stopping after the current step", name)
-
-
-def restore_drafter(workdir: str | os.PathLike, step: int | None) -> tuple[Drafter, DrafterConfig, int]:
-    """The fp32 drafter saved at `step` (None: the latest) of a `python -m dflash_jax.train` workdir."""
-    workdir = workdir_path(workdir)
-    config_path = workdir / DRAFTER_CONFIG_FILE
-    if not config_path.is_file():
-        raise CheckpointError(f"{config_path}: not found; is {workdir} a training workdir?")
-    config = DrafterConfig(**json.loads(config_path.read_text()))
-    manager = ocp.CheckpointManager(workdir / CHECKPOINTS_DIR, item_names=("state", "data"),
-                                    options=ocp.CheckpointManagerOptions(create=False, read_only=True))
-    steps = sorted(manager.all_steps())
-    if not steps:
-        raise CheckpointError(f"{workdir / CHECKPOINTS_DIR}: no checkpoint found")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise CheckpointError(f"{workdir / CHECKPOINTS_DIR}: no checkpoint at step {step}; available steps: "
-                              f"{', '.join(map(str, steps))}")
-
-    # Restore only TrainState.params (not the optimizer state) onto the host CPU. The state was saved as a
-    # pytree of nnx Variables, whose leaves sit under a final "value" key.
-    abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    cpu = SingleDeviceSharding(jax.devices("cpu")[0])
-    variables = [(tuple(map(str, path)), variable) for path, variable in nnx.to_flat_state(params)]
-    target: dict = {}
-    for path, variable in variables:
-        _nested(target, path)["value"] = jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=cpu)
-    item = {"params": target}
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
-    for path, variable in variables:
-        variable.set_value(_nested(restored.state["params"], path)["value"])
-    return nnx.merge(graphdef, params, rest), config, step
-
-
-def _nested(tree: dict, path: tuple[str, ...]) -> dict:
-    for key in path:
-        tree = tree.setdefault(key, {})
-    return tree

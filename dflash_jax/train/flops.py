@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from flax import nnx
 from ml_collections import ConfigDict
 
 from dflash_jax.models.drafter import DrafterConfig
-from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.ops.anchors import AnchorGrid
 
 # bf16 dense peak TFLOP/s per device, matched as substrings of `device_kind` (most specific first).
 PEAK_TFLOPS = (
@@ -36,22 +35,6 @@ def peak_tflops(config: ConfigDict, device: jax.Device) -> float | None:
     return next((tflops for name, tflops in PEAK_TFLOPS if name in kind), None)
 
 
-def _matmul_weights(state: nnx.State, skip: tuple[str, ...] = ()) -> int:
-    """Parameters of weight matrices (stacked layers included), leaving out names containing any of `skip`."""
-    total = 0
-    for path, value in nnx.to_flat_state(state):
-        if len(value.shape) >= 2 and not any(part in map(str, path) for part in skip):
-            total += int(np.prod(value.shape))
-    return total
-
-
-def _attention_layers(target_config) -> int:
-    layer_types = getattr(target_config, "layer_types", None)  # hybrid targets: only full-attention layers
-    if layer_types is None:
-        return target_config.num_hidden_layers
-    return sum(kind == "full_attention" for kind in layer_types)
-
-
 def visible_keys(grid: AnchorGrid, window: int | None) -> int:
     """Number of (query, key) pairs of one row the §5 mask lets through (position part)."""
     anchors = grid.anchors[:, None].astype(np.int64)
@@ -65,24 +48,22 @@ def visible_keys(grid: AnchorGrid, window: int | None) -> int:
     return int(np.sum(context + block))
 
 
-def train_step_flops(config: ConfigDict, target_config, target_state: nnx.State, drafter_config: DrafterConfig,
-                     drafter_params: nnx.State) -> float:
+def train_step_flops(config: ConfigDict, target_config, drafter_config: DrafterConfig) -> float:
     """FLOPs of one optimizer step over config.data.batch_size rows."""
     grid = AnchorGrid(config.data.seq_len, config.data.anchor_stride, config.drafter.block_size)
     rows, length, queries = config.data.batch_size, grid.seq_len, grid.num_queries
     hidden, vocab = target_config.hidden_size, target_config.vocab_size
 
-    target = 2.0 * _matmul_weights(target_state, skip=("embed_tokens", "lm_head")) * length
+    target = 2.0 * target_config.layer_matmul_params * length
     target += 2.0 * length * length * target_config.num_attention_heads * target_config.head_dim \
-        * _attention_layers(target_config)  # QK^T and PV, half of the T x T pairs (causal): 2 * 2 * T^2 / 2
+        * target_config.attention_layers  # QK^T and PV, half of the T x T pairs (causal): 2 * 2 * T^2 / 2
     if config.loss.labels == "target":
         target += 2.0 * hidden * vocab * min(length, queries)
 
     c = drafter_config
     kv_width = c.num_key_value_heads * c.head_dim
-    layer_weights = _matmul_weights(drafter_params, skip=("fc",))
     drafter = 2.0 * len(c.target_layer_ids) * hidden * hidden * length  # fc
-    drafter += 2.0 * layer_weights * queries  # q/k/v/o and MLP on the block tokens
+    drafter += 2.0 * c.layer_matmul_params * queries  # q/k/v/o and MLP on the block tokens
     drafter += 2.0 * 2 * hidden * kv_width * c.num_hidden_layers * length  # k/v of the context
     drafter += sum(4.0 * c.num_attention_heads * c.head_dim * visible_keys(grid, c.window(i))
                    for i in range(c.num_hidden_layers))

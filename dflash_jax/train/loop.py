@@ -24,16 +24,18 @@ from transformers import AutoTokenizer
 
 from dflash_jax.data import BatchLoader, Prefetcher, merge_states
 from dflash_jax.errors import ConfigError, DataError
+from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.models.drafter import Drafter
-from dflash_jax.weights.targets import load_target
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import BATCH_AXES, state_shardings
 from dflash_jax.train import distributed, flops, validate
-from dflash_jax.train.checkpoint import DRAFTER_CONFIG_FILE, Checkpointer, StopRequest, workdir_path
+from dflash_jax.train.checkpoint import Checkpointer, StopRequest
 from dflash_jax.train.loss import acceptance_metrics
 from dflash_jax.train.state import init_train_state, state_spec
 from dflash_jax.train.step import make_step, process_rows, put_batch
 from dflash_jax.train.tracking import Trackers
+from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE, workdir_path
+from dflash_jax.weights.targets import load_target
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +47,17 @@ METRICS_FILE = "metrics.jsonl"
 
 def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn | None = None) -> dict[str, Any]:
     """Train (or resume) the run in `workdir` (a local path or a bucket URI such as gs://bucket/run); returns
-    the summary that is also logged at the end."""
+    the summary that is also logged at the end.
+
+    evaluate: called every config.eval_every steps; by default exact τ on config.data.eval_files (design §9).
+    """
+    validate.validate_config(config)
+    if evaluate is None and config.eval_every:
+        validate.validate_eval_files(config)
+        evaluate = make_train_evaluator(config)  # logged as eval/* metrics
     workdir = workdir_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     main = jax.process_index() == 0  # of several processes (train/distributed.py), one writes the run files
-    validate.validate_config(config)
     mesh = validate.mesh_from_config(config)
     validate.validate_batch_layout(config, int(np.prod([mesh.shape[axis] for axis in BATCH_AXES])))
 
@@ -87,7 +95,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
 
     target_graphdef, target_state = nnx.split(target)
     step_fns = make_step(config, drafter_config, spec, target_graphdef, state_shardings(target_state, mesh), mesh)
-    step_flops = flops.train_step_flops(config, target_config, target_state, drafter_config, state.params)
+    step_flops = flops.train_step_flops(config, target_config, drafter_config)
     peak = flops.peak_tflops(config, jax.devices()[0])
     tokens_per_step = config.data.batch_size * config.data.seq_len
 
@@ -113,9 +121,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
             while step < config.total_steps and not stopping:
                 batch, data_position = next(batches)
                 profile.before(step + 1)
-                with jax.set_mesh(mesh):  # so splash attention traces per shard (ops/splash_attention.py)
-                    state, metrics = step_fns.train_step(state, target_state,
-                                                         put_batch(batch, mesh, rows, data.batch_size))
+                state, metrics = step_fns.train_step(state, target_state, put_batch(batch, mesh, rows, data.batch_size))
                 step += 1
                 profile.after(step, metrics)
                 interval_steps += 1

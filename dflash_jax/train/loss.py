@@ -1,8 +1,8 @@
-"""Labels, the position-weighted hard cross-entropy and its metrics (design §6), computed in chunks.
+"""The position-weighted hard cross-entropy and its metrics (design §6), computed in chunks.
 
-Nothing here materialises [rows, V] logits for all rows at once: the target's greedy labels are an argmax
-walked over vocabulary chunks, and the drafter's LM head + cross-entropy walk row chunks under
-`jax.checkpoint`, so the backward pass recomputes one chunk's logits at a time.
+Nothing here materialises [rows, V] logits for all rows at once: the drafter's LM head + cross-entropy walk
+row chunks under `jax.checkpoint`, so the backward pass recomputes one chunk's logits at a time. (The
+target's greedy labels: ops/lm_head.py.)
 """
 
 from __future__ import annotations
@@ -20,42 +20,6 @@ def position_weights(block_size: int, gamma: float) -> np.ndarray:
         raise ValueError(f"gamma must be > 0, got {gamma}")
     k = np.arange(block_size, dtype=np.float64)
     return np.where(k >= 1, np.exp(-(k - 1) / gamma), 0.0).astype(np.float32)
-
-
-def greedy_labels(hidden: jax.Array, lm_head_kernel: jax.Array, vocab_chunk: int) -> jax.Array:
-    """argmax_v (hidden @ lm_head_kernel)[..., v], walking the vocabulary in chunks of `vocab_chunk`.
-
-    hidden: [..., H] (the target's final-normed hidden states); lm_head_kernel: [H, V]. Ties resolve to the
-    lowest id, as a plain argmax does. Peak memory is [..., vocab_chunk] logits.
-    """
-    hidden = jax.lax.stop_gradient(hidden)
-    kernel = jax.lax.stop_gradient(lm_head_kernel)
-    vocab = kernel.shape[1]
-    chunk = min(vocab_chunk, vocab)
-    num_full = vocab // chunk
-
-    def best_in(logits: jax.Array, offset, best_value, best_index):
-        local_index = jnp.argmax(logits, axis=-1)
-        local_value = jnp.take_along_axis(logits, local_index[..., None], axis=-1)[..., 0]
-        better = local_value > best_value  # strict: an earlier chunk keeps ties
-        return (jnp.where(better, local_value, best_value),
-                jnp.where(better, local_index.astype(jnp.int32) + offset, best_index))
-
-    def logits_of(start, size):
-        block = jax.lax.dynamic_slice_in_dim(kernel, start, size, axis=1)
-        return jnp.dot(hidden, block.astype(hidden.dtype), preferred_element_type=jnp.float32)
-
-    def body(carry, i):
-        offset = i * chunk
-        return best_in(logits_of(offset, chunk), offset, *carry), None
-
-    init = (jnp.full(hidden.shape[:-1], -jnp.inf, jnp.float32), jnp.zeros(hidden.shape[:-1], jnp.int32))
-    (best_value, best_index), _ = jax.lax.scan(body, init, jnp.arange(num_full, dtype=jnp.int32))
-    remainder = vocab - num_full * chunk
-    if remainder:
-        offset = num_full * chunk
-        best_value, best_index = best_in(logits_of(offset, remainder), offset, best_value, best_index)
-    return best_index
 
 
 def chunked_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: jax.Array, row_chunk: int

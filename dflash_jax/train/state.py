@@ -18,12 +18,11 @@ from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
 from dflash_jax.errors import CheckpointError, ConfigError
-from dflash_jax.models.drafter import Drafter, DrafterConfig, drafter_from_torch_layout
+from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.sharding import state_shardings
 from dflash_jax.train.optimizer import make_optimizer
 from dflash_jax.train.validate import dtype_of
-from dflash_jax.weights.hub import local_dir
-from dflash_jax.weights.safetensors_dir import CheckpointReader
+from dflash_jax.weights.drafter_files import read_drafter_weights
 
 
 class TrainState(NamedTuple):
@@ -33,11 +32,12 @@ class TrainState(NamedTuple):
     rng: jax.Array  # uint32 raw key data (checkpointable); split once per step for the feature noise
 
 
-def make_drafter(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str, seed: int = 0) -> Drafter:
-    """A freshly initialised drafter: fp32 weights, compute in config.compute_dtype."""
+def make_drafter(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str, seed: int = 0,
+                 mesh: Mesh | None = None) -> Drafter:
+    """A freshly initialised drafter: fp32 weights, compute in config.compute_dtype; splash per shard of mesh."""
     return Drafter(drafter_config, rngs=nnx.Rngs(seed), param_dtype=jnp.float32,
                    dtype=dtype_of(config.compute_dtype), attention_impl=attention_impl,
-                   query_chunk_blocks=config.query_chunk_blocks)
+                   query_chunk_blocks=config.query_chunk_blocks, mesh=mesh)
 
 
 class StateSpec(NamedTuple):
@@ -50,7 +50,7 @@ class StateSpec(NamedTuple):
 
 def state_spec(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str, mesh: Mesh) -> StateSpec:
     abstract = jax.eval_shape(lambda: _init(drafter_config, config, attention_impl))
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: make_drafter(drafter_config, config, attention_impl)))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: make_drafter(drafter_config, config, attention_impl, mesh=mesh)))
     shardings = state_shardings(abstract, mesh)
     with_shardings = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shardings,
                                   abstract)
@@ -80,9 +80,7 @@ def _load_params(directory: str, drafter_config: DrafterConfig, spec: StateSpec)
     """Drafter weights from a directory in the export layout (design §10) or a Hub repo id, placed on the param
     shardings."""
     try:
-        reader = CheckpointReader(local_dir(directory, "drafter"))
-        tensors = {name: reader.read(name) for name in reader.names()}
-        drafter = drafter_from_torch_layout(tensors, drafter_config, param_dtype=jnp.float32)
-    except (CheckpointError, ValueError, OSError) as error:
+        drafter = read_drafter_weights(directory, drafter_config, param_dtype=jnp.float32)
+    except (CheckpointError, OSError) as error:
         raise ConfigError(f"config.drafter.init_from={directory!r}: {error}") from None
     return jax.device_put(nnx.state(drafter, nnx.Param), spec.shardings.params)

@@ -5,9 +5,8 @@ micro-batches whose gradients are summed in a scan (the loss is normalised by th
 count, so accumulation gives exactly the full-batch gradient). Per micro-batch:
 
 1. `teacher`: the frozen target runs on the rows (no gradient; its attention on the backend it was loaded
-   with, config.attention_impl in train/loop.py) and yields the feature layers, its greedy labels
-   argmax(lm_head(final_norm(h)))[a+k-1] (or the data's input_ids[a+k]), the block embeddings (slot 0 =
-   the real token at the anchor, other slots = mask_token_id) and the LM head kernel.
+   with, config.attention_impl in train/loop.py) and yields the drafter's `TargetContext`: the feature
+   layers, the labels, the block embeddings and the LM head (the pair forward, models/dflash.py).
 2. `drafter_loss`: optional uniform noise on the raw features (never on the labels' path), the drafter
    forward, the borrowed LM head + cross-entropy in row chunks, the slot mask and position weights.
 """
@@ -25,25 +24,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
-from dflash_jax.data import anchors as grid_ops
+from dflash_jax.models.dflash import TargetContext, target_context
 from dflash_jax.models.drafter import DrafterConfig
-from dflash_jax.ops.mask import AnchorGrid
+from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, anchor_utilisation, anchor_validity, slot_mask
 from dflash_jax.sharding import BATCH_AXES, batch_sharding, replicated
-from dflash_jax.train.loss import chunked_cross_entropy, dflash_loss, greedy_labels, position_weights, \
-    trained_slot_count
+from dflash_jax.train.loss import chunked_cross_entropy, dflash_loss, position_weights, trained_slot_count
 from dflash_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from dflash_jax.train.state import StateSpec, TrainState
 
 BATCH_KEYS = ("input_ids", "positions", "segment_ids", "loss_mask")
-
-
-class Teacher(NamedTuple):
-    """Everything the frozen target gives the drafter for one batch; no gradient flows into any of it."""
-
-    features: jax.Array  # [b, T, n*H] raw feature layers, concatenated in target_layer_ids order
-    labels: jax.Array  # [b, N, B] int32: the token slot k of the block at anchor a should predict
-    block_embeds: jax.Array  # [b, N*B, H] the target's embedding of the block ids
-    lm_head: jax.Array  # [H, V]
 
 
 class LossAux(NamedTuple):
@@ -53,7 +42,7 @@ class LossAux(NamedTuple):
 
 
 class StepFunctions(NamedTuple):
-    teacher: Callable  # (target_state, batch) -> Teacher
+    teacher: Callable  # (target_state, batch) -> TargetContext
     drafter_loss: Callable  # (params, teacher, batch, noise_key, normaliser) -> (loss, LossAux)
     train_step: Callable  # jitted (TrainState, target_state, batch) -> (TrainState, metrics)
 
@@ -65,48 +54,27 @@ def anchor_grid(config: ConfigDict) -> AnchorGrid:
 def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec, target_graphdef: nnx.GraphDef,
               target_shardings: nnx.State, mesh: Mesh) -> StepFunctions:
     grid = anchor_grid(config)
-    anchors = grid.anchors
-    num_rows, block = grid.num_anchors, grid.block_size
-    slot_index = anchors[:, None] + np.arange(block)[None, :]  # [N, B]: a + k
-    label_source = np.clip(slot_index - 1, 0, grid.seq_len - 1)  # the target's logits at a+k-1 predict a+k
+    anchors, block = grid.anchors, grid.block_size
     weights = jnp.asarray(position_weights(block, config.loss.gamma))
-    feature_ids = drafter_config.target_layer_ids
 
-    def teacher(target_state: nnx.State, batch: dict[str, jax.Array]) -> Teacher:
-        target = nnx.merge(target_graphdef, target_state)
-        out = target(batch["input_ids"], batch["positions"], batch["segment_ids"], feature_ids)
-        lm_head = target.lm_head_kernel()
-        rows = batch["input_ids"].shape[0]
-        if config.loss.labels == "data":
-            labels = batch["input_ids"][:, np.minimum(slot_index, grid.seq_len - 1)]
-        elif grid.num_queries >= grid.seq_len:  # slots overlap (S <= B): one argmax per row position is cheaper
-            labels = greedy_labels(out.hidden, lm_head, config.loss.vocab_chunk)[:, label_source]
-        else:
-            labels = greedy_labels(out.hidden[:, label_source.reshape(-1)], lm_head, config.loss.vocab_chunk)
-            labels = labels.reshape(rows, num_rows, block)
-        block_ids = grid_ops.block_token_ids(batch["input_ids"], anchors, block, drafter_config.mask_token_id)
-        return jax.lax.stop_gradient(Teacher(
-            features=out.features.reshape(*out.features.shape[:2], -1),
-            labels=labels,
-            block_embeds=target.embed(block_ids),
-            lm_head=lm_head,
-        ))
+    def teacher(target_state: nnx.State, batch: dict[str, jax.Array]) -> TargetContext:
+        return target_context(nnx.merge(target_graphdef, target_state), batch["input_ids"], batch["positions"],
+                              batch["segment_ids"], grid, drafter_config, labels=config.loss.labels,
+                              vocab_chunk=config.loss.vocab_chunk)
 
-    def drafter_loss(params: nnx.State, teacher: Teacher, batch: dict[str, jax.Array], noise_key: jax.Array,
+    def drafter_loss(params: nnx.State, teacher: TargetContext, batch: dict[str, jax.Array], noise_key: jax.Array,
                      normaliser: jax.Array) -> tuple[jax.Array, LossAux]:
         drafter = nnx.merge(spec.graphdef, params)
         features = teacher.features
         if config.loss.noise_std > 0:  # U(-std, std) on the raw features fed to fc; the labels are already fixed
             features = features + jax.random.uniform(noise_key, features.shape, features.dtype,
                                                      -config.loss.noise_std, config.loss.noise_std)
-        hidden = drafter(
-            features, teacher.block_embeds, batch["positions"],
-            grid_ops.block_positions(batch["positions"], anchors, block), batch["segment_ids"],
-            batch["segment_ids"][:, anchors], grid)
+        hidden, _ = drafter(features, teacher.block_embeds,
+                            DrafterInputs.from_rows(grid, batch["positions"], batch["segment_ids"]))
         rows = hidden.shape[0]
         ce, correct = chunked_cross_entropy(hidden, teacher.lm_head, teacher.labels.reshape(rows, -1),
                                             config.loss.row_chunk)
-        mask = grid_ops.slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block)
+        mask = slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block)
         out = dflash_loss(ce.reshape(mask.shape), correct.reshape(mask.shape), mask, weights, normaliser)
         return out.loss, LossAux(teacher.labels, out.slot_correct, out.slot_count)
 
@@ -117,7 +85,7 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
 
     def train_step(state: TrainState, target_state: nnx.State, batch: dict[str, jax.Array]
                    ) -> tuple[TrainState, dict[str, jax.Array]]:
-        normaliser = trained_slot_count(grid_ops.slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block))
+        normaliser = trained_slot_count(slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block))
         rng, step_key = jax.random.split(jax.random.wrap_key_data(state.rng))
 
         def micro_step(micro_batch, noise_key):
@@ -143,7 +111,7 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
             "loss": loss,
             "slot_correct": slot_correct,
             "slot_count": slot_count,
-            "anchor_utilisation": grid_ops.anchor_utilisation(grid_ops.anchor_validity(batch["loss_mask"], anchors)),
+            "anchor_utilisation": anchor_utilisation(anchor_validity(batch["loss_mask"], anchors)),
             "grad_norm": optax.tree.norm(grads),  # before clipping
             "learning_rate": schedule(state.step),
         }

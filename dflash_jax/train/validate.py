@@ -18,6 +18,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from dflash_jax.errors import ConfigError
+from dflash_jax.models.dflash import LABEL_SOURCES
 from dflash_jax.models.drafter import LAYER_TYPES, DrafterConfig, default_target_layer_ids
 from dflash_jax.ops.backends import ATTENTION_CHOICES
 from dflash_jax.sharding import make_mesh
@@ -25,7 +26,6 @@ from dflash_jax.train.config import RENAMED, base_config, field_paths
 
 log = logging.getLogger(__name__)
 
-LABEL_SOURCES = ("target", "data")
 OPTIMIZERS = ("adamw", "muon")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -189,11 +189,7 @@ def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> Draf
     if drafter.target_layer_ids is None:
         layer_ids = default_target_layer_ids(num_target_layers, drafter.num_feature_layers)
     else:
-        layer_ids = tuple(int(i) for i in drafter.target_layer_ids)
-        _require(len(layer_ids) >= 1, "config.drafter.target_layer_ids must name at least one target layer")
-        outside = [i for i in layer_ids if not 0 <= i < num_target_layers]
-        _require(not outside, f"config.drafter.target_layer_ids {list(layer_ids)} has ids {outside} outside "
-                              f"[0, {num_target_layers - 1}] for this {num_target_layers}-layer target")
+        layer_ids = tuple(int(i) for i in drafter.target_layer_ids)  # DrafterConfig checks their range
         _require(len(layer_ids) == drafter.num_feature_layers,
                  f"config.drafter.target_layer_ids has {len(layer_ids)} ids but config.drafter.num_feature_layers is "
                  f"{drafter.num_feature_layers}: fc would read {len(layer_ids)}*H, not n*H = {width} columns")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from flax import nnx
+from jax.sharding import Mesh
 
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
@@ -31,7 +32,7 @@ class TargetFamily:
     """How one kind of target is read: its config from config.json, its NNX model, its HF tensor names."""
 
     config_from_hf: Callable[[Mapping], Any]  # raises ValueError naming the field at fault
-    model: type[nnx.Module]  # model(config, param_dtype=, rngs=, attention_impl=)
+    model: type[nnx.Module]  # model(config, param_dtype=, rngs=, attention_impl=, mesh=)
     text_rules: Callable[[Any, str], list[WeightRule]]  # embedding, decoder layers, final norm under a prefix
     prefixes: tuple[str, ...] = ("model.",)  # where the text model's tensors may sit, most specific first
     skipped: tuple[str, ...] = ()  # tensors of parts a target does not use (a vision tower, an MTP head)
@@ -51,10 +52,11 @@ class TargetFamily:
         """Prefixes of checkpoint tensors that are read by no rule and are not an error."""
         return self.skipped + ((LM_HEAD,) if config.tie_word_embeddings else ())
 
-    def abstract_model(self, config, *, param_dtype, attention_impl: str = "xla") -> nnx.Module:
+    def abstract_model(self, config, *, param_dtype, attention_impl: str = "xla", mesh: Mesh | None = None
+                       ) -> nnx.Module:
         """The model's structure with shapes and dtypes only (`nnx.eval_shape`), to be filled with weights."""
         return nnx.eval_shape(lambda: self.model(config, param_dtype=param_dtype, rngs=nnx.Rngs(0),
-                                                 attention_impl=attention_impl))
+                                                 attention_impl=attention_impl, mesh=mesh))
 
 
 QWEN3 = TargetFamily(Qwen3Config.from_hf, Qwen3, hf_qwen3.text_rules)

@@ -16,7 +16,7 @@ from etils import epath
 
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import DrafterConfig
-from dflash_jax.weights.drafter_export import serve_command
+from dflash_jax.weights.drafter_files import serve_command
 from dflash_jax.weights.hub import REPO_ID
 
 CARD_FILE = "README.md"

@@ -126,7 +126,7 @@ def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: 
         raise CheckpointError(f"{directory / MARKER_FILE}: format {marker.get('format')!r} version "
                               f"{marker.get('version')!r}, expected {FORMAT!r} version {VERSION}")
     family, config = resolve(read_config(directory), directory / "config.json")
-    abstract = family.abstract_model(config, param_dtype=param_dtype, attention_impl=attention_impl)
+    abstract = family.abstract_model(config, param_dtype=param_dtype, attention_impl=attention_impl, mesh=mesh)
     graphdef, state = nnx.split(abstract)
     if mesh is not None:
         shardings = {path: s.get_value() for path, s in nnx.to_flat_state(state_shardings(state, mesh))}

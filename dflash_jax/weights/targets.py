@@ -32,7 +32,7 @@ def load_target(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: M
         return load_orbax_target(checkpoint_dir, param_dtype=param_dtype, mesh=mesh, attention_impl=attention_impl)
     family, config = resolve(read_config(checkpoint_dir), Path(checkpoint_dir) / "config.json")
     reader = CheckpointReader(checkpoint_dir)
-    abstract = family.abstract_model(config, param_dtype=param_dtype, attention_impl=attention_impl)
+    abstract = family.abstract_model(config, param_dtype=param_dtype, attention_impl=attention_impl, mesh=mesh)
     shardings = state_shardings(nnx.state(abstract), mesh) if mesh is not None else None
     rules = family.weight_rules(config, family.prefix(reader.names()))
     model = load_weights(abstract, reader, rules, ignore_prefixes=family.ignored(config), shardings=shardings)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dflash_jax.eval.exact_tau import DraftScorer, Example, evaluate_drafter  # noqa: E402
 from dflash_jax.weights.targets import load_target  # noqa: E402
-from dflash_jax.weights.drafter_export import load_drafter_dir  # noqa: E402
+from dflash_jax.weights.drafter_files import load_drafter_dir  # noqa: E402
 
 TAU_TOLERANCE, LOG_PROB_TOLERANCE = 0.10, 1e-3
 

@@ -112,7 +112,7 @@ def export_untrained_mixed(out: Path) -> Path:
     from flax import nnx
 
     from dflash_jax.models.drafter import Drafter, DrafterConfig
-    from dflash_jax.weights.drafter_export import export_drafter
+    from dflash_jax.weights.drafter_files import export_drafter
     full = DrafterConfig(**json.loads((out / "run_full" / "drafter_config.json").read_text()))
     config = dataclasses.replace(full, layer_types=DRAFTERS["mixed"], sliding_window=WINDOW)
     return export_drafter(Drafter(config, rngs=nnx.Rngs(0)), config, out / "drafter_mixed", overwrite=True)

@@ -1,29 +1,38 @@
-"""The z-lab drafter directory (design §10): config.json + model.safetensors, written and read back.
+"""Every file a drafter is written to or read from: the z-lab export directory and a training workdir.
 
-This is the layout vLLM loads with `method: "dflash"` (design §10): a flat Qwen3 config plus the
-DFlash keys, and the drafter's own tensors (bf16, PyTorch [out, in], unprefixed; no embed_tokens/lm_head, so
-vLLM shares the target's). `export_drafter` writes a `Drafter`; `load_drafter_dir` reads such a directory
-(ours or a published z-lab one) back into NNX.
+The z-lab directory (design §10): config.json + model.safetensors, the layout vLLM loads with
+`method: "dflash"`: a flat Qwen3 config plus the DFlash keys, and the drafter's own
+tensors (bf16, PyTorch [out, in], unprefixed; no embed_tokens/lm_head, so vLLM shares the target's).
+`export_drafter` writes a `Drafter`; `load_drafter_dir` reads such a directory (ours or a published z-lab
+one) back into NNX. A training workdir holds drafter_config.json and Orbax checkpoints of the train state;
+`restore_drafter` reads the drafter of one of them. `load_drafter` takes either.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
 from safetensors.numpy import save_file
 
 from dflash_jax.errors import CheckpointError, OutputExistsError
-from dflash_jax.models.drafter import Drafter, DrafterConfig, drafter_from_torch_layout, drafter_to_torch_layout
+from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.safetensors_dir import INDEX_FILE, SINGLE_FILE, CheckpointReader, read_config
 
 CONFIG_FILE = "config.json"
+# A training workdir (`dflash-jax train --workdir`): the drafter's architecture and the train state checkpoints.
+DRAFTER_CONFIG_FILE, CHECKPOINTS_DIR = "drafter_config.json", "checkpoints"
 SLIDING = "sliding_attention"
 
 
@@ -200,10 +209,119 @@ def load_drafter_dir(directory: str | Path, *, param_dtype=jnp.float32, **drafte
     """
     directory = Path(local_dir(directory, "drafter"))
     config = drafter_config_from_zlab(read_config(directory), directory / CONFIG_FILE)
-    reader = CheckpointReader(directory)
+    return read_drafter_weights(directory, config, param_dtype=param_dtype, **drafter_kwargs), config
+
+
+def read_drafter_weights(directory: str | Path, config: DrafterConfig, *, param_dtype=jnp.float32,
+                         **drafter_kwargs) -> Drafter:
+    """The tensors of a z-lab directory's safetensors (or a Hub repo id's) as a `Drafter` of `config` (whatever
+    its config.json says); CheckpointError naming the directory when they do not fit."""
+    reader = CheckpointReader(local_dir(directory, "drafter"))
     tensors = {name: reader.read(name) for name in reader.names()}
     try:
-        drafter = drafter_from_torch_layout(tensors, config, param_dtype=param_dtype, **drafter_kwargs)
+        return drafter_from_torch_layout(tensors, config, param_dtype=param_dtype, **drafter_kwargs)
     except ValueError as error:
         raise CheckpointError(f"{directory}: {error}") from None
-    return drafter, config
+
+
+def _torch_name(path: tuple) -> tuple[str, bool]:
+    """NNX parameter path -> (z-lab export name, whether the tensor is a Linear kernel to transpose).
+
+    The module attributes above carry the export names, so ('layers', 0, 'self_attn', 'q_proj', 'kernel')
+    becomes 'layers.0.self_attn.q_proj.weight'.
+    """
+    *module_path, leaf = path
+    return ".".join(map(str, module_path)) + ".weight", leaf == "kernel"
+
+
+def drafter_to_torch_layout(drafter: Drafter) -> dict[str, np.ndarray]:
+    """Every trained weight under its z-lab export name (design §10), Linear weights in PyTorch [out, in]."""
+    tensors = {}
+    for path, param in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
+        name, is_kernel = _torch_name(path)
+        value = np.asarray(param.get_value())
+        tensors[name] = value.T if is_kernel else value
+    return tensors
+
+
+def drafter_from_torch_layout(tensors: Mapping[str, np.ndarray], config: DrafterConfig, *,
+                              param_dtype=jnp.float32, **drafter_kwargs) -> Drafter:
+    """The inverse of `drafter_to_torch_layout`: a Drafter holding exactly these tensors.
+
+    Raises ValueError naming missing or unexpected tensors and shape mismatches. drafter_kwargs go to Drafter.
+    """
+    abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0), param_dtype=param_dtype,
+                                              **drafter_kwargs))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    variables = {_torch_name(path): variable for path, variable in nnx.to_flat_state(params)}
+    expected = {name for name, _ in variables}
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise ValueError(f"drafter tensors do not match the DrafterConfig: missing {missing}, unexpected {unexpected}")
+    for (name, is_kernel), variable in variables.items():
+        value = np.asarray(tensors[name])
+        value = value.T if is_kernel else value
+        if value.shape != tuple(variable.shape):
+            torch_shape = tuple(reversed(variable.shape)) if is_kernel else tuple(variable.shape)
+            raise ValueError(f"tensor {name} has shape {np.asarray(tensors[name]).shape}, expected {torch_shape}")
+        variable.set_value(jnp.asarray(value, dtype=variable.dtype))
+    return nnx.merge(graphdef, params, rest)
+
+
+def workdir_path(workdir: str | os.PathLike) -> epath.Path:
+    """A run directory as every reader and writer of it addresses it: an `epath.Path` (what Orbax uses), so
+    that a bucket URI such as gs://bucket/run stays one (pathlib would turn it into the local path
+    gs:/bucket/run); local paths are made absolute, as Orbax requires."""
+    text = os.fspath(workdir)
+    return epath.Path(text) if "://" in text else epath.Path(os.path.expanduser(text)).absolute()
+
+
+def restore_drafter(workdir: str | os.PathLike, step: int | None) -> tuple[Drafter, DrafterConfig, int]:
+    """The fp32 drafter saved at `step` (None: the latest) of a `dflash-jax train` workdir."""
+    workdir = workdir_path(workdir)
+    config_path = workdir / DRAFTER_CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path}: not found; is {workdir} a training workdir?")
+    config = DrafterConfig(**json.loads(config_path.read_text()))
+    manager = ocp.CheckpointManager(workdir / CHECKPOINTS_DIR, item_names=("state", "data"),
+                                    options=ocp.CheckpointManagerOptions(create=False, read_only=True))
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise CheckpointError(f"{workdir / CHECKPOINTS_DIR}: no checkpoint found")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise CheckpointError(f"{workdir / CHECKPOINTS_DIR}: no checkpoint at step {step}; available steps: "
+                              f"{', '.join(map(str, steps))}")
+
+    # Restore only TrainState.params (not the optimizer state) onto the host CPU. The state was saved as a
+    # pytree of nnx Variables, whose leaves sit under a final "value" key.
+    abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    cpu = SingleDeviceSharding(jax.devices("cpu")[0])
+    variables = [(tuple(map(str, path)), variable) for path, variable in nnx.to_flat_state(params)]
+    target: dict = {}
+    for path, variable in variables:
+        _nested(target, path)["value"] = jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=cpu)
+    item = {"params": target}
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+    for path, variable in variables:
+        variable.set_value(_nested(restored.state["params"], path)["value"])
+    return nnx.merge(graphdef, params, rest), config, step
+
+
+def _nested(tree: dict, path: tuple[str, ...]) -> dict:
+    for key in path:
+        tree = tree.setdefault(key, {})
+    return tree
+
+
+def load_drafter(workdir: str | os.PathLike | None, drafter_dir: str | Path | None, step: int | None
+                 ) -> tuple[Drafter, DrafterConfig, str]:
+    """(fp32 drafter, its config, where it came from) from an export directory, else a workdir checkpoint."""
+    if drafter_dir:
+        drafter, drafter_config = load_drafter_dir(drafter_dir)
+        return drafter, drafter_config, str(drafter_dir)
+    drafter, drafter_config, step = restore_drafter(workdir, step)
+    return drafter, drafter_config, f"{workdir} step {step}"

@@ -1,16 +1,80 @@
-"""The static anchor grid and its per-row masks (design §4), in jax.numpy so they run inside a jitted step.
+"""The static anchor grid (design §4) and what it gives each batch of rows, in jax.numpy for the jitted step.
 
 Anchors sit at a_j = j*S for j < N = T/S in every row; the loader's phase shift moves the content instead of
-the grid, so everything indexed by anchors here has static shapes. Inputs are [batch, T] arrays (NumPy or
-JAX); `anchors` is the static NumPy array `AnchorGrid.anchors` (ops/mask.py). Slot k of block j sits at
-position a_j + k and is flattened as index j*B + k in [batch, N*B] outputs.
+the grid, so everything indexed by anchors has static shapes. Slot k of block j sits at position a_j + k and
+is flattened as index j*B + k in [batch, N*B] outputs. The per-row helpers take [batch, T] arrays (NumPy or
+JAX) and the static NumPy `AnchorGrid.anchors`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorGrid:
+    """Static anchors a_j = j*stride, j < seq_len/stride, each heading a block of block_size slots."""
+
+    seq_len: int
+    stride: int
+    block_size: int
+
+    def __post_init__(self):
+        for name in ("seq_len", "stride", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"AnchorGrid.{name} must be a positive int, got {value!r}")
+        if self.seq_len % self.stride:
+            raise ValueError(f"AnchorGrid.seq_len ({self.seq_len}) must be a multiple of "
+                             f"AnchorGrid.stride ({self.stride})")
+        if self.block_size < 2:
+            raise ValueError(f"AnchorGrid.block_size must be >= 2 (an anchor slot plus at least one drafted "
+                             f"slot), got {self.block_size}")
+
+    @property
+    def num_anchors(self) -> int:
+        return self.seq_len // self.stride
+
+    @property
+    def num_queries(self) -> int:
+        return self.num_anchors * self.block_size
+
+    @property
+    def anchors(self) -> np.ndarray:
+        return np.arange(self.num_anchors, dtype=np.int32) * self.stride
+
+    @property
+    def query_anchors(self) -> np.ndarray:
+        """[N*B]: the anchor a_j of every query row j*B + k."""
+        return np.repeat(self.anchors, self.block_size)
+
+    @property
+    def query_slots(self) -> np.ndarray:
+        """[N*B]: the slot k of every query row j*B + k."""
+        return np.tile(np.arange(self.block_size, dtype=np.int32), self.num_anchors)
+
+
+@struct.dataclass
+class DrafterInputs:
+    """Where the drafter's blocks sit in a batch of rows: the static grid, and per row the RoPE positions and
+    documents of the context and of the blocks (design §3-§5)."""
+
+    grid: AnchorGrid = struct.field(pytree_node=False)
+    context_positions: jax.Array  # [b, T] the rows' positions (restarting in each packed document)
+    block_positions: jax.Array  # [b, N*B] positions[a_j] + k
+    context_segment_ids: jax.Array  # [b, T] the rows' document ids
+    anchor_segment_ids: jax.Array  # [b, N] the document of each anchor
+
+    @classmethod
+    def from_rows(cls, grid: AnchorGrid, positions: jax.Array, segment_ids: jax.Array) -> DrafterInputs:
+        positions, segment_ids = jnp.asarray(positions), jnp.asarray(segment_ids)
+        return cls(grid, positions, block_positions(positions, grid.anchors, grid.block_size), segment_ids,
+                   segment_ids[:, grid.anchors])
 
 
 def _slot_indices(seq_len: int, anchors: np.ndarray, block_size: int) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,55 @@
+"""The target -> drafter pair forward (design §3-§6), one code path for the train step and exact τ, with the
+block ids and features the speculative generator feeds the drafter too.
+
+`target_context` runs the frozen target over rows and gives the drafter everything it reads: the feature
+layers, the greedy labels (argmax of the target's own logits at a+k-1, or the data's next tokens), the
+target's embedding of the block ids (slot 0 the real token at the anchor, the others mask_token_id) and the
+LM head. `Drafter.__call__` (models/drafter.py) then runs on it with the rows' `DrafterInputs`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from dflash_jax.models.drafter import DrafterConfig
+from dflash_jax.models.target import TargetOutput
+from dflash_jax.ops.anchors import AnchorGrid, block_token_ids
+from dflash_jax.ops.lm_head import greedy_labels
+
+LABEL_SOURCES = ("target", "data")
+
+
+class TargetContext(NamedTuple):
+    """What the frozen target gives the drafter for a batch of rows; no gradient flows into any of it."""
+
+    features: jax.Array  # [b, T, n*H] the feature layers, concatenated in target_layer_ids order
+    labels: jax.Array  # [b, N, B] int32: the token slot k of the block at anchor a should predict
+    block_embeds: jax.Array  # [b, N*B, H] the target's embedding of the block ids
+    lm_head: jax.Array  # [H, V]
+
+
+def drafter_features(out: TargetOutput) -> jax.Array:
+    """The target's feature layers [b, T, n, H] as the drafter's fc reads them, [b, T, n*H]."""
+    return out.features.reshape(*out.features.shape[:2], -1)
+
+
+def target_context(target, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, grid: AnchorGrid,
+                   config: DrafterConfig, *, labels: str = "target", vocab_chunk: int = 8192) -> TargetContext:
+    """The target over rows [b, T] and what the drafter reads of it (see the module docstring)."""
+    out = target(input_ids, positions, segment_ids, config.target_layer_ids)
+    lm_head = target.lm_head_kernel()
+    slot_index = grid.anchors[:, None] + np.arange(grid.block_size)[None, :]  # [N, B]: a + k
+    if labels == "data":
+        slot_labels = input_ids[:, np.minimum(slot_index, grid.seq_len - 1)]
+    else:
+        label_source = np.clip(slot_index - 1, 0, grid.seq_len - 1)  # the logits at a+k-1 predict a+k
+        if grid.num_queries >= grid.seq_len:  # slots overlap (S <= B): one argmax per row position is cheaper
+            slot_labels = greedy_labels(out.hidden, lm_head, vocab_chunk)[:, label_source]
+        else:
+            slot_labels = greedy_labels(out.hidden[:, label_source.reshape(-1)], lm_head, vocab_chunk)
+            slot_labels = slot_labels.reshape(input_ids.shape[0], grid.num_anchors, grid.block_size)
+    block_ids = block_token_ids(input_ids, grid.anchors, grid.block_size, config.mask_token_id)
+    return jax.lax.stop_gradient(TargetContext(drafter_features(out), slot_labels, target.embed(block_ids), lm_head))
