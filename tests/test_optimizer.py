@@ -11,6 +11,7 @@ import pytest
 import torch
 from flax import nnx
 
+from dflash_jax.models.layers import param
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.train.optimizer import matrix_axes, muon
 
@@ -22,10 +23,10 @@ class Weights(nnx.Module):
 
     def __init__(self, rngs: nnx.Rngs):
         normal = jax.random.normal
-        self.proj = nnx.Param(normal(rngs.params(), (6, 10)), out_sharding=("embed", "mlp"))
-        self.stacked = nnx.Param(normal(rngs.params(), (2, 8, 4)), out_sharding=("layers", "embed", "q_heads"))
-        self.norm = nnx.Param(1 + 0.1 * normal(rngs.params(), (8,)), out_sharding=("embed",))
-        self.row = nnx.Param(normal(rngs.params(), (1, 8)), out_sharding=(None, "embed"))
+        self.proj = param(normal(rngs.params(), (6, 10)), ("embed", "mlp"))
+        self.stacked = param(normal(rngs.params(), (2, 8, 4)), ("layers", "embed", "q_heads"))
+        self.norm = param(1 + 0.1 * normal(rngs.params(), (8,)), ("embed",))
+        self.row = param(normal(rngs.params(), (1, 8)), (None, "embed"))
 
 
 def params_and_grads(steps: int = STEPS):
