@@ -36,11 +36,11 @@ clean:
 # twenty minutes), long enough for the τ target (README).
 # $(call toy_job,CONFIG,RUN_DIR,EXPORT_DIR)
 define toy_job
-	rm -rf $(2)
+	rm -rf $(2) $(3)
 	env -u XLA_FLAGS $(VENV)/bin/dflash-jax train --config $(1) --workdir $(2)
 	env -u XLA_FLAGS $(VENV)/bin/dflash-jax evaluate --config $(1) --workdir $(2) --max_new_tokens 128 \
 		--json $(2)/eval.json
-	env -u XLA_FLAGS $(VENV)/bin/dflash-jax export --workdir $(2) --out $(3) --overwrite
+	env -u XLA_FLAGS $(VENV)/bin/dflash-jax export --workdir $(2) --out $(3)
 endef
 
 demo: $(VENV)/.base-installed

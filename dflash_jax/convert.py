@@ -22,7 +22,8 @@ _OUT = flags.DEFINE_string("out", None, "Output directory (must be empty or abse
                            flag_values=FLAGS)
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "float16"], "Storage dtype of the weights.",
                            flag_values=FLAGS)
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Delete a non-empty --out first.", flag_values=FLAGS)
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an earlier Orbax target in --out (a directory "
+                                "holding anything else is refused).", flag_values=FLAGS)
 flags.mark_flags_as_required(["hf_dir", "out"], flag_values=FLAGS)
 
 

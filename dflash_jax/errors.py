@@ -28,5 +28,9 @@ class CheckpointError(UserError):
     """A checkpoint directory or file that cannot be used, with the reason."""
 
 
-class OutputExistsError(UserError, FileExistsError):
-    """An output path that is in the way (not empty, or not a directory) and may not be replaced."""
+class OutputDirError(UserError):
+    """An output directory a command may not write into or replace (--out), with the reason."""
+
+
+class WorkdirLockedError(UserError):
+    """A training workdir that another live run holds; the message names its host and process id."""

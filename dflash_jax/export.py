@@ -4,10 +4,11 @@
         [--push_to_hub OWNER/NAME]
 
 `python -m dflash_jax.export` (or `python convert/export_drafter.py`) is the same command. Reads
-<workdir>/drafter_config.json and the drafter params of <workdir>/checkpoints/<step> (the latest step unless
---step), writes <out>/config.json + <out>/model.safetensors (bf16) and a model card <out>/README.md (target,
-data, steps, block size, feature layers, the last exact/DDTree τ, the vLLM and SGLang commands), prints the
-`vllm serve` line, and with --push_to_hub uploads <out> to that Hub repo.
+<workdir>/drafter_config.json and the drafter params of <workdir>/checkpoints/<step> (the latest readable step
+unless --step), writes <out>/config.json + <out>/model.safetensors (bf16) and a model card <out>/README.md
+(target, data, steps, block size, feature layers, the last exact/DDTree τ, the vLLM and SGLang commands; the
+target and data of the run that trained that step, from <workdir>/config_history.jsonl), prints the `vllm serve`
+line, and with --push_to_hub uploads <out> to that Hub repo.
 """
 
 from __future__ import annotations
@@ -17,32 +18,40 @@ from pathlib import Path
 from absl import flags
 
 from dflash_jax import cli
-from dflash_jax.weights.drafter_files import check_out_dir, export_drafter, restore_drafter, serve_command, workdir_path
+from dflash_jax.weights.drafter_files import (check_out_dir, export_drafter, restore_drafter, serve_command,
+                                             workdir_path)
 from dflash_jax.weights.model_card import CARD_FILE, push_to_hub, training_facts, write_model_card
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's --workdir (a local path or a bucket URI such as "
                                "gs://bucket/run).", flag_values=FLAGS)
 _OUT = flags.DEFINE_string("out", None, "Export directory (config.json, model.safetensors).", flag_values=FLAGS)
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the latest).", flag_values=FLAGS)
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace config.json and *.safetensors in a non-empty --out.",
-                               flag_values=FLAGS)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the latest readable one).",
+                             flag_values=FLAGS)
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an earlier export in --out (a directory holding anything "
+                               "else is refused).", flag_values=FLAGS)
 _PUSH = flags.DEFINE_string("push_to_hub", None, "Then upload --out to this Hugging Face Hub model repo (owner/name; "
                             "needs hf auth login).", flag_values=FLAGS)
 flags.mark_flags_as_required(["workdir", "out"], flag_values=FLAGS)
 
 
-def main() -> None:
-    workdir, out = workdir_path(_WORKDIR.value), Path(_OUT.value)
-    check_out_dir(out, _OVERWRITE.value)  # before the (possibly long) restore
-    drafter, config, step = restore_drafter(workdir, _STEP.value)
-    out = export_drafter(drafter, config, out, overwrite=_OVERWRITE.value)
+def export(workdir: str, out: str, *, step: int | None = None, overwrite: bool = False,
+           push_to_hub_repo: str | None = None) -> None:
+    """What the command does, with its flags as arguments; a user error raises `errors.UserError`."""
+    workdir, out = workdir_path(workdir), Path(out)
+    check_out_dir(out, overwrite, inputs=[workdir])  # before the (possibly long) restore
+    drafter, config, step = restore_drafter(workdir, step)
+    out = export_drafter(drafter, config, out, overwrite=overwrite, inputs=[workdir])
     facts = training_facts(workdir, step)
-    write_model_card(out, config, facts, drafter=_PUSH.value or str(out.absolute()))
+    write_model_card(out, config, facts, drafter=push_to_hub_repo or str(out.absolute()))
     print(f"exported step {step} of {workdir} to {out} (model card: {out / CARD_FILE})")
     print("serve it with:\n  " + serve_command(facts.target, out.absolute(), config.block_size))
-    if _PUSH.value:
-        print(f"uploaded to {push_to_hub(out, _PUSH.value)}")
+    if push_to_hub_repo:
+        print(f"uploaded to {push_to_hub(out, push_to_hub_repo)}")
+
+
+def main() -> None:
+    export(_WORKDIR.value, _OUT.value, step=_STEP.value, overwrite=_OVERWRITE.value, push_to_hub_repo=_PUSH.value)
 
 
 if __name__ == "__main__":

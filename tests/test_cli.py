@@ -51,8 +51,9 @@ def test_print_config_shows_the_file_with_its_overrides():
 def test_user_errors_are_one_line_with_exit_code_2(tmp_path):
     assert "--workdir" in user_error(dflash_jax("train", "--config", TINY))
     assert "stray" in user_error(dflash_jax("export", "--workdir", str(tmp_path), "--out", "x", "stray"))
-    assert user_error(dflash_jax("export", "--workdir", str(tmp_path), "--out", str(tmp_path / "out"))) == (
-        f"error: {tmp_path}/drafter_config.json: not found; is {tmp_path} a training workdir?")
+    workdir = tmp_path / "run"
+    assert user_error(dflash_jax("export", "--workdir", str(workdir), "--out", str(tmp_path / "out"))) == (
+        f"error: {workdir}/drafter_config.json: not found; is {workdir} a training workdir?")
 
 
 def test_train_then_export_through_the_console_script(tmp_path):

@@ -201,11 +201,12 @@ def test_cli_reports_an_unknown_override_as_one_line(tmp_path):
 
 
 def test_a_workdir_refuses_a_different_drafter(tmp_path):
-    from dflash_jax.train.loop import _write_drafter_config  # what train() does before touching checkpoints
+    # What train() checks before touching checkpoints, and writes once the start is accepted.
+    from dflash_jax.train.loop import _check_drafter_config, _write_drafter_config
 
     resolved = resolve_drafter_config(config(), TARGET, make_chat_tokenizer())
     _write_drafter_config(tmp_path / "drafter_config.json", resolved)
-    _write_drafter_config(tmp_path / "drafter_config.json", resolved)  # the same drafter: a resume
+    _check_drafter_config(tmp_path / "drafter_config.json", resolved)  # the same drafter: a resume
     other = resolve_drafter_config(config(**{"drafter.block_size": 4}), TARGET, make_chat_tokenizer())
     with pytest.raises(ConfigError, match=r"records a different drafter .*'block_size': \(8, 4\)"):
-        _write_drafter_config(tmp_path / "drafter_config.json", other)
+        _check_drafter_config(tmp_path / "drafter_config.json", other)

@@ -11,10 +11,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from ml_collections import ConfigDict
 from safetensors.torch import load_file
 
-from dflash_jax.errors import CheckpointError
+from dflash_jax.errors import CheckpointError, OutputDirError
 from dflash_jax.ops.anchors import AnchorGrid
+from dflash_jax.train.workdir import append_config_history
 from dflash_jax.weights.drafter_files import (drafter_config_from_zlab, drafter_from_torch_layout, drafter_to_torch_layout,
                                              export_drafter, load_drafter_dir, zlab_config)
 from tests.command import dflash_jax, user_error
@@ -67,7 +69,8 @@ def test_export_loads_strictly_into_torch_reference_with_same_logits(tmp_path, k
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_exported_names_shapes_dtypes_and_config_fields(tmp_path, kind):
     config, _, _, out = exported(tmp_path, kind)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    # The drafter files, and the ownership file that lets a later --overwrite replace them (output_dir.py).
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash_output.json", "model.safetensors"]
     header = safetensors_header(out / "model.safetensors")
     header.pop("__metadata__")
     heads, kv, hd, inner, n = 4, 2, 8, 64, len(config.target_layer_ids)
@@ -172,12 +175,14 @@ def test_import_refuses_missing_extra_and_misshapen_tensors(tmp_path):
 
 def test_export_refuses_non_empty_directory_unless_overwrite(tmp_path):
     config, weights, drafter, out = exported(tmp_path, "all_full")
-    (out / "model-00002-of-00002.safetensors").write_bytes(b"stale")
-    (out / "README.md").write_text("keep me")
-    with pytest.raises(FileExistsError, match=r"all_full: output directory is not empty"):
+    with pytest.raises(OutputDirError, match=r"all_full: output directory is not empty"):
         export_drafter(drafter, config, out)
     export_drafter(drafter, config, out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash_output.json", "model.safetensors"]
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"stale")  # vLLM would read it: refused, kept
+    with pytest.raises(OutputDirError, match=r"it also holds model-00002-of-00002.safetensors"):
+        export_drafter(drafter, config, out, overwrite=True)
+    assert (out / "model-00002-of-00002.safetensors").read_bytes() == b"stale"
     with pytest.raises(ValueError, match="the drafter was built with"):
         export_drafter(drafter, make_config(block_size=8), tmp_path / "other")
 
@@ -194,7 +199,7 @@ def test_export_refuses_feature_layers_vllm_would_reorder(tmp_path, ids):
 
 
 def training_workdir(tmp_path, steps=(2, 4)):
-    """A workdir as `python -m dflash_jax.train` leaves it: drafter_config.json, config.json and Orbax
+    """A workdir as `python -m dflash_jax.train` leaves it: drafter_config.json, config_history.jsonl and Orbax
     checkpoints of the TrainState (written by the trainer's own Checkpointer), one drafter per step."""
     import dataclasses
 
@@ -209,7 +214,7 @@ def training_workdir(tmp_path, steps=(2, 4)):
     workdir = tmp_path / "run"
     workdir.mkdir()
     (workdir / "drafter_config.json").write_text(json.dumps(dataclasses.asdict(config)))
-    (workdir / "config.json").write_text(json.dumps({"target_dir": "/ckpt/target"}))
+    append_config_history(workdir, ConfigDict({"target_dir": "/ckpt/target"}), step=0)
     checkpointer = Checkpointer(workdir, keep=5)
     weights = {}
     for step in steps:
@@ -252,7 +257,6 @@ def test_export_cli_errors(tmp_path):
     (out / "model.safetensors").write_text("old")
     assert f"{out}: output directory is not empty (pass --overwrite" in error(
         "--workdir", str(workdir), "--out", str(out))
-    assert dflash_jax("export", "--workdir", str(workdir), "--out", str(out), "--overwrite").returncode == 0
     empty = tmp_path / "empty"
     (empty / "checkpoints").mkdir(parents=True)
     (empty / "drafter_config.json").write_text((workdir / "drafter_config.json").read_text())
@@ -273,8 +277,8 @@ def test_export_writes_a_model_card_whose_commands_parse(tmp_path):
     from pathlib import Path
 
     workdir, config, _ = training_workdir(tmp_path)
-    (workdir / "config.json").write_text(json.dumps({"target_dir": "Qwen/Qwen3-8B",
-                                                     "data": {"train_files": ["/data/train.jsonl"]}}))
+    append_config_history(workdir, ConfigDict({"target_dir": "Qwen/Qwen3-8B",
+                                               "data": {"train_files": ["/data/train.jsonl"]}}), step=0)
     (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
         {"step": 2, "eval/tau": 1.5, "eval/ddtree_tau_8": 1.7, "eval/ddtree_tau_22": 1.9},
         {"step": 4, "loss": 3.0}, {"step": 6, "eval/tau": 9.9})))  # step 6 is after the exported step 4

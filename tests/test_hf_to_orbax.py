@@ -63,7 +63,8 @@ def test_orbax_target_equals_hf_target(qwen3_dirs, name):
     assert restored_config == direct_config
     assert_same_model(restored, direct)
     copied = sorted(p.name for p in (qwen3_dirs / f"{name}_float32").iterdir())
-    assert copied == ["config.json", MARKER_FILE, "generation_config.json", "params", "tokenizer.json"]
+    assert copied == ["config.json", "dflash_output.json", MARKER_FILE, "generation_config.json", "params",
+                      "tokenizer.json"]
 
 
 def test_bf16_storage_equals_hf_loaded_in_bf16(qwen3_dirs):
@@ -114,8 +115,9 @@ def test_converter_errors(qwen3_dirs, tmp_path):
     (out / "something").write_text("x")
     assert "out: output directory is not empty (pass --overwrite" in user_error(convert(str(qwen3_dirs / "untied"),
                                                                                        "--out", str(out)))
-    assert convert(str(qwen3_dirs / "untied"), "--out", str(out), "--overwrite").returncode == 0
-    assert not (out / "something").exists()
+    assert "--overwrite refused: it has no dflash_output.json" in user_error(
+        convert(str(qwen3_dirs / "untied"), "--out", str(out), "--overwrite"))
+    assert (out / "something").read_text() == "x"
 
     bad = tmp_path / "llama"
     shutil.copytree(qwen3_dirs / "untied", bad)

@@ -1,10 +1,12 @@
 """Exact resume through the real train loop: a run stopped at step 10 and rerun matches a straight run, and a
-SIGTERM sent to `python -m dflash_jax.train` leaves a checkpoint that the rerun continues from."""
+SIGTERM sent to `python -m dflash_jax.train` leaves a checkpoint that the rerun continues from, with exit code
+75 (stopped, rerun to resume); meanwhile a second trainer on the same workdir is refused."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ import pytest
 
 from dflash_jax.train.checkpoint import Checkpointer
 from dflash_jax.train.loop import train
+from tests.command import user_error
 from tests.train_fixtures import fast_cpu_compiles, losses, make_target, restore_last, tiny_config, write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +63,8 @@ def test_stop_at_step_10_and_rerun_matches_a_straight_run(files, tmp_path, optim
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), resumed_state, straight_state)
 
 
-def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(files, tmp_path):
+def test_a_second_trainer_is_refused_and_sigterm_exits_75_after_the_checkpoint_and_the_rerun_resumes(
+        files, tmp_path):
     target_dir, train_file = files
     workdir = tmp_path / "run"
     command = [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"),
@@ -77,9 +81,14 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(files, tmp_path):
         assert process.poll() is None, process.communicate()[0][-3000:]
         assert time.monotonic() < deadline, "no step was logged in time"
         time.sleep(0.5)
+    second = subprocess.run(command + ["--config.total_steps=100000"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert user_error(second).startswith(
+        f"error: {workdir}: another trainer is running in this workdir (host {socket.gethostname()}, "
+        f"pid {process.pid}, started ")
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=120)[0]
-    assert process.returncode == 0, output[-3000:]
+    assert process.returncode == 75, output[-3000:]  # EX_TEMPFAIL: stopped, rerun to resume
     assert "SIGTERM received" in output
 
     stopped_at = Checkpointer(workdir, keep=1).latest_step()

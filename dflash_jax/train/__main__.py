@@ -5,13 +5,18 @@ r"""Train a DFlash drafter:
 
 `python -m dflash_jax.train` is the same command. Rerun it with the same --workdir to resume after a stop
 (SIGTERM/SIGINT save a checkpoint first). Outputs in the workdir: checkpoints/, metrics.jsonl,
-drafter_config.json, config.json. On several hosts, run the same command on each (see config.distributed and
-train/distributed.py).
+drafter_config.json, config_history.jsonl (train/workdir.py). On several hosts, run the same command on each
+(see config.distributed and train/distributed.py).
+
+Exit codes: 0 the run reached config.total_steps; 75 (EX_TEMPFAIL) stopped by SIGTERM/SIGINT after saving
+its checkpoint, rerun to resume (schedulers requeue on it); 2 a user error, reported in one `error:` line.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import jax
 from absl import flags
@@ -20,6 +25,8 @@ from absl import logging as absl_logging
 from dflash_jax import cli
 from dflash_jax.train import distributed
 from dflash_jax.train.loop import train, use_compilation_cache
+
+EXIT_STOPPED = os.EX_TEMPFAIL  # 75: stopped by a signal after the checkpoint; rerun the command to resume
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _CONFIG = cli.define_config_flag(FLAGS)
@@ -37,7 +44,9 @@ def main() -> None:
         logging.getLogger("dflash_jax").setLevel(logging.WARNING)
         logging.getLogger("dflash_jax.data").setLevel(logging.INFO)  # each process reads its own share
     use_compilation_cache(config, _WORKDIR.value)
-    train(config, _WORKDIR.value)
+    summary = train(config, _WORKDIR.value)
+    if summary["stopped_by"]:
+        sys.exit(EXIT_STOPPED)
 
 
 if __name__ == "__main__":

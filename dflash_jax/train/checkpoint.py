@@ -10,26 +10,54 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental.multihost_utils import sync_global_devices
 
 from dflash_jax.train.state import TrainState
+from dflash_jax.train.workdir import newest_readable
 from dflash_jax.weights.drafter_files import CHECKPOINTS_DIR, workdir_path
 
 log = logging.getLogger(__name__)
+
+UNREADABLE_DIR = "checkpoints.unreadable"  # unreadable checkpoints a resume fell back past
 
 
 class Checkpointer:
     """<workdir>/checkpoints/<step>/{state, data}; keeps the newest `keep` checkpoints."""
 
     def __init__(self, workdir: str | os.PathLike, keep: int):
+        self._workdir = workdir_path(workdir)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-        self._manager = ocp.CheckpointManager(workdir_path(workdir) / CHECKPOINTS_DIR, options=options,
+        self._manager = ocp.CheckpointManager(self._workdir / CHECKPOINTS_DIR, options=options,
                                               item_names=("state", "data"))
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    def restore_latest(self, abstract_state: TrainState) -> tuple[int, TrainState, dict[str, Any]] | None:
+        """(step, state, data position) of the newest readable checkpoint, None when there is none at all.
+
+        Unreadable newer checkpoints (a truncated or missing file) are each reported in one warning line and
+        moved to <workdir>/checkpoints.unreadable/, so that the resumed run can write those steps again;
+        CheckpointError when no checkpoint is readable.
+        """
+        steps = self._manager.all_steps()
+        if not steps:
+            return None
+        step, (state, data), unreadable = newest_readable(
+            self._workdir / CHECKPOINTS_DIR, steps, lambda step: self.restore(step, abstract_state))
+        if unreadable:
+            if jax.process_index() == 0:
+                for bad in unreadable:
+                    _set_aside(self._workdir, bad)
+            sync_global_devices("dflash_jax: unreadable checkpoints set aside")
+            self._manager.reload()
+        return step, state, data
 
     def save(self, step: int, state: TrainState, data_state: dict[str, Any]) -> None:
         """Starts writing in the background (arrays are copied off the device first, so the caller may
@@ -49,6 +77,17 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _set_aside(workdir: epath.Path, step: int) -> None:
+    """Moves the unreadable checkpoint `step` out of the manager's sight, keeping its files for inspection."""
+    aside = workdir / UNREADABLE_DIR
+    aside.mkdir(parents=True, exist_ok=True)
+    target = aside / str(step)
+    if target.exists():  # set aside before, at an earlier resume
+        target = aside / f"{step}.{time.strftime('%Y%m%d-%H%M%S')}"
+    (workdir / CHECKPOINTS_DIR / str(step)).rename(target)
+    log.warning("moved the unreadable checkpoint step %d to %s", step, target)
 
 
 class StopRequest:

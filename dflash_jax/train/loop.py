@@ -34,6 +34,7 @@ from dflash_jax.train.loss import acceptance_metrics
 from dflash_jax.train.state import init_train_state, state_spec
 from dflash_jax.train.step import make_step, process_rows, put_batch
 from dflash_jax.train.tracking import Trackers
+from dflash_jax.train.workdir import METRICS_FILE, append_config_history, drop_metrics_after, workdir_held
 from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE, workdir_path
 from dflash_jax.weights.targets import load_target
 
@@ -42,14 +43,14 @@ log = logging.getLogger(__name__)
 # evaluate(step, drafter, target) -> metrics to log under "eval/<name>"; called every config.eval_every steps.
 EvaluateFn = Callable[[int, Drafter, nnx.Module], dict[str, float]]
 
-METRICS_FILE = "metrics.jsonl"
-
 
 def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn | None = None) -> dict[str, Any]:
     """Train (or resume) the run in `workdir` (a local path or a bucket URI such as gs://bucket/run); returns
     the summary that is also logged at the end.
 
     evaluate: called every config.eval_every steps; by default exact τ on config.data.eval_files (design §9).
+    The run holds the workdir's lock throughout (train/workdir.py): a second trainer there is refused. A
+    refused start (bad config, data, or a resume that does not fit the checkpoint) writes no run files.
     """
     validate.validate_config(config)
     if evaluate is None and config.eval_every:
@@ -57,6 +58,11 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
         evaluate = make_train_evaluator(config)  # logged as eval/* metrics
     workdir = workdir_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    with workdir_held(workdir):
+        return _train(config, workdir, evaluate)
+
+
+def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None) -> dict[str, Any]:
     main = jax.process_index() == 0  # of several processes (train/distributed.py), one writes the run files
     mesh = validate.mesh_from_config(config)
     validate.validate_batch_layout(config, int(np.prod([mesh.shape[axis] for axis in BATCH_AXES])))
@@ -69,21 +75,19 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
                                         mesh=mesh, attention_impl=attention_impl)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
-    _write_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config, write=main)
-    if main:
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+    _check_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)
     log.info("drafter: %s (attention: %s)", drafter_config, attention_impl)
 
     # Train state: restored from the newest checkpoint, else freshly initialised.
     spec = state_spec(drafter_config, config, attention_impl, mesh)
     checkpointer = Checkpointer(workdir, config.keep_checkpoints)
-    start_step = checkpointer.latest_step()
-    if start_step is None:
+    restored = checkpointer.restore_latest(spec.abstract)  # the newest readable one (checkpoint.py)
+    if restored is None:
         state, data_state = init_train_state(drafter_config, config, attention_impl, spec), None
         start_step = 0
     else:
+        start_step, state, data_state = restored
         log.info("resuming from %s at step %d", workdir / "checkpoints", start_step)
-        state, data_state = checkpointer.restore(start_step, spec.abstract)
 
     # This process's rows of every batch, built in a background thread (data/loader.py, data/prefetch.py).
     data = config.data
@@ -92,6 +96,10 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
         data.train_files, tokenizer, seq_len=data.seq_len, anchor_stride=data.anchor_stride,
         batch_size=data.batch_size, rows=rows, seed=data.shuffle_seed, pad_id=tokenizer.pad_token_id or 0,
         bad_records=data.bad_records, chat_template_kwargs=data.chat_template_kwargs, state=data_state)))
+    if main:  # the start is accepted: record it, and forget the metrics of steps the resume repeats
+        _write_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)
+        append_config_history(workdir, config, start_step)
+        drop_metrics_after(workdir, start_step)
 
     target_graphdef, target_state = nnx.split(target)
     step_fns = make_step(config, drafter_config, spec, target_graphdef, state_shardings(target_state, mesh), mesh)
@@ -218,21 +226,23 @@ def _agreed(build: Callable[[], BatchLoader]) -> BatchLoader:
     return loader
 
 
-def _write_drafter_config(path: epath.Path, drafter_config, write: bool = True) -> None:
-    """Saved for export/eval; a resumed run must have the same drafter (design §12.5). Every process checks,
-    so all of them stop on a mismatch; only the one with `write` writes (atomically, so that none of the
-    others can read a half-written file)."""
-    fields = json.loads(json.dumps(dataclasses.asdict(drafter_config)))
+def _check_drafter_config(path: epath.Path, drafter_config) -> None:
+    """A resumed run must have the drafter the workdir was started with (design §12.5). Every process checks,
+    so all of them stop on a mismatch."""
     if path.exists():
         saved = json.loads(path.read_text())
+        fields = json.loads(json.dumps(dataclasses.asdict(drafter_config)))
         changed = {key: (saved.get(key), value) for key, value in fields.items() if saved.get(key) != value}
         if changed:
             raise ConfigError(f"{path} records a different drafter than this config gives ((saved, now): "
-                                       f"{changed}); use a new workdir or the original config")
-    if write:
-        partial = path.with_name(path.name + ".tmp")
-        partial.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
-        partial.replace(path)
+                              f"{changed}); use a new workdir or the original config")
+
+
+def _write_drafter_config(path: epath.Path, drafter_config) -> None:
+    """Saved for export/eval, atomically, so that no other process can read a half-written file."""
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(dataclasses.asdict(drafter_config), indent=2, sort_keys=True) + "\n")
+    partial.replace(path)
 
 
 def _log_record(step: int, pending: list[dict[str, jax.Array]], interval_start: float, interval_steps: int,

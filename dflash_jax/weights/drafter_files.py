@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import jax
@@ -25,14 +25,18 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 from safetensors.numpy import save_file
 
-from dflash_jax.errors import CheckpointError, OutputExistsError
+from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import Drafter, DrafterConfig
+from dflash_jax.train.workdir import library_logs_captured, newest_readable
 from dflash_jax.weights.hub import local_dir
-from dflash_jax.weights.safetensors_dir import INDEX_FILE, SINGLE_FILE, CheckpointReader, read_config
+from dflash_jax.weights.output_dir import FILE_MODE, check_output_dir, prepare_output_dir, write_text
+from dflash_jax.weights.safetensors_dir import SINGLE_FILE, CheckpointReader, read_config
 
 CONFIG_FILE = "config.json"
 # A training workdir (`dflash-jax train --workdir`): the drafter's architecture and the train state checkpoints.
 DRAFTER_CONFIG_FILE, CHECKPOINTS_DIR = "drafter_config.json", "checkpoints"
+OUTPUT_KIND = "drafter export"  # in the output directory's ownership file (weights/output_dir.py)
+CARD_FILE = "README.md"  # the model card written beside the weights (weights/model_card.py)
 SLIDING = "sliding_attention"
 
 
@@ -84,20 +88,19 @@ def serve_command(target: str, export_dir: str | Path, block_size: int) -> str:
     return f"vllm serve {target} --speculative-config '{spec}'"
 
 
-def check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Raise OutputExistsError unless `out_dir` is absent, empty, or `overwrite` is set."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise OutputExistsError(f"{out_dir}: exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise OutputExistsError(f"{out_dir}: output directory is not empty (pass --overwrite to replace its "
-                              f"config.json and *.safetensors)")
+def check_out_dir(out_dir: str | os.PathLike, overwrite: bool, inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Raise OutputDirError unless `out_dir` may receive an export (weights/output_dir.py): absent, empty, or
+    with `overwrite` an earlier export and nothing else; never inside or around one of `inputs`."""
+    check_output_dir(out_dir, kind=OUTPUT_KIND, inputs=inputs, overwrite=overwrite)
 
 
-def export_drafter(drafter: Drafter, config: DrafterConfig, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+def export_drafter(drafter: Drafter, config: DrafterConfig, out_dir: str | os.PathLike, *, overwrite: bool = False,
+                   inputs: Iterable[str | os.PathLike] = ()) -> Path:
     """Write `drafter` as config.json + model.safetensors (bf16) into `out_dir`; returns the directory.
 
-    Refuses a non-empty `out_dir` unless `overwrite`, which replaces config.json and the safetensors files
-    (vLLM reads every *.safetensors of the directory, so a stale shard must not survive) and keeps the rest.
+    Refuses a non-empty `out_dir` unless `overwrite` and it holds an earlier export and nothing else (vLLM
+    reads every *.safetensors of the directory, so nothing else may be left there); `inputs` are the paths
+    the export was made from, which `out_dir` must lie outside of. Files are readable by others (0644).
     """
     if drafter.config != config:
         raise ValueError(f"export_drafter: the drafter was built with {drafter.config}, not with {config}")
@@ -106,19 +109,18 @@ def export_drafter(drafter: Drafter, config: DrafterConfig, out_dir: str | Path,
         # vLLM captures the target layers sorted(set(ids)) and concatenates them in that order: repeated ids
         # would give fc too few features, unsorted ones would silently feed fc's columns the wrong layers.
         raise ValueError(f"target_layer_ids {ids} must be strictly increasing to be served by vLLM")
-    out_dir = Path(out_dir)
-    check_out_dir(out_dir, overwrite)
-    for stale in [out_dir / CONFIG_FILE, out_dir / INDEX_FILE, *out_dir.glob("*.safetensors")]:
-        stale.unlink(missing_ok=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    partial_name = SINGLE_FILE + ".partial"
+    out_dir = prepare_output_dir(out_dir, kind=OUTPUT_KIND, entries=[CONFIG_FILE, SINGLE_FILE, partial_name, CARD_FILE],
+                                 inputs=inputs, overwrite=overwrite)
 
     tensors = {name: np.ascontiguousarray(np.asarray(jax.device_get(value)).astype(ml_dtypes.bfloat16))
                for name, value in drafter_to_torch_layout(drafter).items()}
     # Write under a temporary name and rename, so a crash never leaves a truncated model.safetensors behind.
-    partial = out_dir / (SINGLE_FILE + ".partial")
+    partial = out_dir / partial_name
     save_file(tensors, str(partial), metadata={"format": "pt"})  # transformers insists on format=pt
+    os.chmod(partial, FILE_MODE)  # safetensors writes 0600
     os.replace(partial, out_dir / SINGLE_FILE)
-    (out_dir / CONFIG_FILE).write_text(json.dumps(zlab_config(config), indent=2) + "\n")
+    write_text(out_dir / CONFIG_FILE, json.dumps(zlab_config(config), indent=2) + "\n")
     return out_dir
 
 
@@ -277,20 +279,19 @@ def workdir_path(workdir: str | os.PathLike) -> epath.Path:
 
 
 def restore_drafter(workdir: str | os.PathLike, step: int | None) -> tuple[Drafter, DrafterConfig, int]:
-    """The fp32 drafter saved at `step` (None: the latest) of a `dflash-jax train` workdir."""
+    """The fp32 drafter saved at `step` (None: the latest readable one) of a `dflash-jax train` workdir."""
     workdir = workdir_path(workdir)
     config_path = workdir / DRAFTER_CONFIG_FILE
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: not found; is {workdir} a training workdir?")
     config = DrafterConfig(**json.loads(config_path.read_text()))
-    manager = ocp.CheckpointManager(workdir / CHECKPOINTS_DIR, item_names=("state", "data"),
-                                    options=ocp.CheckpointManagerOptions(create=False, read_only=True))
+    with library_logs_captured():  # Orbax warns that a read-only manager saves nothing: that is the point
+        manager = ocp.CheckpointManager(workdir / CHECKPOINTS_DIR, item_names=("state", "data"),
+                                        options=ocp.CheckpointManagerOptions(create=False, read_only=True))
     steps = sorted(manager.all_steps())
     if not steps:
         raise CheckpointError(f"{workdir / CHECKPOINTS_DIR}: no checkpoint found")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
+    if step is not None and step not in steps:
         raise CheckpointError(f"{workdir / CHECKPOINTS_DIR}: no checkpoint at step {step}; available steps: "
                               f"{', '.join(map(str, steps))}")
 
@@ -304,8 +305,14 @@ def restore_drafter(workdir: str | os.PathLike, step: int | None) -> tuple[Draft
     for path, variable in variables:
         _nested(target, path)["value"] = jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=cpu)
     item = {"params": target}
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+
+    def restore_params(step: int) -> dict:
+        return manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+
+    # The latest readable step, or exactly the one asked for (an unreadable one is an error, not a fallback).
+    step, restored, _ = newest_readable(workdir / CHECKPOINTS_DIR, steps if step is None else [step],
+                                        restore_params)
     for path, variable in variables:
         variable.set_value(_nested(restored.state["params"], path)["value"])
     return nnx.merge(graphdef, params, rest), config, step

@@ -8,7 +8,6 @@ newest exact τ / DDTree τ the train loop's eval hook logged to metrics.jsonl a
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 from pathlib import Path
 
@@ -16,10 +15,10 @@ from etils import epath
 
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import DrafterConfig
-from dflash_jax.weights.drafter_files import serve_command
+from dflash_jax.train.workdir import config_of_step, read_metrics
+from dflash_jax.weights.drafter_files import CARD_FILE, serve_command
 from dflash_jax.weights.hub import REPO_ID
-
-CARD_FILE = "README.md"
+from dflash_jax.weights.output_dir import OWNER_FILE, write_text
 
 
 @dataclasses.dataclass
@@ -33,15 +32,13 @@ class TrainingFacts:
 
 
 def training_facts(workdir: str | Path, step: int) -> TrainingFacts:
-    """What the workdir records about the run up to `step` (its config.json and metrics.jsonl)."""
+    """What the workdir records about the run up to `step`: the config of the run that trained it
+    (config_history.jsonl) and its metrics.jsonl."""
     workdir = epath.Path(workdir)
-    config_file = workdir / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config = config_of_step(workdir, step) or {}
     facts = TrainingFacts(target=config.get("target_dir") or "TARGET",
                           data_files=list(config.get("data", {}).get("train_files") or []), steps=step)
-    metrics_file = workdir / "metrics.jsonl"
-    lines = metrics_file.read_text().splitlines() if metrics_file.is_file() else []
-    for record in map(json.loads, lines):
+    for record in read_metrics(workdir):
         if "eval/tau" in record and record["step"] <= step:
             facts.eval_step, facts.exact_tau = record["step"], record["eval/tau"]
             facts.ddtree_tau = {int(name.rsplit("_", 1)[1]): value for name, value in record.items()
@@ -105,7 +102,7 @@ target's are shared).
 
 def write_model_card(out_dir: str | Path, config: DrafterConfig, facts: TrainingFacts, drafter: str) -> Path:
     path = Path(out_dir) / CARD_FILE
-    path.write_text(model_card(config, facts, drafter))
+    write_text(path, model_card(config, facts, drafter))
     return path
 
 
@@ -118,7 +115,8 @@ def push_to_hub(directory: str | Path, repo_id: str) -> str:
     try:
         api.create_repo(repo_id, repo_type="model", exist_ok=True)
         api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model",
-                          commit_message="DFlash drafter exported by dflash_jax")
+                          commit_message="DFlash drafter exported by dflash_jax",
+                          ignore_patterns=[OWNER_FILE])  # this machine's bookkeeping, not part of the model
     except (HfHubHTTPError, OSError) as error:  # OSError: offline mode, no connection
         raise CheckpointError(f"pushing {directory} to the Hub repo {repo_id!r} failed: "
                               f"{' '.join(str(error).split())}") from None

@@ -7,6 +7,7 @@ Directory layout written by `write_orbax_target` (`dflash-jax convert`):
                                                            by its path ("layers.mlp.up_proj.kernel"), in the
                                                            model's own layout (kernels [in, out], stacked layers)
     dflash_target.json                                     marker, written last: the conversion completed
+    dflash_output.json                                     written first: what --overwrite may replace
 
 Writing streams one NNX variable at a time (Orbax partial saves), filled tensor by tensor from the
 memory-mapped safetensors; restoring reads each device's shard straight from tensorstore.
@@ -26,14 +27,16 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from orbax.checkpoint import v1 as ocp
 from tqdm import tqdm
 
-from dflash_jax.errors import CheckpointError, OutputExistsError
+from dflash_jax.errors import CheckpointError
 from dflash_jax.sharding import state_shardings
 from dflash_jax.weights.families import resolve
 from dflash_jax.weights.mapping import WeightRule
 from dflash_jax.weights.hub import local_dir
+from dflash_jax.weights.output_dir import prepare_output_dir
 from dflash_jax.weights.safetensors_dir import INDEX_FILE, CheckpointReader, read_config, read_json
 
 MARKER_FILE = "dflash_target.json"
+OUTPUT_KIND = "Orbax target"  # in the output directory's ownership file (weights/output_dir.py)
 PARAMS_DIR = "params"
 FORMAT, VERSION = "dflash_jax.orbax_target", 1
 
@@ -54,21 +57,17 @@ def write_orbax_target(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfl
     Weights are stored in `dtype` (variables the model keeps in fp32, e.g. Qwen3.5's A_log, stay fp32).
     Peak host memory is one NNX variable (for stacked layer weights: all layers of one weight, e.g. every
     layer's up_proj) plus one HF tensor: the variable's buffer is filled layer by layer from memory-mapped
-    safetensors and saved before the next one is started.
+    safetensors and saved before the next one is started. `out_dir` must be absent or empty, or with
+    `overwrite` an earlier Orbax target (weights/output_dir.py says what may be replaced).
     """
     hf_dir, out_dir = Path(local_dir(hf_dir, "target")), Path(out_dir)  # hf_dir may be a Hub repo id
     hf_config = read_config(hf_dir)
     family, config = resolve(hf_config, hf_dir / "config.json")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        if not overwrite:
-            raise OutputExistsError(f"{out_dir}: output directory is not empty (pass --overwrite to replace it)")
-        if out_dir.is_dir():
-            shutil.rmtree(out_dir)
-        else:
-            out_dir.unlink()
-    out_dir.mkdir(parents=True, exist_ok=True)
-
     reader = CheckpointReader(hf_dir)
+    # config, tokenizer, generation config: every file but the weights is copied alongside.
+    copied = [item for item in sorted(hf_dir.iterdir())
+              if item.is_file() and not item.name.endswith(".safetensors") and item.name != INDEX_FILE]
+    entries = [PARAMS_DIR, PARAMS_DIR + ".partial_save", MARKER_FILE, *(item.name for item in copied)]
     rules = family.weight_rules(config, family.prefix(reader.names()))
     _check_tensor_names(reader, rules, family.ignored(config))
     abstract = family.abstract_model(config, param_dtype=dtype)
@@ -76,6 +75,7 @@ def write_orbax_target(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfl
     uncovered = sorted(leaf_name(path) for path in set(variables) - {rule.path for rule in rules})
     if uncovered:
         raise KeyError(f"the {hf_config['model_type']} weight table leaves model variables unset: {uncovered}")
+    prepare_output_dir(out_dir, kind=OUTPUT_KIND, entries=entries, inputs=[hf_dir], overwrite=overwrite)
 
     bar = tqdm(total=sum(len(rule.names()) for rule in rules), unit="tensor", desc=f"{hf_dir.name} -> Orbax",
                disable=not progress)
@@ -95,9 +95,8 @@ def write_orbax_target(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfl
     bar.close()
     ocp.partial.finalize(out_dir / PARAMS_DIR)
 
-    for item in hf_dir.iterdir():  # config, tokenizer, generation config: everything but the weights
-        if item.is_file() and not item.name.endswith(".safetensors") and item.name != INDEX_FILE:
-            shutil.copy2(item, out_dir / item.name)
+    for item in copied:
+        shutil.copy2(item, out_dir / item.name)
     marker = {"format": FORMAT, "version": VERSION, "model_type": hf_config["model_type"],
               "dtype": jnp.dtype(dtype).name, "source": str(hf_dir)}
     (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")

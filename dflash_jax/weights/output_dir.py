@@ -1,0 +1,92 @@
+"""Output directories of the converters (the drafter export, the Orbax target), and when `--overwrite` may
+replace one.
+
+Every output directory gets an ownership file, `dflash_output.json`, written before anything else: the kind
+of output and the names of the entries that kind writes there. `--overwrite` replaces a directory only when
+that file says it holds the same kind of output and the directory holds nothing else, so it can never delete
+a checkpoint, a training workdir or unrelated files, even when `--out` is mistyped. An output directory may
+also never be an input of the command, nor lie inside one or contain one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from dflash_jax.errors import OutputDirError
+
+OWNER_FILE = "dflash_output.json"
+# Outputs are read by other users (e.g. a vLLM server), whatever the umask: never the 0600 of a temporary file.
+FILE_MODE, DIR_MODE = 0o644, 0o755
+
+
+def check_output_dir(out_dir: str | os.PathLike, *, kind: str, inputs: Iterable[str | os.PathLike],
+                     overwrite: bool) -> None:
+    """Raises OutputDirError (with the reason) unless `out_dir` may receive a `kind`: absent or empty, or with
+    `overwrite` a directory holding exactly an earlier `kind`; never one of `inputs` (the paths the command
+    reads), inside one or around one."""
+    out_dir = Path(out_dir)
+    where = out_dir.resolve()
+    for path in inputs:
+        source = Path(path).resolve()
+        if where == source or where in source.parents or source in where.parents:
+            relation = "is" if where == source else "contains" if where in source.parents else "lies inside"
+            raise OutputDirError(f"{out_dir}: the output directory {relation} the input {path}; choose an --out "
+                                 f"outside it")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputDirError(f"{out_dir}: exists and is not a directory")
+    present = _entries(out_dir)
+    if not present:
+        return
+    if not overwrite:
+        raise OutputDirError(f"{out_dir}: output directory is not empty (pass --overwrite to replace an earlier "
+                             f"{kind} written there)")
+    refused = f"{out_dir}: --overwrite refused"
+    owner_file = out_dir / OWNER_FILE
+    if OWNER_FILE not in present:
+        raise OutputDirError(f"{refused}: it has no {OWNER_FILE}, so this project did not write it; choose another "
+                             f"--out, or empty it yourself if nothing in it matters")
+    try:
+        owner = json.loads(owner_file.read_text())
+        written_kind, written_entries = owner["kind"], set(owner["entries"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise OutputDirError(f"{refused}: {owner_file} is unreadable ({error})") from None
+    if written_kind != kind:
+        raise OutputDirError(f"{refused}: it holds output of kind {written_kind!r}, not {kind!r}")
+    others = sorted(set(present) - written_entries - {OWNER_FILE})
+    if others:
+        raise OutputDirError(f"{refused}: it also holds {', '.join(others)}, which {kind!r} output does not "
+                             f"include; move that away first or choose another --out")
+
+
+def prepare_output_dir(out_dir: str | os.PathLike, *, kind: str, entries: Iterable[str],
+                       inputs: Iterable[str | os.PathLike], overwrite: bool) -> Path:
+    """`check_output_dir`, then empties `out_dir` (an earlier `kind`) and claims it: OWNER_FILE lists
+    `entries`, the names this output writes there, including the temporary names an interrupted write may
+    leave, so that a half-written output can be replaced too. Returns `out_dir`."""
+    check_output_dir(out_dir, kind=kind, inputs=inputs, overwrite=overwrite)
+    out_dir = Path(out_dir)
+    for name in _entries(out_dir):
+        entry = out_dir / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    if not out_dir.is_dir():
+        out_dir.mkdir(parents=True)
+        os.chmod(out_dir, DIR_MODE)
+    write_text(out_dir / OWNER_FILE, json.dumps({"kind": kind, "entries": sorted(set(entries))}, indent=2) + "\n")
+    return out_dir
+
+
+def _entries(directory: Path) -> list[str]:
+    return sorted(entry.name for entry in directory.iterdir()) if directory.is_dir() else []
+
+
+def write_text(path: Path, text: str) -> None:
+    """A small output file, readable by others."""
+    path.write_text(text)
+    os.chmod(path, FILE_MODE)
