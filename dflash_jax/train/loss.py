@@ -1,12 +1,14 @@
 """The position-weighted hard cross-entropy and its metrics (design §6), computed in chunks.
 
 Nothing here materialises [rows, V] logits for all rows at once: the drafter's LM head + cross-entropy walk
-row chunks under `jax.checkpoint`, so the backward pass recomputes one chunk's logits at a time. (The
-target's greedy labels: ops/lm_head.py.)
+row chunks whose forward pass also computes the gradient w.r.t. the drafter's hidden state, so the backward
+pass computes no logits at all. (The target's greedy labels: ops/lm_head.py.)
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -22,40 +24,96 @@ def position_weights(block_size: int, gamma: float) -> np.ndarray:
     return np.where(k >= 1, np.exp(-(k - 1) / gamma), 0.0).astype(np.float32)
 
 
-def chunked_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: jax.Array, row_chunk: int
-                          ) -> tuple[jax.Array, jax.Array]:
-    """Per-row cross-entropy and correctness of argmax for logits = hidden @ lm_head_kernel.
+def map_row_chunks(fn: Callable, row_chunk: int, axis: int, *arrays: jax.Array):
+    """fn applied to successive chunks of `row_chunk` rows of `arrays` along `axis`, outputs joined along it.
 
-    hidden: [..., R, H]; labels: [..., R]. The R axis is walked in chunks of `row_chunk` (padded up to a
-    multiple); leading (batch) axes stay whole, so a batch sharded over devices stays sharded and each device
-    holds [local batch, row_chunk, V] logits at a time, inside a rematerialised scan step (the backward
-    recomputes them). Returns (ce [..., R] fp32, correct [..., R] bool).
+    The axes before `axis` (batch axes) stay whole, so a batch sharded over devices stays sharded and each
+    device works on [local batch, row_chunk, ...] at a time. The last chunk is padded with zero rows (their
+    outputs are dropped). A `fori_loop` writes each chunk's outputs in place: no transposes, one chunk live.
     """
-    *lead, rows, width = hidden.shape
+    rows = arrays[0].shape[axis]
     chunk = min(row_chunk, rows)
-    padded = -(-rows // chunk) * chunk
-    row_padding = [(0, 0)] * len(lead) + [(0, padded - rows)]
-    # [..., R, H] -> [R/chunk, ..., chunk, H]: the scan walks the leading axis.
-    hidden_chunks = jnp.moveaxis(jnp.pad(hidden, row_padding + [(0, 0)]).reshape(*lead, -1, chunk, width), -3, 0)
-    label_chunks = jnp.moveaxis(jnp.pad(labels, row_padding).reshape(*lead, -1, chunk), -2, 0)
+    count = -(-rows // chunk)
+    padding = [(0, 0)] * axis + [(0, count * chunk - rows)]
+    arrays = [jnp.pad(x, padding + [(0, 0)] * (x.ndim - axis - 1)) if count * chunk > rows else x for x in arrays]
 
-    @jax.checkpoint
-    def one_chunk(h, y):
-        logits = jnp.dot(h, lm_head_kernel.astype(h.dtype), preferred_element_type=jnp.float32)
-        label_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
-        ce = jax.nn.logsumexp(logits, axis=-1) - label_logit
-        correct = jnp.argmax(logits, axis=-1) == y
-        return ce, correct
+    def inputs_of(i):
+        return [jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis) for x in arrays]
 
-    def body(_, chunk_inputs):
-        return None, one_chunk(*chunk_inputs)
+    def write(i, outputs):
+        return jax.tree.map(lambda out, new: jax.lax.dynamic_update_slice_in_dim(out, new, i * chunk, axis),
+                            outputs, fn(*inputs_of(i)))
 
-    _, (ce, correct) = jax.lax.scan(body, None, (hidden_chunks, label_chunks))
+    first = jax.eval_shape(fn, *inputs_of(0))
+    outputs = jax.tree.map(lambda s: jnp.zeros(s.shape[:axis] + (count * chunk,) + s.shape[axis + 1:], s.dtype),
+                           first)
+    outputs = jax.lax.fori_loop(0, count, write, outputs)
+    return jax.tree.map(lambda out: jax.lax.slice_in_dim(out, 0, rows, axis=axis), outputs)
 
-    def unchunk(x):
-        return jnp.moveaxis(x, 0, -2).reshape(*lead, padded)[..., :rows]
 
-    return unchunk(ce), unchunk(correct)
+def lm_head_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: jax.Array, row_chunk: int
+                          ) -> tuple[jax.Array, jax.Array]:
+    """Per-row cross-entropy of logits = hidden @ lm_head_kernel against `labels`, and whether the label is
+    the logits' argmax. hidden: [..., R, H]; lm_head_kernel: [H, V]; labels: [..., R] int.
+
+    Returns (ce [..., R] fp32, correct [..., R] bool). The LM head is the frozen target's: no gradient flows
+    into it (stopped here, explicitly). The gradient w.r.t. `hidden` is fused into the forward pass: each
+    chunk of `row_chunk` rows computes its [..., row_chunk, V] logits once and, under differentiation, also
+    d ce / d hidden = (softmax(logits) - onehot(label)) @ lm_head_kernelᵀ, kept as the only residual ([..., R, H],
+    hidden's size); the backward pass scales it by the incoming cotangent and recomputes no logits. The full
+    [..., R, V] logits never exist. `correct` compares the label's logit with the row maximum (no argmax):
+    it holds iff the label attains the maximum and no lower id does, i.e. exactly argmax(logits) == label
+    with ties resolved to the lowest id, as `jnp.argmax` and `ops.lm_head.greedy_labels` resolve them.
+    """
+    return _lm_head_cross_entropy(hidden, jax.lax.stop_gradient(lm_head_kernel), labels, row_chunk)
+
+
+def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradient: bool):
+    """One row chunk: (ce, correct) and, if with_gradient, d ce / d h. h: [..., c, H]; y: [..., c]."""
+    logits = jnp.dot(h, kernel.astype(h.dtype), preferred_element_type=jnp.float32)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    label_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    lower_max = jnp.max(jnp.where(vocab_ids < y[..., None], logits, -jnp.inf), axis=-1, keepdims=True)
+    correct = (label_logit >= row_max) & (lower_max < label_logit)
+    exp = jnp.exp(logits - row_max)
+    total = jnp.sum(exp, axis=-1, keepdims=True)
+    ce = jnp.log(total) + row_max - label_logit  # logsumexp(logits) - logits[label]
+    outputs = (ce[..., 0], correct[..., 0])
+    if not with_gradient:
+        return outputs
+    # d ce / d logits = softmax(logits) - onehot(label), in fp32 like the logits; then back through the head
+    # (contracting V: hidden @ kernel transposed, as autodiff of the dot above would).
+    grad_logits = exp / total - (vocab_ids == y[..., None]).astype(jnp.float32)
+    grad_h = jax.lax.dot_general(grad_logits, kernel.astype(h.dtype), (((logits.ndim - 1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+    return outputs + (grad_h.astype(h.dtype),)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _lm_head_cross_entropy(hidden, kernel, labels, row_chunk):
+    def chunk(h, y):
+        return _logit_statistics(h, kernel, y, with_gradient=False)
+
+    return map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, labels)
+
+
+def _lm_head_cross_entropy_forward(hidden, kernel, labels, row_chunk):
+    def chunk(h, y):
+        return _logit_statistics(h, kernel, y, with_gradient=True)
+
+    ce, correct, grad_hidden = map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, labels)
+    return (ce, correct), grad_hidden
+
+
+def _lm_head_cross_entropy_backward(row_chunk, grad_hidden, cotangents):
+    del row_chunk
+    ce_cotangent, _ = cotangents  # `correct` is boolean: no cotangent
+    hidden_cotangent = (ce_cotangent[..., None] * grad_hidden.astype(jnp.float32)).astype(grad_hidden.dtype)
+    return hidden_cotangent, None, None  # None: no gradient into the frozen LM head or the integer labels
+
+
+_lm_head_cross_entropy.defvjp(_lm_head_cross_entropy_forward, _lm_head_cross_entropy_backward)
 
 
 class LossOutput(NamedTuple):

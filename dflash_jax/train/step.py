@@ -8,7 +8,8 @@ count, so accumulation gives exactly the full-batch gradient). Per micro-batch:
    with, config.attention_impl in train/loop.py) and yields the drafter's `TargetContext`: the feature
    layers, the labels, the block embeddings and the LM head (the pair forward, models/dflash.py).
 2. `drafter_loss`: optional uniform noise on the raw features (never on the labels' path), the drafter
-   forward, the borrowed LM head + cross-entropy in row chunks, the slot mask and position weights.
+   forward, the borrowed (frozen) LM head + cross-entropy in row chunks with the gradient fused into its
+   forward (train/loss.py), the slot mask and position weights.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dflash_jax.models.dflash import TargetContext, target_context
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, anchor_utilisation, anchor_validity, slot_mask
 from dflash_jax.sharding import BATCH_AXES, batch_sharding, replicated
-from dflash_jax.train.loss import chunked_cross_entropy, dflash_loss, position_weights, trained_slot_count
+from dflash_jax.train.loss import dflash_loss, lm_head_cross_entropy, position_weights, trained_slot_count
 from dflash_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from dflash_jax.train.state import StateSpec, TrainState
 
@@ -72,7 +73,7 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
         hidden, _ = drafter(features, teacher.block_embeds,
                             DrafterInputs.from_rows(grid, batch["positions"], batch["segment_ids"]))
         rows = hidden.shape[0]
-        ce, correct = chunked_cross_entropy(hidden, teacher.lm_head, teacher.labels.reshape(rows, -1),
+        ce, correct = lm_head_cross_entropy(hidden, teacher.lm_head, teacher.labels.reshape(rows, -1),
                                             config.loss.row_chunk)
         mask = slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block)
         out = dflash_loss(ce.reshape(mask.shape), correct.reshape(mask.shape), mask, weights, normaliser)
