@@ -195,18 +195,19 @@ def _largest_array(jaxpr) -> int:
 
 
 def _chunk_scores(grid, window, batch, q_heads, chunk) -> int:
-    """Element count of the largest per-chunk score array the documented bound allows."""
-    widest = 0
+    """Element count of the largest per-chunk score array the documented bound allows: a chunk's C*B queries
+    against the context its anchors reach, or against their own block's B slots if that is wider."""
+    widest = grid.block_size
     for first in range(0, grid.num_anchors, chunk):
         start, stop = context_reach(grid, window, first, min(first + chunk, grid.num_anchors))
         widest = max(widest, stop - start)
-    return batch * q_heads * chunk * grid.block_size * (widest + chunk * grid.block_size)
+    return batch * q_heads * chunk * grid.block_size * widest
 
 
 @pytest.mark.parametrize("window", [None, 9])
 def test_chunked_attention_never_builds_full_scores(window):
     grid = AnchorGrid(64, 4, 4)
-    inputs = _attention_inputs(grid, seed=1, head_dim=2)  # small heads, so the scores are the largest arrays
+    inputs = _attention_inputs(grid, seed=1, head_dim=1)  # 1-wide heads, so the scores are the largest arrays
     segments = jnp.asarray(_segments(grid.seq_len))
     batch, q_heads = inputs[0].shape[0], inputs[0].shape[2]
     full_scores = batch * q_heads * grid.num_queries * (grid.seq_len + grid.num_queries)
@@ -225,3 +226,32 @@ def test_chunked_attention_never_builds_full_scores(window):
     # The same measurement does see a chunk's scores grow with the chunk: one chunk covers every query.
     single = _chunk_scores(grid, window, batch, q_heads, grid.num_anchors)
     assert largest(_chunked(grid, window, grid.num_anchors)) == single > 4 * chunk_scores
+
+
+def _score_elements(jaxpr, head_dim: int) -> int:
+    """Elements of every matmul output that is a score array (its last axis is not head_dim), nested
+    jaxprs included."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and eqn.outvars[0].aval.shape[-1] != head_dim:
+            total += math.prod(eqn.outvars[0].aval.shape)
+        for sub in jex.core.jaxprs_in_params(eqn.params):
+            total += _score_elements(sub, head_dim)
+    return total
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_scores_cover_each_chunks_reach_and_own_blocks_only(window):
+    """The forward scores each chunk's queries against the context its anchors reach plus their own block's B
+    slots: never another block's slots (the dense form's N*B x N*B block part, all but B x B per block masked)."""
+    grid, chunk, head_dim = AnchorGrid(64, 4, 4), 3, 6
+    inputs = _attention_inputs(grid, seed=2, head_dim=head_dim)
+    segments = jnp.asarray(_segments(grid.seq_len))
+    batch, q_heads = inputs[0].shape[0], inputs[0].shape[2]
+    expected = 0
+    for first in range(0, grid.num_anchors, chunk):
+        end = min(first + chunk, grid.num_anchors)
+        start, stop = context_reach(grid, window, first, end)
+        expected += batch * q_heads * (end - first) * grid.block_size * (stop - start + grid.block_size)
+    forward = jax.make_jaxpr(_chunked(grid, window, chunk))(*inputs, segments).jaxpr
+    assert _score_elements(forward, head_dim) == expected

@@ -65,12 +65,12 @@ def test_query_chunks_equal_the_dense_oracle(query_chunk, q_heads, kv_heads):
 
 
 def test_query_chunks_score_only_their_causal_prefix():
-    """Chunks of 128, 128 and 44 queries score [B, Hkv, group, chunk, keys up to the chunk's end]; no
+    """Chunks of 128, 128 and 44 queries score [B, Hkv, chunk, group, keys up to the chunk's end]; no
     [.., T, T] array exists."""
     q, k, v = qkv(4, 2)
     segments = jnp.asarray(packed_segments(SEQ_LEN))
     jaxpr = str(jax.make_jaxpr(lambda *x: causal_attention(*x, segments, SCALE, query_chunk=128))(q, k, v))
-    for scores in ("f32[2,2,2,128,128]", "f32[2,2,2,128,256]", "f32[2,2,2,44,300]"):
+    for scores in ("f32[2,2,128,2,128]", "f32[2,2,128,2,256]", "f32[2,2,44,2,300]"):
         assert scores in jaxpr
     assert f"{SEQ_LEN},{SEQ_LEN}]" not in jaxpr
 

@@ -1,13 +1,19 @@
-"""DFlash attention (design §5) in plain XLA, walking query chunks so the full score matrix never exists.
+"""DFlash attention (design §5) in plain XLA: no score is computed that the mask would throw away wholesale.
 
-Because the anchor grid is static, the keys a chunk of blocks can see are known at trace time: the context
-range its anchors reach plus its own blocks. Everything outside that range is masked for every query of the
-chunk, so it is neither computed nor stored. Memory per chunk of C blocks:
-scores [batch, Hq, C*B, reach + C*B] in fp32, with reach = max a_j (full layers) or
+A query of block j sees two disjoint key sets: context positions (p < a_j, within the window on sliding layers,
+same document) and its own block's B slots. They are scored separately and joined in one softmax: each part
+gives its scores' row maximum and exponentials, the joint maximum rescales both, and the output is
+(Σ_ctx e·v + Σ_blk e·v) / (Σ_ctx e + Σ_blk e), i.e. softmax over [context | own block] exactly. The block part
+is B×B per block (never the N·B×N·B block matrix, of which only the diagonal blocks are visible). The context
+part walks query chunks of C blocks over the context range their anchors reach, known at trace time from the
+static anchor grid: scores [batch, Hq, C*B, reach] in fp32 with reach = max a_j (full layers) or
 max a_j - min a_j + W - 1 at most (sliding layers), instead of [batch, Hq, N*B, T + N*B] for the dense form.
-Each chunk is rematerialised in the backward pass (`jax.checkpoint`): the backward keeps only the inputs,
-not any chunk's probabilities, and recomputes them chunk by chunk (flash-attention's trade of compute for
-memory).
+Each chunk is rematerialised in the backward pass (`jax.checkpoint`): the backward keeps only the inputs, not
+any chunk's probabilities (flash-attention's trade of compute for memory).
+
+Layout: queries and keys are put head-major once per call ([b, Hkv, rows, group, D] and [b, Hkv, keys, D]),
+so that every chunk's matmuls take their operands as stored, with the batch and kv-head axes leading, and no
+chunk copies (transposes) its slice of the keys.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.ops.attention import grouped_attention
 from dflash_jax.ops.anchors import AnchorGrid
+from dflash_jax.ops.attention import MASKED_SCORE, grouped_attention, to_head_major
 from dflash_jax.ops.mask import block_rule, context_rule, validate_window
 
 
@@ -72,37 +78,70 @@ def dflash_attention(
         raise ValueError(f"query_chunk_blocks must be >= 1, got {query_chunk_blocks}")
     validate_window(window)
 
+    batch, _, q_heads, head_dim = q.shape
+    kv_heads = k_ctx.shape[2]
+    # Head-major once: q [b, Hkv, N*B, group, D] (the group's query heads next to their rows, so that a
+    # matmul's rows are (row, group) and its batch axes (b, Hkv) lead); keys and values [b, Hkv, len, D].
+    q = to_head_major(q, kv_heads)
+    k_ctx, v_ctx, k_blk, v_blk = (x.swapaxes(1, 2) for x in (k_ctx, v_ctx, k_blk, v_blk))
     arrays = (q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, anchor_segment_ids)
     outputs = []
     for first_block in range(0, grid.num_anchors, query_chunk_blocks):
         end_block = min(first_block + query_chunk_blocks, grid.num_anchors)
         attend = functools.partial(_attend_chunk, grid, window, scale, first_block, end_block)
         outputs.append(jax.checkpoint(attend)(*arrays))
-    return jnp.concatenate(outputs, axis=1).astype(q.dtype)
+    out = jnp.concatenate(outputs, axis=2).swapaxes(1, 2)  # [b, N*B, Hkv, group, D]
+    return out.reshape(batch, grid.num_queries, q_heads, head_dim).astype(q.dtype)
 
 
 def _attend_chunk(grid: AnchorGrid, window: int | None, scale: float, first_block: int, end_block: int,
                   q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, anchor_segment_ids) -> jax.Array:
-    """Attention of the queries of blocks first_block..end_block-1 over their reachable keys only.
+    """Attention of the queries of blocks first_block..end_block-1: [b, Hkv, C*B, group, D] in fp32.
 
-    It takes the full inputs and slices them itself, so that under `jax.checkpoint` the backward keeps the
-    full inputs (shared by all chunks) as residuals, not one copy of each chunk's context slice.
+    It takes the full (head-major) inputs and slices them itself, so that under `jax.checkpoint` the backward
+    keeps the full inputs (shared by all chunks) as residuals, not one copy of each chunk's context slice.
     """
-    start, stop = context_reach(grid, window, first_block, end_block)
-    rows = slice(first_block * grid.block_size, end_block * grid.block_size)
-    query_index = jnp.arange(rows.start, rows.stop)[:, None]
-    query_anchor = jnp.asarray(grid.query_anchors[rows])[:, None]
-    query_slot = jnp.asarray(grid.query_slots[rows])[:, None]
-    query_segment = jnp.repeat(anchor_segment_ids[:, first_block:end_block], grid.block_size, axis=1)
+    block, blocks = grid.block_size, end_block - first_block
+    rows = slice(first_block * block, end_block * block)
+    q = q[:, :, rows]
+    batch, kv_heads, _, group, head_dim = q.shape
 
-    context_visible = (context_rule(query_anchor, query_slot, jnp.arange(start, stop)[None, :], window)[None]
-                       & (query_segment[:, :, None] == context_segment_ids[:, None, start:stop]))
-    own_blocks_visible = block_rule(query_index, query_index.T, grid.block_size, causal=window is not None)
-    visible = jnp.concatenate(
-        [context_visible, jnp.broadcast_to(own_blocks_visible, (q.shape[0],) + own_blocks_visible.shape)], axis=2)
-    keys = jnp.concatenate([k_ctx[:, start:stop], k_blk[:, rows]], axis=1)
-    values = jnp.concatenate([v_ctx[:, start:stop], v_blk[:, rows]], axis=1)
-    return grouped_attention(q[:, rows], keys, values, visible, scale)
+    # Own blocks: [b, Hkv, C, B, group, B] scores of slot k (rows) against slot k' (keys) of the same block.
+    by_block = (batch, kv_heads, blocks, block)
+    block_scores = jnp.einsum("bhcqgd,bhckd->bhcqgk", q.reshape(*by_block, group, head_dim),
+                              k_blk[:, :, rows].reshape(*by_block, head_dim), preferred_element_type=jnp.float32)
+    block_scores = block_scores.reshape(batch, kv_heads, blocks * block, group, block) * scale
+    if window is not None:  # sliding layers: causal within the block (k' <= k)
+        slot = jnp.arange(block)
+        causal = jnp.tile(slot[None, :] <= slot[:, None], (blocks, 1))  # [C*B, B]
+        block_scores = jnp.where(causal[:, None, :], block_scores, MASKED_SCORE)
+    row_max = jnp.max(block_scores, axis=-1)
+
+    # Context: [b, Hkv, C*B, group, reach] over the positions the chunk's anchors reach.
+    start, stop = context_reach(grid, window, first_block, end_block)
+    if stop > start:
+        query_anchor = jnp.asarray(grid.query_anchors[rows])[:, None]
+        query_slot = jnp.asarray(grid.query_slots[rows])[:, None]
+        query_segment = jnp.repeat(anchor_segment_ids[:, first_block:end_block], block, axis=1)
+        visible = (context_rule(query_anchor, query_slot, jnp.arange(start, stop)[None, :], window)[None]
+                   & (query_segment[:, :, None] == context_segment_ids[:, None, start:stop]))  # [b, C*B, reach]
+        context_scores = jnp.einsum("bhqgd,bhkd->bhqgk", q, k_ctx[:, :, start:stop],
+                                    preferred_element_type=jnp.float32) * scale
+        context_scores = jnp.where(visible[:, None, :, None, :], context_scores, MASKED_SCORE)
+        row_max = jnp.maximum(row_max, jnp.max(context_scores, axis=-1))
+
+    # One softmax over both parts; every row sees at least its own slot, so the total is >= 1.
+    block_weights = jnp.exp(block_scores - row_max[..., None])
+    total = jnp.sum(block_weights, axis=-1)
+    out = jnp.einsum("bhcqgk,bhckd->bhcqgd", block_weights.reshape(*by_block, group, block).astype(v_blk.dtype),
+                     v_blk[:, :, rows].reshape(*by_block, head_dim), preferred_element_type=jnp.float32)
+    out = out.reshape(batch, kv_heads, blocks * block, group, head_dim)
+    if stop > start:
+        context_weights = jnp.exp(context_scores - row_max[..., None])
+        total = total + jnp.sum(context_weights, axis=-1)
+        out = out + jnp.einsum("bhqgk,bhkd->bhqgd", context_weights.astype(v_ctx.dtype), v_ctx[:, :, start:stop],
+                               preferred_element_type=jnp.float32)
+    return out / total[..., None]
 
 
 def cached_dflash_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, k_blk: jax.Array, v_blk: jax.Array,
