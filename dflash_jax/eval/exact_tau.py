@@ -79,7 +79,7 @@ def _score(target_def, drafter_def, top_k, row_chunk, vocab_chunk, target_state,
     positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
     segments = jnp.ones((batch, length), jnp.int32)
     context = target_context(target, input_ids, positions, segments, grid, config, vocab_chunk=vocab_chunk)
-    greedy = context.labels[0, :, 1]  # slot 1 of the block at anchor p: the target's greedy token after p
+    greedy = context.labels[0, :, 0]  # drafted slot 1 of the block at anchor p: the target's greedy token after p
     hidden, _ = drafter(context.features, context.block_embeds, DrafterInputs.from_rows(grid, positions, segments))
     drafted = hidden.reshape(length, config.block_size, -1)[:, 1:].reshape(-1, hidden.shape[-1])
     tokens, log_probs = _top_k_log_probs(drafted, context.lm_head, top_k, row_chunk)

@@ -2,9 +2,10 @@
 block ids and features the speculative generator feeds the drafter too.
 
 `target_context` runs the frozen target over rows and gives the drafter everything it reads: the feature
-layers, the greedy labels (argmax of the target's own logits at a+k-1, or the data's next tokens), the
-target's embedding of the block ids (slot 0 the real token at the anchor, the others mask_token_id) and the
-LM head. `Drafter.__call__` (models/drafter.py) then runs on it with the rows' `DrafterInputs`.
+layers, the labels of the drafted slots k >= 1 (argmax of the target's own logits at a+k-1, or the data's
+next tokens; slot 0 is never trained), the target's embedding of the block ids (slot 0 the real token at the
+anchor, the others mask_token_id) and the LM head. `Drafter.__call__` (models/drafter.py) then runs on it
+with the rows' `DrafterInputs`.
 """
 
 from __future__ import annotations
@@ -26,9 +27,26 @@ class TargetContext(NamedTuple):
     """What the frozen target gives the drafter for a batch of rows; no gradient flows into any of it."""
 
     features: jax.Array  # [b, T, n*H] the feature layers, concatenated in target_layer_ids order
-    labels: jax.Array  # [b, N, B] int32: the token slot k of the block at anchor a should predict
+    labels: jax.Array  # [b, N, B-1] int32: the token drafted slot k = 1..B-1 of the block at anchor a predicts
     block_embeds: jax.Array  # [b, N*B, H] the target's embedding of the block ids
     lm_head: jax.Array  # [H, V]
+
+
+def drafted_slots(grid: AnchorGrid) -> np.ndarray:
+    """[N, B-1] the row positions a+k of the drafted slots k = 1..B-1 (clipped to the row; slots past its
+    end are never trained). Slot 0 holds the anchor's own token and is never trained (w_0 = 0), so neither
+    its label nor its logits are computed."""
+    return np.minimum(grid.anchors[:, None] + np.arange(1, grid.block_size)[None, :], grid.seq_len - 1)
+
+
+def target_labels(hidden: jax.Array, lm_head: jax.Array, grid: AnchorGrid, vocab_chunk: int) -> jax.Array:
+    """[b, N, B-1] the target's greedy token at a+k-1 for drafted slot k of the block at anchor a (it
+    predicts a+k). hidden: the target's final-normed hidden states [b, T, H]; lm_head: [H, V]."""
+    label_source = drafted_slots(grid) - 1
+    if label_source.size >= grid.seq_len:  # slots overlap (S < B): one argmax per row position is cheaper
+        return greedy_labels(hidden, lm_head, vocab_chunk)[:, label_source]
+    labels = greedy_labels(hidden[:, label_source.reshape(-1)], lm_head, vocab_chunk)
+    return labels.reshape(hidden.shape[0], *label_source.shape)
 
 
 def drafter_features(out: TargetOutput) -> jax.Array:
@@ -41,15 +59,9 @@ def target_context(target, input_ids: jax.Array, positions: jax.Array, segment_i
     """The target over rows [b, T] and what the drafter reads of it (see the module docstring)."""
     out = target(input_ids, positions, segment_ids, config.target_layer_ids)
     lm_head = target.lm_head_kernel()
-    slot_index = grid.anchors[:, None] + np.arange(grid.block_size)[None, :]  # [N, B]: a + k
     if labels == "data":
-        slot_labels = input_ids[:, np.minimum(slot_index, grid.seq_len - 1)]
+        slot_labels = input_ids[:, drafted_slots(grid)]
     else:
-        label_source = np.clip(slot_index - 1, 0, grid.seq_len - 1)  # the logits at a+k-1 predict a+k
-        if grid.num_queries >= grid.seq_len:  # slots overlap (S <= B): one argmax per row position is cheaper
-            slot_labels = greedy_labels(out.hidden, lm_head, vocab_chunk)[:, label_source]
-        else:
-            slot_labels = greedy_labels(out.hidden[:, label_source.reshape(-1)], lm_head, vocab_chunk)
-            slot_labels = slot_labels.reshape(input_ids.shape[0], grid.num_anchors, grid.block_size)
+        slot_labels = target_labels(out.hidden, lm_head, grid, vocab_chunk)
     block_ids = block_token_ids(input_ids, grid.anchors, grid.block_size, config.mask_token_id)
     return jax.lax.stop_gradient(TargetContext(drafter_features(out), slot_labels, target.embed(block_ids), lm_head))

@@ -6,7 +6,8 @@ count, so accumulation gives exactly the full-batch gradient). Per micro-batch:
 
 1. `teacher`: the frozen target runs on the rows (no gradient; its attention on the backend it was loaded
    with, config.attention_impl in train/loop.py) and yields the drafter's `TargetContext`: the feature
-   layers, the labels, the block embeddings and the LM head (the pair forward, models/dflash.py).
+   layers, the labels of the drafted slots k >= 1, the block embeddings and the LM head (the pair forward,
+   models/dflash.py).
 2. `drafter_loss`: optional uniform noise on the raw features (never on the labels' path), the drafter
    forward, the borrowed (frozen) LM head + cross-entropy in row chunks with the gradient fused into its
    forward (train/loss.py), the slot mask and position weights.
@@ -37,7 +38,7 @@ BATCH_KEYS = ("input_ids", "positions", "segment_ids", "loss_mask")
 
 
 class LossAux(NamedTuple):
-    labels: jax.Array  # [b, N, B]
+    labels: jax.Array  # [b, N, B-1] (drafted slots)
     slot_correct: jax.Array  # [B]
     slot_count: jax.Array  # [B]
 
@@ -73,10 +74,14 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
         hidden, _ = drafter(features, teacher.block_embeds,
                             DrafterInputs.from_rows(grid, batch["positions"], batch["segment_ids"]))
         rows = hidden.shape[0]
-        ce, correct = lm_head_cross_entropy(hidden, teacher.lm_head, teacher.labels.reshape(rows, -1),
-                                            config.loss.row_chunk)
+        drafted = hidden.reshape(rows, grid.num_anchors, block, -1)[:, :, 1:]  # slot 0 is never trained
+        ce, correct = lm_head_cross_entropy(drafted.reshape(rows, -1, drafted.shape[-1]), teacher.lm_head,
+                                            teacher.labels.reshape(rows, -1), config.loss.row_chunk)
         mask = slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block)
-        out = dflash_loss(ce.reshape(mask.shape), correct.reshape(mask.shape), mask, weights, normaliser)
+        anchor_slot = ((0, 0), (0, 0), (1, 0))  # slot 0: ce 0, not correct (its mask is 0)
+        ce = jnp.pad(ce.reshape(teacher.labels.shape), anchor_slot)
+        correct = jnp.pad(correct.reshape(teacher.labels.shape), anchor_slot)
+        out = dflash_loss(ce, correct, mask, weights, normaliser)
         return out.loss, LossAux(teacher.labels, out.slot_correct, out.slot_count)
 
     tx = make_optimizer(config)
