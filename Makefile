@@ -77,7 +77,7 @@ test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
 SPEC_VENV := .venv-speculators
 SPEC_PY := $(SPEC_VENV)/bin/python
 
-.PHONY: venv-speculators learning-parity
+.PHONY: venv-speculators learning-parity bench-peer
 
 $(SPEC_VENV)/.installed: bench/speculators/requirements.txt pyproject.toml
 	test -x $(SPEC_PY) || python3.11 -m venv $(SPEC_VENV)
@@ -92,3 +92,8 @@ venv-speculators: $(SPEC_VENV)/.installed
 # Both trainers on the demo's rows and recipe, AdamW and Muon: exact τ at 160/320/480 steps (bench/RESULTS.md).
 learning-parity: $(VENV)/.installed $(SPEC_VENV)/.installed
 	env -u XLA_FLAGS $(PY) -m bench.learning_parity
+
+# The project's drafter step and speculators' side by side on shapes A, B and a Qwen3-8B-like drafter, with
+# a per-part breakdown of the project's step (bench/peer_step.py, bench/RESULTS.md). One CPU device.
+bench-peer: $(VENV)/.installed $(SPEC_VENV)/.installed
+	env -u XLA_FLAGS $(PY) -m bench.peer_step
