@@ -33,7 +33,7 @@ from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.sharding import replicated
 from dflash_jax.train.validate import dtype_of, mesh_from_config
 from dflash_jax.weights.drafter_files import load_drafter
-from dflash_jax.weights.targets import load_target
+from dflash_jax.weights.targets import load_target, read_target_config
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _CONFIG = cli.define_config_flag(FLAGS)
@@ -52,8 +52,8 @@ _CONTINUATION = flags.DEFINE_enum("continuation", "generate", ["generate", "data
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Generated (or kept data) continuation tokens per prompt.",
                                 flag_values=FLAGS)
 _BUDGETS = flags.DEFINE_list("budgets", ["8", "22"], "DDTree node budgets.", flag_values=FLAGS)
-flags.register_validator("budgets", lambda values: all(v.isdigit() and int(v) > 0 for v in values),
-                         "--budgets must be positive integers, e.g. --budgets=8,22", flag_values=FLAGS)
+flags.register_validator("budgets", lambda values: bool(values) and all(v.isdigit() and int(v) > 0 for v in values),
+                         "--budgets must be one or more positive integers, e.g. --budgets=8,22", flag_values=FLAGS)
 _SPEED = flags.DEFINE_bool("speed", False, "Also time the speculative generator against plain greedy decoding.",
                            flag_values=FLAGS)
 _JSON = flags.DEFINE_string("json", None, "Write every figure to this JSON file.", flag_values=FLAGS)
@@ -74,12 +74,19 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
         raise ConfigError("config.target_dir is required: the target the drafter was trained against")
     if not (workdir or drafter_dir):
         raise ConfigError("give --workdir (a training run) or --drafter (an exported drafter directory)")
+    # The prompts are read (and refused, if bad) before the target's weights load, which takes minutes.
+    target_config = read_target_config(config.target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
+    files = prompts or config.data.eval_files
+    examples = read_examples(files, tokenizer, num_prompts or config.eval_prompts, max_continuation=max_new_tokens,
+                             chat_template_kwargs=config.data.chat_template_kwargs,
+                             max_positions=target_config.max_position_embeddings,
+                             generated=max_new_tokens if continuation == "generate" or speed else 0)
     mesh = mesh_from_config(config)
     # config.attention_impl picks the backend of the target's full forward (exact τ); the KV-cached generator
     # and the drafters here run in XLA.
     target, target_config = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh,
                                         attention_impl=config.attention_impl)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
     drafter, drafter_config, source = load_drafter(workdir, drafter_dir, step)
     expected = (target_config.num_hidden_layers, target_config.vocab_size, target_config.hidden_size)
     if (drafter_config.num_target_layers, drafter_config.vocab_size, drafter_config.hidden_size) != expected:
@@ -90,9 +97,6 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
     drafter = placed(drafter, drafter_config, compute, replicated(mesh))
     baseline = placed(Drafter(drafter_config, rngs=nnx.Rngs(0)), drafter_config, compute, replicated(mesh))
 
-    files = prompts or config.data.eval_files
-    examples = read_examples(files, tokenizer, num_prompts or config.eval_prompts, max_continuation=max_new_tokens,
-                             chat_template_kwargs=config.data.chat_template_kwargs)
     stops = stop_token_ids(config.target_dir, tokenizer)
     plain = None
     if continuation == "generate" or speed:

@@ -86,4 +86,4 @@ def test_setup_errors_are_sentences(setup):
     other = dataclasses.replace(drafter_config, num_target_layers=3, target_layer_ids=(0, 2))
     mismatched = export_drafter(Drafter(other, rngs=nnx.Rngs(0)), other, export.parent / "other")
     with pytest.raises(ConfigError, match=r"made for a target with \(layers, vocab, hidden\) = \(3,"):
-        evaluate.run(config, workdir=None, drafter_dir=str(mismatched))
+        evaluate.run(config, workdir=None, drafter_dir=str(mismatched), max_new_tokens=12)

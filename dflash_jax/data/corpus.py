@@ -29,6 +29,18 @@ _PROGRESS_EVERY_BYTES = 1 << 20
 _COUNT_CHUNK_BYTES = 1 << 20
 
 
+def check_input_files(paths: Sequence[str | os.PathLike], what: str) -> None:
+    """DataError naming the path and `what` (the flag or config field) for a path that is missing, a
+    directory or unreadable: checked at start-up, before anything is loaded."""
+    for path in paths:
+        if not os.path.exists(path):
+            raise DataError(os.fspath(path), f"no such file ({what})")
+        if os.path.isdir(path):
+            raise DataError(os.fspath(path), f"is a directory, not a JSONL file ({what})")
+        if not os.access(path, os.R_OK):
+            raise DataError(os.fspath(path), f"not readable by this user ({what})")
+
+
 def corpus_bytes(paths: Sequence[str | os.PathLike]) -> int:
     """Size of the concatenated files: what byte ranges of the corpus are ranges of."""
     return sum(os.path.getsize(path) for path in paths)

@@ -47,6 +47,9 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
     bad_records: "raise" (default) aborts with a DataError `path:line: reason`; "skip" logs the same message
         as a warning, counts it in stats()["skipped_records"] and moves on. Nothing is dropped silently.
     chat_template_kwargs: extra arguments for `apply_chat_template` (e.g. {"enable_thinking": False}).
+    max_positions: the target's max_position_embeddings: a longer document is cut to its first
+        max_positions tokens (positions past it would be ones the target never saw), with a warning; the
+        count is in stats()["truncated_documents"]. None: no limit.
     state: a dict from `state()` or `merge_states` holding (at least) `rows`, to continue exactly there.
     """
 
@@ -64,6 +67,7 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
         bad_records: str = "raise",
         validate: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        max_positions: int | None = None,
         state: dict[str, Any] | None = None,
     ):
         capacity = row_capacity(seq_len, anchor_stride)  # validates 1 <= anchor_stride <= seq_len
@@ -79,7 +83,8 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
         if not paths:
             raise DataError("corpus", "no input files given")
         self.corpus_bytes = corpus_bytes(paths)
-        self._split_documents = 0
+        self._split_documents = self._truncated_documents = 0
+        self.max_positions = max_positions
         self._batches = 0
 
         ranges = [self._byte_range(row) for row in self.rows]
@@ -87,7 +92,8 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
             corpora = [Corpus(paths, byte_range, validate=validate, bad_records=bad_records, progress=bar)
                        for byte_range in ranges]
         self.streams = [RowStream(corpus, row, seed=seed, capacity=capacity, tokenizer=tokenizer,
-                                  chat_template_kwargs=chat_template_kwargs, on_split=self._report_split)
+                                  chat_template_kwargs=chat_template_kwargs, on_split=self._report_split,
+                                  max_positions=max_positions, on_truncate=self._report_truncated)
                         for corpus, row in zip(corpora, self.rows)]
         chat_records = [corpus.first_chat_record for corpus in corpora if corpus.first_chat_record is not None]
         if chat_records:
@@ -148,12 +154,21 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
             "batches": self._batches,
             "documents_read": sum(stream.documents_read for stream in self.streams),
             "split_documents": self._split_documents,
+            "truncated_documents": self._truncated_documents,
             "skipped_records": sum(stream.corpus.skipped_records for stream in self.streams),
         }
 
     def close(self) -> None:
         for stream in self.streams:
             stream.corpus.close()
+
+    def _report_truncated(self, where: str, length: int) -> None:
+        # Warn once, like a split; the count is in stats().
+        level = logging.WARNING if self._truncated_documents == 0 else logging.DEBUG
+        log.log(level, "%s: document of %d tokens is longer than the target's max_position_embeddings (%d); "
+                "trained on its first %d tokens only (counted as truncated_documents)", where, length,
+                self.max_positions, self.max_positions)
+        self._truncated_documents += 1
 
     def _report_split(self, where: str, length: int) -> None:
         capacity = row_capacity(self.seq_len, self.anchor_stride)

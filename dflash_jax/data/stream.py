@@ -27,12 +27,16 @@ class RowStream:
     save and reload the point of the next row.
 
     on_split(where, length): called for every document longer than a row (it is split; positions continue).
+    max_positions: the target's max_position_embeddings; a longer document keeps only its first
+        `max_positions` tokens, and on_truncate(where, length) is called (None: no limit).
     """
 
     def __init__(self, corpus: Corpus, row: int, *, seed: int, capacity: int, tokenizer: PreTrainedTokenizerBase,
-                 chat_template_kwargs: dict[str, Any] | None, on_split: Callable[[str, int], None]):
+                 chat_template_kwargs: dict[str, Any] | None, on_split: Callable[[str, int], None],
+                 max_positions: int | None = None, on_truncate: Callable[[str, int], None] | None = None):
         self.corpus, self.row, self.seed = corpus, row, seed
         self.tokenizer, self.chat_template_kwargs, self._on_split = tokenizer, chat_template_kwargs, on_split
+        self._max_positions, self._on_truncate = max_positions, on_truncate
         self._packer = RowPacker(capacity)
         self._completed: collections.deque[PackedRow] = collections.deque()
         self._next_document = Cursor(0, 0)
@@ -86,6 +90,10 @@ class RowStream:
                 self.corpus.report_bad_record(e)
                 continue
             self.documents_read += 1
+            if self._max_positions is not None and len(document) > self._max_positions:
+                self._on_truncate(self.corpus.byte_location(index), len(document))
+                document = Document(document.input_ids[: self._max_positions],
+                                    document.loss_mask[: self._max_positions])
             if len(document) > self._packer.capacity:
                 self._on_split(self.corpus.byte_location(index), len(document))
             return self._resume_slice(document, cursor, index), cursor

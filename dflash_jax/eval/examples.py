@@ -15,27 +15,57 @@ import numpy as np
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from dflash_jax.data import parse_record, tokenize_record
+from dflash_jax.data.corpus import check_input_files
 from dflash_jax.errors import DataError
 from dflash_jax.eval.exact_tau import Example
 from dflash_jax.eval.generate import SpeculativeGenerator
 
 
 def read_examples(files: Sequence[str | os.PathLike], tokenizer: PreTrainedTokenizerBase, limit: int, *,
-                  max_continuation: int | None = None, chat_template_kwargs: dict | None = None) -> list[Example]:
-    """The first `limit` records of the JSONL files, in file order; continuations cut to max_continuation."""
+                  max_continuation: int | None = None, chat_template_kwargs: dict | None = None,
+                  max_positions: int | None = None, generated: int = 0) -> list[Example]:
+    """The first `limit` records of the JSONL files, in file order; continuations cut to max_continuation.
+
+    max_positions: the target's max_position_embeddings; a prompt whose tokens plus its continuation's (or,
+    when `generated` > 0, the tokens to generate after it) exceed it is refused, naming the record (the target
+    never saw such positions).
+    """
+    what = "evaluation prompts: --prompts, or config.data.eval_files"
     if not files:
-        raise DataError("evaluation prompts", "no JSONL files given (--prompts, or config.data.eval_files)")
+        raise DataError("evaluation prompts", f"no JSONL files given ({what.split(': ')[1]})")
+    check_input_files(files, what)
     examples = []
     for path in files:
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
+        with open(path, "rb") as f:  # decoded line by line, so a non-UTF-8 byte is reported at its line
+            for line_number, raw in enumerate(f, start=1):
                 if len(examples) == limit:
                     return examples
+                where = f"{path}:{line_number}"
+                line = _text(raw, where)
                 if line.strip():
-                    where = f"{path}:{line_number}"
                     document = tokenize_record(parse_record(line, where), tokenizer, where, chat_template_kwargs)
-                    examples.append(_split(document.input_ids, document.loss_mask, where, max_continuation))
+                    example = _split(document.input_ids, document.loss_mask, where, max_continuation)
+                    _check_positions(example, where, generated, max_positions)
+                    examples.append(example)
+    if not examples:
+        raise DataError(", ".join(map(os.fspath, files)), f"no records to evaluate on ({what})")
     return examples
+
+
+def _text(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(where, f"not UTF-8 text ({error.reason} at byte {error.start} of the line); JSONL files "
+                        f"must be UTF-8") from None
+
+
+def _check_positions(example: Example, where: str, generated: int, max_positions: int | None) -> None:
+    continuation = generated or len(example.continuation_ids)
+    if max_positions is not None and len(example.prompt_ids) + continuation > max_positions:
+        raise DataError(where, f"the prompt's {len(example.prompt_ids)} tokens plus {continuation} continuation "
+                        f"tokens exceed the target's max_position_embeddings ({max_positions}); use shorter prompts "
+                        f"or fewer continuation tokens (--max_new_tokens)")
 
 
 def _split(input_ids: np.ndarray, loss_mask: np.ndarray, where: str, max_continuation: int | None) -> Example:

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from dflash_jax.eval.examples import read_examples
 from dflash_jax.eval.exact_tau import DEFAULT_BUDGETS, evaluate_drafter
 from dflash_jax.eval.report import flat_metrics
+from dflash_jax.weights.targets import read_target_config
 
 
 def make_train_evaluator(config: ConfigDict, *, budgets: Sequence[int] = DEFAULT_BUDGETS,
@@ -23,7 +24,8 @@ def make_train_evaluator(config: ConfigDict, *, budgets: Sequence[int] = DEFAULT
     """
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
     examples = read_examples(config.data.eval_files, tokenizer, config.eval_prompts, max_continuation=max_continuation,
-                             chat_template_kwargs=config.data.chat_template_kwargs)
+                             chat_template_kwargs=config.data.chat_template_kwargs,
+                             max_positions=read_target_config(config.target_dir).max_position_embeddings)
 
     def evaluate(step: int, drafter, target) -> dict[str, float]:
         del step  # the same examples every time

@@ -53,6 +53,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
     refused start (bad config, data, or a resume that does not fit the checkpoint) writes no run files.
     """
     validate.validate_config(config)
+    validate.validate_data_files(config)
     if evaluate is None and config.eval_every:
         validate.validate_eval_files(config)
         evaluate = make_train_evaluator(config)  # logged as eval/* metrics
@@ -95,6 +96,7 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
     batches = Prefetcher(_agreed(lambda: BatchLoader(
         data.train_files, tokenizer, seq_len=data.seq_len, anchor_stride=data.anchor_stride,
         batch_size=data.batch_size, rows=rows, seed=data.shuffle_seed, pad_id=tokenizer.pad_token_id or 0,
+        max_positions=target_config.max_position_embeddings,
         bad_records=data.bad_records, chat_template_kwargs=data.chat_template_kwargs, state=data_state)))
     if main:  # the start is accepted: record it, and forget the metrics of steps the resume repeats
         _write_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
+from dflash_jax.data.corpus import check_input_files
 from dflash_jax.errors import ConfigError
 from dflash_jax.models.dflash import LABEL_SOURCES
 from dflash_jax.models.drafter import LAYER_TYPES, DrafterConfig, default_target_layer_ids
@@ -27,6 +28,7 @@ from dflash_jax.train.config import RENAMED, base_config, field_paths
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("adamw", "muon")
+BAD_RECORDS = ("raise", "skip")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -51,6 +53,8 @@ def validate_config(config: ConfigDict) -> None:
                                      "(--config.data.train_files=a.jsonl or a tuple in the config file)")
     _require(block_size >= 2, f"config.drafter.block_size must be >= 2 (the anchor slot plus at least one drafted "
                               f"slot), got {block_size}")
+    _require(data.bad_records in BAD_RECORDS,
+             f"config.data.bad_records must be one of {BAD_RECORDS}, got {data.bad_records!r}")
     _require(data.anchor_stride >= 1, f"config.data.anchor_stride must be >= 1, got {data.anchor_stride}")
     _require(data.seq_len % data.anchor_stride == 0,
              f"config.data.seq_len ({data.seq_len}) must be a multiple of config.data.anchor_stride "
@@ -134,6 +138,12 @@ def check_fields(config: ConfigDict) -> None:
     for path in field_paths(config):
         if path not in known and not any(path.startswith(field + ".") for field in known):
             raise ConfigError(unknown_field_message(path, known))
+
+
+def validate_data_files(config: ConfigDict) -> None:
+    """Every data file exists and is a readable file: a DataError naming it, before the target loads."""
+    check_input_files(config.data.train_files, "config.data.train_files")
+    check_input_files(config.data.eval_files or (), "config.data.eval_files")
 
 
 def validate_eval_files(config: ConfigDict) -> None:

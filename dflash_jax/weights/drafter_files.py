@@ -88,6 +88,14 @@ def serve_command(target: str, export_dir: str | Path, block_size: int) -> str:
     return f"vllm serve {target} --speculative-config '{spec}'"
 
 
+def check_servable_layer_ids(ids, where: str) -> None:
+    """vLLM captures the target layers sorted(set(ids)) and concatenates them in that order: repeated ids would
+    give fc too few features, unsorted ones would silently feed fc's columns the wrong layers."""
+    if list(ids) != sorted(set(ids)):
+        raise CheckpointError(f"{where}: target_layer_ids {list(ids)} must be strictly increasing to be served by "
+                              f"vLLM")
+
+
 def check_out_dir(out_dir: str | os.PathLike, overwrite: bool, inputs: Iterable[str | os.PathLike] = ()) -> None:
     """Raise OutputDirError unless `out_dir` may receive an export (weights/output_dir.py): absent, empty, or
     with `overwrite` an earlier export and nothing else; never inside or around one of `inputs`."""
@@ -104,11 +112,7 @@ def export_drafter(drafter: Drafter, config: DrafterConfig, out_dir: str | os.Pa
     """
     if drafter.config != config:
         raise ValueError(f"export_drafter: the drafter was built with {drafter.config}, not with {config}")
-    ids = list(config.target_layer_ids)
-    if ids != sorted(set(ids)):
-        # vLLM captures the target layers sorted(set(ids)) and concatenates them in that order: repeated ids
-        # would give fc too few features, unsorted ones would silently feed fc's columns the wrong layers.
-        raise ValueError(f"target_layer_ids {ids} must be strictly increasing to be served by vLLM")
+    check_servable_layer_ids(config.target_layer_ids, "export_drafter")
     partial_name = SINGLE_FILE + ".partial"
     out_dir = prepare_output_dir(out_dir, kind=OUTPUT_KIND, entries=[CONFIG_FILE, SINGLE_FILE, partial_name, CARD_FILE],
                                  inputs=inputs, overwrite=overwrite)
@@ -182,6 +186,7 @@ def drafter_config_from_zlab(raw: dict, where: Path | str = CONFIG_FILE) -> Draf
             raise CheckpointError(f"{where}: {key}={value} forces every layer {'causal' if value else 'non-causal'}, "
                                   f"but layer_types {layer_types} trains sliding layers causal and full layers "
                                   f"bidirectional (design §5)")
+    check_servable_layer_ids(dflash["target_layer_ids"], f"{where}: dflash_config")
     aux = raw.get("eagle_aux_hidden_state_layer_ids")
     if aux is not None and list(aux) != [i + 1 for i in dflash["target_layer_ids"]]:
         raise CheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids {aux} (which vLLM prefers) is not "

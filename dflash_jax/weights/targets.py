@@ -17,6 +17,12 @@ from dflash_jax.weights.orbax_target import is_orbax_target, load_orbax_target
 from dflash_jax.weights.safetensors_dir import CheckpointReader, read_config
 
 
+def read_target_config(checkpoint_dir: str | Path):
+    """The target's config (as `load_target` returns it) from its config.json alone, without its weights."""
+    checkpoint_dir = local_dir(checkpoint_dir, "target")
+    return resolve(read_config(checkpoint_dir), Path(checkpoint_dir) / "config.json")[1]
+
+
 def load_target(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None,
                 attention_impl: str = "xla") -> tuple[nnx.Module, object]:
     """Load a target checkpoint directory into its NNX model; returns (model, config).
