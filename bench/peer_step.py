@@ -11,7 +11,9 @@ clip, AdamW. The project's drafter step: the target's greedy labels (its LM head
 drafter forward/backward with the fused LM-head cross-entropy, clip + AdamW, one jitted call. Rounds alternate
 the two sides (the order flips every round) and report medians, so machine load hits both alike; the load
 average is printed before and after. The project's whole step (an 8-layer target's forward inside) and a
-breakdown of its parts follow, so a regression shows where it is.
+breakdown of its parts follow, so a regression shows where it is. Last, for the --bf16-shapes, the project's
+drafter step with bf16 compute against fp32 and a square matmul's rate in each dtype (does bf16 pay on this
+CPU?).
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class Shape:
     features: int  # target feature layers fed to fc
     target_layers: int  # of the random target in the whole step (0: no whole step)
     rows: int = 1  # packed rows per step; speculators trains one, so only 1-row shapes are compared
+    optimizer: str = "adamw"  # the project's config.optim.name (speculators' side is always AdamW)
+    vocab_chunk: int = 8192  # the project's config.loss.vocab_chunk
     seed: int = 0
 
     def memory_estimate(self) -> int:
@@ -90,10 +94,11 @@ SHAPES = {
     # (about 7 GB each); no whole step (the target alone would be 6 GB per 8 layers).
     "qwen3_8b": Shape(hidden=4096, layers=1, q_heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                       vocab=151936, seq_len=512, stride=16, block=16, gamma=7.0, features=5, target_layers=0),
-    # `make demo`'s step (configs/toy.py: 4 rows of 384 tokens, the toy target's widths; random weights here):
-    # the project's side only.
+    # `make demo`'s step (configs/toy.py: 4 rows of 384 tokens, the toy target's widths, Muon; random weights
+    # here): the project's side only.
     "toy": Shape(hidden=256, layers=2, q_heads=4, kv_heads=2, head_dim=64, intermediate=768, vocab=4032,
-                 seq_len=384, stride=8, block=8, gamma=4.0, features=3, target_layers=4, rows=4),
+                 seq_len=384, stride=8, block=8, gamma=4.0, features=3, target_layers=4, rows=4,
+                 optimizer="muon", vocab_chunk=4096),
 }
 
 
@@ -110,11 +115,13 @@ def peer_inputs(shape: Shape) -> dict[str, np.ndarray]:
 class ProjectSide:
     """The project's step functions at one shape, on one CPU device, fp32."""
 
-    def __init__(self, shape: Shape, inputs: dict[str, np.ndarray], query_chunk_blocks: int):
+    def __init__(self, shape: Shape, inputs: dict[str, np.ndarray], query_chunk_blocks: int,
+                 compute_dtype: str = "float32"):
         self.shape = shape
         config = base_config()
         config.target_dir, config.data.train_files = "(random)", ("(random)",)
-        config.target_dtype = config.compute_dtype = "float32"
+        config.target_dtype, config.compute_dtype = "float32", compute_dtype
+        config.optim.name, config.loss.vocab_chunk = shape.optimizer, shape.vocab_chunk
         config.data.seq_len, config.data.anchor_stride, config.data.batch_size = shape.seq_len, shape.stride, shape.rows
         config.drafter.block_size, config.loss.gamma = shape.block, shape.gamma
         config.query_chunk_blocks, config.attention_impl = query_chunk_blocks, "xla"
@@ -219,7 +226,7 @@ class ProjectSide:
             lm_head_cross_entropy(h, self.lm_head, labels, config.loss.row_chunk)[0])))
         parts["LM head + cross-entropy"] = lambda: head(x[:, :labels.shape[1]])  # the drafted slots' rows
         optimizer = jax.jit(lambda p, s: optax.apply_updates(p, self.tx.update(p, s, p)[0]))
-        parts["optimizer (clip + AdamW)"] = lambda: optimizer(self.state.params, self.state.opt_state)
+        parts[f"optimizer (clip + {shape.optimizer})"] = lambda: optimizer(self.state.params, self.state.opt_state)
         return parts
 
 
@@ -327,6 +334,43 @@ def compare(name: str, shape: Shape, args) -> dict:
     return result
 
 
+def matmul_rate(size: int, dtype, count: int) -> float:
+    """GFLOP/s of a jitted [size, size] @ [size, size] in `dtype` (median of `count`)."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (size, size)).astype(dtype)
+    product = jax.jit(jnp.matmul)
+    product(a, a).block_until_ready()
+    return 2 * size**3 / np.median(timed(lambda: product(a, a), count).wall) / 1e9
+
+
+def bf16_comparison(shape: Shape, args) -> dict:
+    """The project's drafter step with compute_dtype float32 and bfloat16 (fp32 weights, fp32 accumulation
+    and softmax either way), alternating, and a square matmul's rate in each dtype: does XLA:CPU make bf16
+    faster on this processor?"""
+    inputs = peer_inputs(shape)
+    result = {"load_before": os.getloadavg()}
+    sides = {dtype: ProjectSide(shape, inputs, args.query_chunk_blocks, dtype) for dtype in ("float32", "bfloat16")}
+    times = {dtype: Timings([], []) for dtype in sides}
+    for side in sides.values():
+        side.drafter_steps(1)
+    for round_index in range(args.rounds):
+        for dtype, side in list(sides.items())[:: 1 if round_index % 2 == 0 else -1]:
+            times[dtype] += side.drafter_steps(args.steps)
+    for dtype, timings in times.items():
+        result[f"{dtype}_step_s"] = timings.median()[0]
+        result[f"{dtype}_matmul_gflops"] = matmul_rate(2048, getattr(jnp, dtype), args.rounds)
+    result["load_after"] = os.getloadavg()
+    return result
+
+
+def bf16_report(name: str, result: dict) -> str:
+    return "\n".join([
+        f"### bf16 vs fp32 compute, shape {name}", "",
+        "| compute dtype | drafter step | 2048³ matmul |", "|---|---:|---:|",
+        *(f"| {dtype} | {result[f'{dtype}_step_s']:.3f} s | {result[f'{dtype}_matmul_gflops']:.0f} GFLOP/s |"
+          for dtype in ("float32", "bfloat16")), "",
+        f"Load average before {fmt_load(result['load_before'])}, after {fmt_load(result['load_after'])}."])
+
+
 def report(name: str, result: dict) -> str:
     shape = result["shape"]
 
@@ -377,12 +421,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (XLA uses all cores)")
     parser.add_argument("--query-chunk-blocks", type=int, default=base_config().query_chunk_blocks)
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false")
+    parser.add_argument("--bf16-shapes", default="A", help="shapes whose drafter step is also timed in bf16")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if not SPECULATORS_PYTHON.exists():
         sys.exit("error: .venv-speculators is missing; `make bench-peer` builds it (make venv-speculators)")
-    names = args.shapes.split(",")
-    unknown = sorted(set(names) - set(SHAPES))
+    names = [name for name in args.shapes.split(",") if name]
+    bf16_names = [name for name in args.bf16_shapes.split(",") if name]
+    unknown = sorted(set(names + bf16_names) - set(SHAPES))
     if unknown:
         sys.exit(f"error: unknown shapes {unknown}; choose from {sorted(SHAPES)}")
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores; "
@@ -396,6 +442,9 @@ def main() -> None:
             continue
         results[name] = compare(name, SHAPES[name], args)
         print(report(name, results[name]) + "\n", flush=True)
+    for name in bf16_names:
+        results[f"{name} bf16"] = bf16_comparison(SHAPES[name], args)
+        print(bf16_report(name, results[f"{name} bf16"]) + "\n", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
