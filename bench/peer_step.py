@@ -76,12 +76,14 @@ class Shape:
     seed: int = 0
 
     def memory_estimate(self) -> int:
-        """Bytes both sides hold at once, roughly: per side the fp32 LM head, the drafter's weights, gradients
-        and AdamW moments, and a few [N*B, V] fp32 logit temporaries (speculators keeps whole ones)."""
+        """Bytes both sides hold at once, roughly: per side the drafter's weights, gradients and AdamW moments
+        and a few [N*B, V] fp32 logit temporaries (speculators keeps whole ones); the project's side one fp32
+        [H, V] LM head, speculators' side three while its model is built (its embedding, LM head and verifier
+        head, before the benchmark ties them to one matrix)."""
         attention = 2 * self.hidden * self.head_dim * (self.q_heads + self.kv_heads)
         weights = self.layers * (attention + 3 * self.hidden * self.intermediate) + self.features * self.hidden ** 2
         logits = self.rows * self.seq_len // self.stride * self.block * self.vocab
-        return 2 * 4 * (self.vocab * self.hidden + 4 * weights + 4 * logits)
+        return 4 * (2 * (4 * weights + 4 * logits) + (1 + 3) * self.vocab * self.hidden)
 
 
 SHAPES = {
@@ -90,8 +92,8 @@ SHAPES = {
     "B": Shape(hidden=1024, layers=2, q_heads=8, kv_heads=2, head_dim=128, intermediate=3072, vocab=32000,
                seq_len=2048, stride=16, block=16, gamma=7.0, features=3, target_layers=8),
     # Qwen3-8B's drafter widths (z-lab's Qwen3-8B DFlash: H 4096, 32/8 heads x 128, I 12288, V 151936, 5
-    # feature layers, B 16), reduced to one layer and T = 512 so that both sides fit in memory together
-    # (about 7 GB each); no whole step (the target alone would be 6 GB per 8 layers).
+    # feature layers, B 16), reduced to one layer and T = 512; both sides together still need about 20 GB
+    # (memory_estimate; skipped where less is available); no whole step (the target: 6 GB per 8 layers).
     "qwen3_8b": Shape(hidden=4096, layers=1, q_heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                       vocab=151936, seq_len=512, stride=16, block=16, gamma=7.0, features=5, target_layers=0),
     # `make demo`'s step (configs/toy.py: 4 rows of 384 tokens, the toy target's widths, Muon; random weights
