@@ -1,7 +1,13 @@
-"""Device mesh and the one table that maps logical weight axes onto mesh axes.
+"""Device mesh and the one table that maps logical axes, of weights and of activations, onto mesh axes.
 
 Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with parameters/optimizer state sharded over
 it), `tensor` (tensor parallel: heads and MLP columns). Batches are split over (data, fsdp).
+
+Weights carry logical names on their variables (models/layers.py). Activations carry them through
+`constrain(x, axes)` at the points that decide the layout (after the embedding, around attention and MLP,
+layer outputs, the loss and label inputs): rows stay split over (data, fsdp) and the hidden axis whole, so
+the partitioner all-gathers the FSDP-sharded weights (bf16, one layer at a time) instead of resharding
+activations of the whole global batch (design §13).
 """
 
 from __future__ import annotations
@@ -9,13 +15,15 @@ from __future__ import annotations
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
-# logical axis -> mesh axis (None = replicated). The only place that decides how weights are laid out.
-LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
+# logical axis -> mesh axis or axes (None = replicated). The only place that decides how weights and
+# activations are laid out.
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
@@ -28,24 +36,58 @@ LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
     ("linear_heads", "tensor"),
     ("linear_qkv", "tensor"),
     ("linear_value", "tensor"),
+    # Activations (MaxText's activation_* names).
+    ("activation_batch", BATCH_AXES),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_head_dim", None),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
 )
+# The activation layouts the models use, by what the array holds.
+ROWS_EMBED = ("activation_batch", "activation_length", "activation_embed")  # [b, T, H]
+ROWS_HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")  # [b, T, h, D]
+ROWS_KV_HEADS = ("activation_batch", "activation_length", "activation_kv_heads", "activation_head_dim")
+ROWS_MLP = ("activation_batch", "activation_length", "activation_mlp")  # [b, T, I]
+ROWS_VOCAB = ("activation_batch", "activation_length", "activation_vocab")  # [b, T, V chunk]
+ROWS = ("activation_batch", "activation_length")  # [b, T] (labels, per-token losses)
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh; one size may be -1 to take the remaining devices."""
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, dcn_data: int = 1) -> Mesh:
+    """A (data, fsdp, tensor) mesh; one size may be -1 to take the remaining devices.
+
+    Devices are placed by `mesh_utils.create_device_mesh`, which follows the physical topology (TPU tori,
+    GPU ids) so that the last axes, the most communication-heavy (tensor, then fsdp), connect neighbours.
+    With dcn_data > 1 the data axis also spans that many slices (TPU multi-slice, or GPU hosts: one
+    granule per process) joined by the data-centre network, which then carries only the data axis's
+    gradient all-reduce (`create_hybrid_device_mesh`); the sizes given are those within one slice, so the
+    mesh's data axis is data x dcn_data.
+    """
     devices = list(devices if devices is not None else jax.devices())
     sizes = [data, fsdp, tensor]
     if sizes.count(-1) > 1:
         raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
+    if dcn_data < 1 or len(devices) % dcn_data:
+        raise ValueError(f"{len(devices)} devices cannot be split into dcn_data={dcn_data} slices")
+    per_slice = len(devices) // dcn_data
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
-        if len(devices) % known:
-            raise ValueError(f"{len(devices)} devices cannot be split into data={data} fsdp={fsdp} tensor={tensor}")
-        sizes[sizes.index(-1)] = len(devices) // known
-    if int(np.prod(sizes)) != len(devices):
+        if per_slice % known:
+            raise ValueError(f"{per_slice} devices per slice cannot be split into data={data} fsdp={fsdp} "
+                             f"tensor={tensor}")
+        sizes[sizes.index(-1)] = per_slice // known
+    if int(np.prod(sizes)) != per_slice:
         raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
-                         f"{int(np.prod(sizes))} devices, found {len(devices)}")
-    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+                         f"{int(np.prod(sizes))} devices per slice, found {per_slice}")
+    if dcn_data == 1:
+        placed = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+    else:
+        placed = mesh_utils.create_hybrid_device_mesh(
+            sizes, (dcn_data, 1, 1), devices, process_is_granule=not hasattr(devices[0], "slice_index"),
+            allow_split_physical_axes=True)
+    return Mesh(placed, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
@@ -57,6 +99,36 @@ def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Rows split over (data, fsdp); every other dimension replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def logical_spec(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shape: dict[str, int]) -> PartitionSpec:
+    """The PartitionSpec of an array of `shape` whose dimensions carry the logical `axes` (LOGICAL_RULES).
+
+    A dimension keeps only the mesh axes the mesh has and that divide it together (e.g. 4 kv heads stay
+    whole on tensor = 8, evaluation's single row on data x fsdp = 8), and a mesh axis is used once.
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match the array shape {shape}")
+    rules, used, spec = dict(LOGICAL_RULES), set(), []
+    for size, name in zip(shape, axes):
+        mapped = rules[name] if name is not None else None
+        mapped = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
+        kept = tuple(axis for axis in mapped if axis in mesh_shape and axis not in used)
+        if kept and size % int(np.prod([mesh_shape[axis] for axis in kept])) == 0:
+            used.update(kept)
+            spec.append(kept if len(kept) > 1 else kept[0])
+        else:
+            spec.append(None)
+    return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """Pins activation `x` to the layout its logical `axes` give under the current mesh (`jax.set_mesh` or
+    `jax.sharding.use_abstract_mesh`, which the train step enters); unchanged without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_spec(x.shape, axes, dict(mesh.shape)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -1,5 +1,5 @@
-"""The jitted train step against an independent dense NumPy loss; labels vs noise; what moves; meshes;
-gradient accumulation; the schedule and the FLOP count."""
+"""The jitted train step against an independent dense NumPy loss; labels vs noise; what moves; a mesh (every
+mesh shape and both targets: test_sharding.py); gradient accumulation; the schedule and the FLOP count."""
 
 from __future__ import annotations
 

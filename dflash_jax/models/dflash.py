@@ -19,6 +19,7 @@ from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.models.target import TargetOutput
 from dflash_jax.ops.anchors import AnchorGrid, block_token_ids
 from dflash_jax.ops.lm_head import greedy_labels
+from dflash_jax.sharding import ROWS_EMBED, constrain
 
 LABEL_SOURCES = ("target", "data")
 
@@ -64,4 +65,6 @@ def target_context(target, input_ids: jax.Array, positions: jax.Array, segment_i
     else:
         slot_labels = target_labels(out.hidden, lm_head, grid, vocab_chunk)
     block_ids = block_token_ids(input_ids, grid.anchors, grid.block_size, config.mask_token_id)
-    return jax.lax.stop_gradient(TargetContext(drafter_features(out), slot_labels, target.embed(block_ids), lm_head))
+    return jax.lax.stop_gradient(TargetContext(
+        constrain(drafter_features(out), ROWS_EMBED), constrain(slot_labels, ("activation_batch", None, None)),
+        constrain(target.embed(block_ids), ROWS_EMBED), lm_head))

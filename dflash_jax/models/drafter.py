@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from dflash_jax.models.layers import (MLP, Linear, RMSNorm, apply_rope, decoder_layer_params,
@@ -30,8 +31,19 @@ from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs
 from dflash_jax.ops.dflash_attention import cached_dflash_attention, dflash_attention
 from dflash_jax.ops.splash_attention import dflash_attention_splash
+from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, constrain
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Rematerialisation of each drafter layer in training (jax.checkpoint per layer, design §13): what its forward
+# keeps for the backward.
+REMAT_POLICIES = {
+    "none": None,  # no checkpoint: every intermediate stays until the backward
+    "full": jax.checkpoint_policies.nothing_saveable,  # only the layer's input; the backward reruns the layer
+    # the weight matmuls' outputs (projections, MLP); norms, activations and attention are recomputed
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the attention output; projections and the MLP are recomputed, the attention itself is not
+    "attention": jax.checkpoint_policies.save_only_these_names("attention_out"),
+}
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
@@ -165,7 +177,8 @@ class DrafterAttention(nnx.Module):
         self.window = window
 
     def _heads(self, x: jax.Array, num_heads: int) -> jax.Array:
-        return x.reshape(*x.shape[:2], num_heads, self.head_dim)
+        return constrain(x.reshape(*x.shape[:2], num_heads, self.head_dim),
+                         ROWS_HEADS if num_heads == self.num_heads else ROWS_KV_HEADS)
 
     def key_values(self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """k_norm/RoPE keys and values of x [b, t, H] at `positions`: of the context (every layer's own
@@ -177,8 +190,9 @@ class DrafterAttention(nnx.Module):
                  attend: Attend, inv_freq: np.ndarray) -> jax.Array:
         q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.num_heads)), block_positions, inv_freq)
         k_blk, v_blk = self.key_values(h, block_positions, inv_freq)
-        out = attend(q, *context, k_blk, v_blk, window=self.window, scale=self.head_dim**-0.5)
-        return self.o_proj(out.reshape(*out.shape[:2], self.num_heads * self.head_dim))
+        out = constrain(attend(q, *context, k_blk, v_blk, window=self.window, scale=self.head_dim**-0.5), ROWS_HEADS)
+        out = checkpoint_name(out, "attention_out")  # what REMAT_POLICIES["attention"] keeps
+        return constrain(self.o_proj(out.reshape(*out.shape[:2], self.num_heads * self.head_dim)), ROWS_EMBED)
 
 
 class DrafterLayer(nnx.Module):
@@ -204,10 +218,15 @@ class Drafter(nnx.Module):
     "splash", or "auto" (splash on TPU, else xla; ops/backends.py); query_chunk_blocks is the number of
     blocks per query chunk of the XLA backend (its memory knob); mesh is the device mesh the activations are
     sharded on, where splash runs per shard (None: one device). Decoding with a cache always runs in XLA.
+    remat names the training forward's per-layer rematerialisation policy (REMAT_POLICIES).
     """
 
     def __init__(self, config: DrafterConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=None,
-                 attention_impl: str = "xla", query_chunk_blocks: int = 32, mesh: Mesh | None = None):
+                 attention_impl: str = "xla", query_chunk_blocks: int = 32, mesh: Mesh | None = None,
+                 remat: str = "none"):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {list(REMAT_POLICIES)}, got {remat!r}")
+        self.remat = remat
         rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)  # refuse bad rope now
         dtype = param_dtype if dtype is None else dtype
         hidden = config.hidden_size
@@ -254,19 +273,32 @@ class Drafter(nnx.Module):
             context_positions = _positions(inputs.context_start, context_features.shape[:2])
             block_positions = _positions(inputs.anchor, block_embeds.shape[:2])
             attend = functools.partial(cached_dflash_attention, anchor=inputs.anchor)
-        ctx = self.hidden_norm(self.fc(context_features))
-        x = block_embeds.astype(self.dtype)
+        ctx = constrain(self.hidden_norm(self.fc(constrain(context_features, ROWS_EMBED))), ROWS_EMBED)
+        x = constrain(block_embeds.astype(self.dtype), ROWS_EMBED)
+
+        def layer_step(layer: DrafterLayer, x: jax.Array, context: tuple[jax.Array, jax.Array]) -> jax.Array:
+            return constrain(layer(x, context, block_positions, attend, inv_freq), ROWS_EMBED)
+
+        if cache is None:
+            def training_layer(layer: DrafterLayer, x: jax.Array) -> jax.Array:
+                # One rematerialisation unit: the layer's context keys/values and its step.
+                return layer_step(layer, x, layer.self_attn.key_values(ctx, context_positions, inv_freq))
+
+            if self.remat != "none":
+                training_layer = nnx.remat(training_layer, policy=REMAT_POLICIES[self.remat])
+            for layer in self.layers:
+                x = training_layer(layer, x)
+            return self.norm(x), None
         keys, values = [], []
         for index, layer in enumerate(self.layers):
-            context = layer.self_attn.key_values(ctx, context_positions, inv_freq)
-            if cache is not None:
-                context = tuple(jax.lax.dynamic_update_slice_in_dim(cached[index], new.astype(cached.dtype),
-                                                                    inputs.context_start, axis=1)
-                                for cached, new in zip(cache, context))
-                keys.append(context[0])
-                values.append(context[1])
-            x = layer(x, context, block_positions, attend, inv_freq)
-        return self.norm(x), (DrafterCache(jnp.stack(keys), jnp.stack(values)) if cache is not None else None)
+            context = tuple(jax.lax.dynamic_update_slice_in_dim(cached[index], new.astype(cached.dtype),
+                                                                inputs.context_start, axis=1)
+                            for cached, new in zip(cache, layer.self_attn.key_values(ctx, context_positions,
+                                                                                     inv_freq)))
+            keys.append(context[0])
+            values.append(context[1])
+            x = layer_step(layer, x, context)
+        return self.norm(x), DrafterCache(jnp.stack(keys), jnp.stack(values))
 
     def _backend(self) -> Attend:
         """The training forward's attention: the §5 mask on the anchor grid, by attention_impl."""

@@ -19,6 +19,7 @@ from flax import nnx
 
 from dflash_jax.models.layers import Linear, param
 from dflash_jax.ops.gated_delta import chunked_gated_delta_rule, segment_starts
+from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, constrain
 
 _L2_EPS = 1e-6  # transformers `l2norm` default, added to the sum of squares
 
@@ -137,11 +138,13 @@ class GatedDeltaNet(nnx.Module):
         a = self.in_proj_a(x).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # log-decay ≤ 0, fp32
 
+        q, k, v = (constrain(t, ROWS_HEADS) for t in (q, k, v))
         out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state)
         if cache is not None:
             kept = cache.conv_inputs.shape[1]
             history = jnp.concatenate([cache.conv_inputs, conv_inputs.astype(cache.conv_inputs.dtype)], axis=1)
             cache = cache._replace(conv_inputs=history[:, history.shape[1] - kept:], state=state)
-        z = self.in_proj_z(x).reshape(batch, length, self.num_value_heads, self.value_head_dim)
-        out = self.norm(out.astype(x.dtype), z)
-        return self.out_proj(out.reshape(batch, length, self.num_value_heads * self.value_head_dim)), cache
+        z = constrain(self.in_proj_z(x).reshape(batch, length, self.num_value_heads, self.value_head_dim), ROWS_HEADS)
+        out = self.norm(constrain(out.astype(x.dtype), ROWS_HEADS), z)
+        out = self.out_proj(out.reshape(batch, length, self.num_value_heads * self.value_head_dim))
+        return constrain(out, ROWS_EMBED), cache

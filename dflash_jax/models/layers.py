@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
+
+from dflash_jax.sharding import BATCH_AXES, ROWS_EMBED, ROWS_MLP, constrain
 
 INIT_STD = 0.02  # HF Qwen `initializer_range`
 
@@ -47,11 +50,28 @@ class Embed(nnx.Module):
         self.embedding = param(init, ("vocab", "embed"))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], ids, axis=0)
+        """ids [b, L] -> [b, L, features]; under a mesh, rows split over the batch axes (`_lookup_by_rows`)."""
+        table = self.embedding[...]
+        mesh = jax.sharding.get_abstract_mesh()
+        batch_shards = 1 if mesh.empty else mesh.shape["data"] * mesh.shape["fsdp"]
+        if ids.ndim != 2 or batch_shards == 1 or ids.shape[0] % batch_shards or table.shape[1] % mesh.shape["fsdp"]:
+            return jnp.take(table, ids, axis=0)
+        lookup = jax.shard_map(_lookup_by_rows, in_specs=(PartitionSpec(None, "fsdp"), PartitionSpec(BATCH_AXES)),
+                               out_specs=PartitionSpec(BATCH_AXES))
+        return constrain(lookup(table, ids), ROWS_EMBED)
 
     def attend(self, x: jax.Array) -> jax.Array:
         table = self.embedding[...]
         return jnp.dot(x.astype(table.dtype), table.T)
+
+
+def _lookup_by_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """Per device: `table` is the device's hidden slice [V, H/fsdp] (gathered over the vocabulary shards only),
+    `ids` its own rows. It looks up the ids of every row of its fsdp group (integers: cheap to gather), then
+    one all-to-all trades hidden slices for rows, so no float activation of more than the device's own rows
+    is ever gathered (the partitioner's own choice for a hidden-sharded table is not always that)."""
+    group_ids = jax.lax.all_gather(ids, "fsdp", axis=0, tiled=True)
+    return jax.lax.all_to_all(jnp.take(table, group_ids, axis=0), "fsdp", split_axis=0, concat_axis=2, tiled=True)
 
 
 class RMSNorm(nnx.Module):
@@ -91,7 +111,7 @@ class MLP(nnx.Module):
                                 param_dtype=param_dtype, dtype=dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), ROWS_MLP))
 
 
 def decoder_layer_params(hidden: int, q_heads: int, kv_heads: int, head_dim: int, intermediate: int) -> int:

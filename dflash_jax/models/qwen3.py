@@ -23,6 +23,7 @@ from dflash_jax.models.layers import (MLP, Embed, Linear, RMSNorm, apply_rope, d
 from dflash_jax.models.target import (NO_SEGMENT, AttentionCache, EmbeddingAndHead, TargetOutput,
                                       causal_self_attention, feature_slots, write_columns)
 from dflash_jax.ops.backends import resolve_attention_impl
+from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, constrain
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -142,13 +143,14 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | None = None):
         batch, length, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(batch, length, self.q_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
+        q = self.q_norm(constrain(self.q_proj(x).reshape(batch, length, self.q_heads, self.head_dim), ROWS_HEADS))
+        k = self.k_norm(constrain(self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim), ROWS_KV_HEADS))
+        v = constrain(self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim), ROWS_KV_HEADS)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, cache = causal_self_attention(q, k, v, segment_ids, self.head_dim**-0.5, self.attention_impl, self.mesh,
                                            cache)
-        return self.o_proj(out.reshape(batch, length, self.q_heads * self.head_dim)), cache
+        out = constrain(out, ROWS_HEADS).reshape(batch, length, self.q_heads * self.head_dim)
+        return constrain(self.o_proj(out), ROWS_EMBED), cache
 
 
 class DecoderLayer(nnx.Module):
@@ -210,9 +212,9 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         (XLA clamps a write past the end onto earlier columns).
         """
         wanted, slot, order = feature_slots(feature_layer_ids, self.config.num_hidden_layers)
-        x = self.embed(input_ids)
+        x = constrain(self.embed(input_ids), ROWS_EMBED)
         inv_freq = rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        buffer = jnp.zeros((len(wanted) + 1, *x.shape), x.dtype)
+        buffer = constrain(jnp.zeros((len(wanted) + 1, *x.shape), x.dtype), (None, *ROWS_EMBED))
         if cache is not None:
             start = cache.length
             cache = cache._replace(segment_ids=write_columns(cache.segment_ids, segment_ids, start))
@@ -225,6 +227,7 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
             hidden, features = carry
             layer_cache = None if kv is None else AttentionCache(*kv, cache.segment_ids, start)
             hidden, layer_cache = layer(hidden, positions, segment_ids, inv_freq, layer_cache)
+            hidden = constrain(hidden, ROWS_EMBED)
             features = jax.lax.dynamic_update_index_in_dim(features, hidden, layer_slot, axis=0)
             return (hidden, features), None if layer_cache is None else (layer_cache.keys, layer_cache.values)
 

@@ -25,6 +25,7 @@ from dflash_jax.models.qwen3_5_config import FULL_ATTENTION, LINEAR_ATTENTION, Q
 from dflash_jax.models.target import (NO_SEGMENT, AttentionCache, EmbeddingAndHead, TargetOutput,
                                       causal_self_attention, feature_slots, write_columns)
 from dflash_jax.ops.backends import resolve_attention_impl
+from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, constrain
 
 __all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "HybridCache", "Qwen3_5", "Qwen3_5Config"]
 
@@ -61,16 +62,16 @@ class GatedAttention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | None = None):
         batch, length, _ = x.shape
-        query_gate = self.q_proj(x).reshape(batch, length, self.q_heads, 2 * self.head_dim)
+        query_gate = constrain(self.q_proj(x).reshape(batch, length, self.q_heads, 2 * self.head_dim), ROWS_HEADS)
         q, gate = query_gate[..., :self.head_dim], query_gate[..., self.head_dim:]
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
+        k = self.k_norm(constrain(self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim), ROWS_KV_HEADS))
+        v = constrain(self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim), ROWS_KV_HEADS)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, cache = causal_self_attention(q, k, v, segment_ids, self.head_dim**-0.5, self.attention_impl, self.mesh,
                                            cache)
-        out = out * jax.nn.sigmoid(gate)
-        return self.o_proj(out.reshape(batch, length, self.q_heads * self.head_dim)), cache
+        out = constrain(out, ROWS_HEADS) * jax.nn.sigmoid(gate)
+        return constrain(self.o_proj(out.reshape(batch, length, self.q_heads * self.head_dim)), ROWS_EMBED), cache
 
 
 class DecoderLayer(nnx.Module):
@@ -155,9 +156,9 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
         num_layers, period = config.num_hidden_layers, len(config.layer_period())
         wanted, slot, order = feature_slots(feature_layer_ids, num_layers)
 
-        x = self.embed(input_ids)
+        x = constrain(self.embed(input_ids), ROWS_EMBED)
         inv_freq = rope_inverse_frequencies(config.rotary_dim, config.rope_theta)
-        buffer = jnp.zeros((len(wanted) + 1, *x.shape), x.dtype)
+        buffer = constrain(jnp.zeros((len(wanted) + 1, *x.shape), x.dtype), (None, *ROWS_EMBED))
         if cache is not None:
             start = cache.length
             # The segments of the K−1 tokens before this call (NO_SEGMENT before the first), for the convs.
@@ -182,6 +183,7 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
             for position, layer in enumerate(layer_period.layers):
                 arrays = None if period_arrays is None else period_arrays[position]
                 hidden, updated = layer(hidden, positions, segment_ids, inv_freq, layer_cache(layer, arrays))
+                hidden = constrain(hidden, ROWS_EMBED)
                 new_arrays.append(None if updated is None else tuple(updated[:2]))
                 features = jax.lax.dynamic_update_index_in_dim(features, hidden, period_slots[position], axis=0)
             return (hidden, features), None if period_arrays is None else tuple(new_arrays)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.sharding import ROWS, ROWS_EMBED, ROWS_VOCAB, constrain
+
 
 def fp32_logits(hidden: jax.Array, lm_head_kernel: jax.Array) -> jax.Array:
     """hidden @ lm_head with fp32 accumulation ([..., H] -> [..., V])."""
@@ -23,10 +25,11 @@ def greedy_tokens(hidden: jax.Array, lm_head_kernel: jax.Array) -> jax.Array:
 def greedy_labels(hidden: jax.Array, lm_head_kernel: jax.Array, vocab_chunk: int) -> jax.Array:
     """argmax_v (hidden @ lm_head_kernel)[..., v], walking the vocabulary in chunks of `vocab_chunk`.
 
-    hidden: [..., H] (the target's final-normed hidden states); lm_head_kernel: [H, V]. Ties resolve to the
-    lowest id, as a plain argmax does. Peak memory is [..., vocab_chunk] logits.
+    hidden: [b, R, H] (the target's final-normed hidden states); lm_head_kernel: [H, V]. Ties resolve to the
+    lowest id, as a plain argmax does. Peak memory is [b, R, vocab_chunk] logits, rows split over the batch
+    axes and the chunk over `tensor` under a mesh.
     """
-    hidden = jax.lax.stop_gradient(hidden)
+    hidden = constrain(jax.lax.stop_gradient(hidden), ROWS_EMBED)
     kernel = jax.lax.stop_gradient(lm_head_kernel)
     vocab = kernel.shape[1]
     chunk = min(vocab_chunk, vocab)
@@ -41,7 +44,7 @@ def greedy_labels(hidden: jax.Array, lm_head_kernel: jax.Array, vocab_chunk: int
 
     def logits_of(start, size):
         block = jax.lax.dynamic_slice_in_dim(kernel, start, size, axis=1)
-        return jnp.dot(hidden, block.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        return constrain(jnp.dot(hidden, block.astype(hidden.dtype), preferred_element_type=jnp.float32), ROWS_VOCAB)
 
     def body(carry, i):
         offset = i * chunk
@@ -53,4 +56,4 @@ def greedy_labels(hidden: jax.Array, lm_head_kernel: jax.Array, vocab_chunk: int
     if remainder:
         offset = num_full * chunk
         best_value, best_index = best_in(logits_of(offset, remainder), offset, best_value, best_index)
-    return best_index
+    return constrain(best_index, ROWS)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.sharding import ROWS, ROWS_EMBED, ROWS_VOCAB, constrain
+
 
 def position_weights(block_size: int, gamma: float) -> np.ndarray:
     """w_0 = 0 and w_k = exp(-(k-1)/gamma) for k >= 1 (DFlash position decay; design §6)."""
@@ -65,12 +67,16 @@ def lm_head_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: 
     it holds iff the label attains the maximum and no lower id does, i.e. exactly argmax(logits) == label
     with ties resolved to the lowest id, as `jnp.argmax` and `ops.lm_head.greedy_labels` resolve them.
     """
+    if hidden.ndim == 3:  # [b, R, H]: rows stay split over the batch axes under a mesh (design §13)
+        hidden, labels = constrain(hidden, ROWS_EMBED), constrain(labels, ROWS)
     return _lm_head_cross_entropy(hidden, jax.lax.stop_gradient(lm_head_kernel), labels, row_chunk)
 
 
 def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradient: bool):
     """One row chunk: (ce, correct) and, if with_gradient, d ce / d h. h: [..., c, H]; y: [..., c]."""
     logits = jnp.dot(h, kernel.astype(h.dtype), preferred_element_type=jnp.float32)
+    if logits.ndim == 3:  # [b, c, V]: the vocabulary splits over `tensor` under a mesh
+        logits = constrain(logits, ROWS_VOCAB)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     label_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)

@@ -91,6 +91,13 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
 
     def train_step(state: TrainState, target_state: nnx.State, batch: dict[str, jax.Array]
                    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        # The activations' sharding constraints (dflash_jax.sharding.constrain) read the mesh from the trace
+        # context.
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return sharded_step(state, target_state, batch)
+
+    def sharded_step(state: TrainState, target_state: nnx.State, batch: dict[str, jax.Array]
+                     ) -> tuple[TrainState, dict[str, jax.Array]]:
         normaliser = trained_slot_count(slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block))
         rng, step_key = jax.random.split(jax.random.wrap_key_data(state.rng))
 

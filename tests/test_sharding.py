@@ -1,0 +1,103 @@
+"""Sharding over the (data, fsdp, tensor) mesh: a step on any mesh equals one device, activations never travel
+as whole global batches, and the logical-axis table's layouts."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from dflash_jax.sharding import logical_spec
+from dflash_jax.train.step import put_batch
+from tests.train_fixtures import build, fast_cpu_compiles, make_qwen3_5_target, make_target, mesh_of, tiny_config, \
+    write_corpus
+
+ROWS = 8  # global batch: one row per device on the 8 simulated devices
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharding")
+    return {"qwen3": make_target(root / "qwen3"), "qwen3_5": make_qwen3_5_target(root / "qwen3_5"),
+            "corpus": write_corpus(root / "train.jsonl")}
+
+
+@pytest.fixture(autouse=True)
+def _fast_compiles():
+    with fast_cpu_compiles():
+        yield
+
+
+def config_for(files, kind, data=1, fsdp=1, tensor=1):
+    return tiny_config(files[kind], files["corpus"],
+                       **{"data.batch_size": ROWS, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor})
+
+
+def one_step(files, kind, mesh_shape):
+    """Metrics of one step and the parameters it updated, on the host."""
+    setup = build(config_for(files, kind, *mesh_shape), mesh_of(*mesh_shape))
+    state, metrics = setup.step.train_step(setup.state, setup.target_state, put_batch(next(setup.loader), setup.mesh))
+    return jax.device_get(metrics), jax.device_get(state.params)
+
+
+@pytest.fixture(scope="module")
+def one_device(files):
+    return {kind: one_step(files, kind, (1, 1, 1)) for kind in ("qwen3", "qwen3_5")}
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2)])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_step_on_a_mesh_matches_one_device(files, one_device, kind, mesh_shape):
+    (one, single_params), (many, sharded_params) = one_device[kind], one_step(files, kind, mesh_shape)
+    np.testing.assert_array_equal(many["slot_count"], one["slot_count"])
+    np.testing.assert_array_equal(many["slot_correct"], one["slot_correct"])
+    np.testing.assert_allclose(many["loss"], one["loss"], rtol=1e-5)
+    np.testing.assert_allclose(many["grad_norm"], one["grad_norm"], rtol=1e-4)
+    leaves = jax.tree_util.tree_leaves_with_path(single_params)
+    for (path, one), many in zip(leaves, jax.tree.leaves(sharded_params)):
+        np.testing.assert_allclose(many, one, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+_COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-reduce|reduce-scatter)(-start)?\(")
+_ARRAY = re.compile(r"\b(f16|bf16|f32|f64)\[([0-9,]*)\]")
+
+
+def float_collectives(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(collective, shape) of every floating-point array an all-gather / all-reduce / reduce-scatter yields."""
+    found = []
+    for match in _COLLECTIVE.finditer(hlo):
+        for dtype, dims in _ARRAY.findall(match.group(1)):
+            found.append((match.group(2), tuple(int(d) for d in dims.split(",") if d)))
+    return found
+
+
+@pytest.mark.parametrize("kind, mesh_shape", [("qwen3", (1, 8, 1)), ("qwen3_5", (2, 2, 2)), ("qwen3_5", (1, 4, 2))])
+def test_no_collective_moves_a_global_batch_of_activations(files, kind, mesh_shape):
+    """Regression test for the activations' sharding constraints: without them the partitioner shards
+    activations along the hidden axis (where the FSDP weights are split) and all-reduces or all-gathers
+    [global batch, T, ...] arrays onto every device. Weights may be gathered (that is FSDP), activations of
+    other devices' rows never. (The embedding lookup gathers the integer token ids of its fsdp group, not
+    floats: `models/layers.py`.)"""
+    setup = build(config_for(files, kind, *mesh_shape), mesh_of(*mesh_shape))
+    batch = put_batch(next(setup.loader), setup.mesh)
+    hlo = setup.step.train_step.lower(setup.state, setup.target_state, batch).compile().as_text()
+    collectives = float_collectives(hlo)
+    assert any(op == "all-gather" for op, _ in collectives), "expected FSDP weight all-gathers in the step"
+    global_batch = [(op, shape) for op, shape in collectives if len(shape) >= 2 and shape[0] == ROWS]
+    assert not global_batch, f"collectives of global-batch activations: {global_batch}"
+
+
+def test_logical_spec_keeps_only_mesh_axes_that_divide():
+    mesh = {"data": 2, "fsdp": 4, "tensor": 2}
+    rows_heads = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
+    assert logical_spec((16, 64, 8, 128), rows_heads, mesh) == jax.sharding.PartitionSpec(
+        ("data", "fsdp"), None, "tensor", None)
+    # One row (evaluation) and 3 heads do not split: those dimensions stay whole.
+    assert logical_spec((1, 64, 3, 128), rows_heads, mesh) == jax.sharding.PartitionSpec(None, None, None, None)
+    # A mesh axis is used once per array, by the first dimension that asks for it.
+    assert logical_spec((8, 8), ("activation_heads", "activation_mlp"), mesh) == jax.sharding.PartitionSpec(
+        "tensor", None)
+    with pytest.raises(ValueError, match="do not match"):
+        logical_spec((8, 8), ("activation_batch",), mesh)
