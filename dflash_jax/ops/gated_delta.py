@@ -12,8 +12,10 @@ This is transformers' `torch_recurrent_gated_delta_rule` / `torch_chunk_gated_de
 Packed rows: `resets[b, t]` marks the first token of a new segment. The state carried into that token is
 dropped (S ← 0 before its update), exactly as if g_t were −∞; see `chunked_gated_delta_rule` for how that
 enters the chunked form. Decoding continues from the state a previous call returned (`initial_state`, else
-0); a reset at t = 0 then drops it. Everything here is fp32 with fp32 matmuls (Precision.HIGHEST), whatever the model
-dtype.
+0); a reset at t = 0 then drops it. Everything here is fp32 whatever the model dtype; the matmuls are fp32
+(Precision.HIGHEST, the exact path) or, with `matmul_dtype="bfloat16"`, the chunked form's per-chunk products
+take bf16 operands with fp32 accumulation (tensor-core speed on TPU and GPU) while the triangular inverse and
+the state carried across chunks stay fp32 (bench/RESULTS.md, "Gated delta rule precision", has the errors).
 """
 
 from __future__ import annotations
@@ -22,10 +24,18 @@ import jax
 import jax.numpy as jnp
 
 CHUNK_SIZE = 64  # transformers' chunk size; any power of two gives the same result up to fp32 rounding
+MATMUL_DTYPES = ("float32", "bfloat16")
 
 
 def _einsum(spec: str, *operands: jax.Array) -> jax.Array:
     return jnp.einsum(spec, *operands, precision=jax.lax.Precision.HIGHEST)
+
+
+def _chunk_einsum(matmul_dtype: str, spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """A per-chunk product: exact fp32, or bf16 operands accumulated in fp32."""
+    if matmul_dtype == "bfloat16":
+        return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    return _einsum(spec, a, b)
 
 
 def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -97,7 +107,8 @@ def recurrent_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
 
 def chunked_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                              resets: jax.Array | None = None, initial_state: jax.Array | None = None, *,
-                             chunk_size: int = CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
+                             chunk_size: int = CHUNK_SIZE, matmul_dtype: str = "float32"
+                             ) -> tuple[jax.Array, jax.Array]:
     """Same result as `recurrent_gated_delta_rule`, computed a chunk at a time (design §8.3).
 
     Within a chunk (positions i, j ∈ [0, C)), with S₀ the state carried in and γ_i = Σ_{s≤i} g_s:
@@ -123,9 +134,17 @@ def chunked_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Ar
     g = β = 0 (identity steps on S), so the final state is exact. A call with fewer than C tokens (decoding
     one token, or a short verification block) uses the smallest power of two >= T as C instead: at C = 1 this
     is the recurrent step itself.
+
+    Only the state S₀ of each chunk is sequential: the scan carries it (two matmuls per chunk) and hands out
+    S₀ and U_true of every chunk; the outputs O of all chunks are then two batched matmuls.
+    matmul_dtype: "float32" (exact) or "bfloat16" (the per-chunk products A, QKᵀ, the solve and the outputs in
+    bf16 operands with fp32 accumulation; the inverse and the state recurrence stay fp32).
     """
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+    if matmul_dtype not in MATMUL_DTYPES:
+        raise ValueError(f"matmul_dtype must be one of {MATMUL_DTYPES}, got {matmul_dtype!r}")
+    product = lambda spec, a, b: _chunk_einsum(matmul_dtype, spec, a, b)
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     chunk_size = min(chunk_size, 1 << max(length - 1, 0).bit_length())
@@ -156,26 +175,27 @@ def chunked_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Ar
 
     k_beta = k * beta[..., None]
     strictly_lower = index[:, None] > index[None, :]
-    a = jnp.where(strictly_lower, _einsum("bhnid,bhnjd->bhnij", k_beta, k) * decay, 0.0)
+    a = jnp.where(strictly_lower, product("bhnid,bhnjd->bhnij", k_beta, k) * decay, 0.0)
     rhs = jnp.concatenate([v * beta[..., None], k_beta * from_start[..., None]], axis=-1)
-    solved = _matmul(unit_lower_triangular_inverse(a), rhs)
+    solved = product("bhnij,bhnjd->bhnid", unit_lower_triangular_inverse(a), rhs)
     pseudo_values, key_cumdecay = solved[..., :value_dim], solved[..., value_dim:]  # U, W
-
-    attn = _einsum("bhnid,bhnjd->bhnij", q, k) * decay
-    q_decayed = q * from_start[..., None]
     k_to_end = k * to_end[..., None]
     state_decay = from_start[..., -1]  # D_{C-1}, [B, H, N]
 
-    def step(state, chunk):
-        u, w, attn_n, q_n, k_n, decay_n = chunk
-        u = u - _einsum("bhik,bhkv->bhiv", w, state)
-        out = _einsum("bhik,bhkv->bhiv", q_n, state) + _einsum("bhij,bhjv->bhiv", attn_n, u)
-        state = decay_n[..., None, None] * state + _einsum("bhik,bhiv->bhkv", k_n, u)
-        return state, out
+    def step(state, chunk):  # the only sequential work: S₀ of the next chunk
+        u, w, k_n, decay_n = chunk
+        u = u - _einsum("bhik,bhkv->bhiv", w, state)  # U_true
+        return decay_n[..., None, None] * state + _einsum("bhik,bhiv->bhkv", k_n, u), (state, u)
 
     chunk_major = lambda x: jnp.moveaxis(x, 2, 0)
     state = _initial_state((batch, heads, key_dim, value_dim), initial_state)
-    state, out = jax.lax.scan(step, state, tuple(map(chunk_major, (
-        pseudo_values, key_cumdecay, attn, q_decayed, k_to_end, state_decay))))
-    out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, num_chunks * chunk_size, value_dim)
+    state, (start_states, corrections) = jax.lax.scan(step, state, tuple(map(chunk_major, (
+        pseudo_values, key_cumdecay, k_to_end, state_decay))))
+    start_states, corrections = jnp.moveaxis(start_states, 0, 2), jnp.moveaxis(corrections, 0, 2)  # [B, H, N, ...]
+
+    # O = (D⊙Q) S₀ + ((Q Kᵀ) ⊙ Λ) U_true, every chunk at once.
+    attn = product("bhnid,bhnjd->bhnij", q, k) * decay
+    out = (product("bhnik,bhnkv->bhniv", q * from_start[..., None], start_states)
+           + product("bhnij,bhnjv->bhniv", attn, corrections))
+    out = out.reshape(batch, heads, num_chunks * chunk_size, value_dim)
     return jnp.moveaxis(out, 1, 2)[:, :length], state
