@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: venv test test-slow test-long demo demo-long clean
+.PHONY: venv test test-slow test-long test-tpu-plan demo demo-long clean
 
 # The package alone (what `make demo` needs), then the test extras (torch for the PyTorch references, pytest).
 $(VENV)/.base-installed: pyproject.toml
@@ -21,13 +21,24 @@ $(VENV)/.installed: $(VENV)/.base-installed
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 -m "not slow and not long" tests
+	$(PY) -m pytest -q -n 2 -m "not slow and not long and not tpu_plan" tests
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow tests
 
+# Deviceless TPU compiles of 27B-shaped train steps (tests marked tpu_plan; a few minutes): libtpu, pinned by
+# launch/constraints.txt, in a directory of its own that only these tests put on their path, so the CPU suite
+# never loads it.
+LIBTPU_DIR := .libtpu
+$(LIBTPU_DIR)/.installed: launch/constraints.txt
+	$(PY) -m pip install -q --no-deps --target $(LIBTPU_DIR) -c launch/constraints.txt libtpu
+	touch $@
+
+test-tpu-plan: $(VENV)/.installed $(LIBTPU_DIR)/.installed
+	JAX_PLATFORMS=cpu PYTHONPATH=$(LIBTPU_DIR) $(PY) -m pytest -q -m tpu_plan tests
+
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) $(LIBTPU_DIR) out
 
 # The whole job on the bundled toy target: train a drafter (progress bar), print exact and DDTree τ of the
 # trained and the untrained drafter on the held-out prompts, export it for vLLM (the export prints the

@@ -35,6 +35,7 @@ COMMANDS = {
     "evaluate": "dflash_jax.evaluate",
     "export": "dflash_jax.export",
     "convert": "dflash_jax.convert",
+    "plan": "dflash_jax.plan",
 }
 USER_ERROR_EXIT = 2
 CONFIG_FIELDS = "dflash_jax/train/config.py"

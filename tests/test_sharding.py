@@ -1,5 +1,5 @@
 """Sharding over the (data, fsdp, tensor) mesh: a step on any mesh equals one device, activations never travel
-as whole global batches, and the logical-axis table's layouts."""
+as whole global batches, the logical-axis table's layouts, and checkpoints move between meshes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.sharding import logical_spec
+from dflash_jax.train.checkpoint import Checkpointer
+from dflash_jax.train.state import state_spec
 from dflash_jax.train.step import put_batch
 from tests.train_fixtures import build, fast_cpu_compiles, make_qwen3_5_target, make_target, mesh_of, tiny_config, \
     write_corpus
@@ -101,3 +103,22 @@ def test_logical_spec_keeps_only_mesh_axes_that_divide():
         "tensor", None)
     with pytest.raises(ValueError, match="do not match"):
         logical_spec((8, 8), ("activation_batch",), mesh)
+
+
+def test_a_checkpoint_written_on_one_mesh_restores_on_another(files, tmp_path):
+    """Orbax writes each array whole (from its shards) and reads it onto whatever shardings the restore target
+    carries: a run saved on fsdp = 8 resumes on (2, 2, 2) with identical values."""
+    setup = build(config_for(files, "qwen3_5", 1, 8, 1), mesh_of(1, 8, 1))
+    state, _ = setup.step.train_step(setup.state, setup.target_state, put_batch(next(setup.loader), setup.mesh))
+    saved = jax.device_get(state)
+    writer = Checkpointer(tmp_path, keep=1)
+    writer.save(1, state, {"cursor": [3]})
+    writer.close()
+    other = mesh_of(2, 2, 2)
+    spec = state_spec(setup.drafter_config, setup.config, "xla", other)
+    restored, data_state = Checkpointer(tmp_path, keep=1).restore(1, spec.abstract)
+    assert data_state == {"cursor": [3]}
+    for (path, value), expected, sharding in zip(jax.tree_util.tree_leaves_with_path(restored),
+                                                 jax.tree.leaves(saved), jax.tree.leaves(spec.shardings)):
+        assert value.sharding == sharding, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(value), expected, err_msg=jax.tree_util.keystr(path))

@@ -13,10 +13,12 @@ import jax
 ATTENTION_CHOICES = ("auto", "splash", "xla")
 
 
-def resolve_attention_impl(name: str) -> str:
-    """"auto" -> "splash" on TPU, else "xla"; "splash" and "xla" unchanged; anything else is a ValueError."""
+def resolve_attention_impl(name: str, platform: str | None = None) -> str:
+    """"auto" -> "splash" on TPU, else "xla"; "splash" and "xla" unchanged; anything else is a ValueError.
+    platform: the devices the step is compiled for (default: JAX's default backend; the ahead-of-time plan
+    compiles for a TPU topology from a CPU host)."""
     if name not in ATTENTION_CHOICES:
         raise ValueError(f"attention_impl must be one of {list(ATTENTION_CHOICES)}, got {name!r}")
     if name == "auto":
-        return "splash" if jax.default_backend() == "tpu" else "xla"
+        return "splash" if (platform or jax.default_backend()) == "tpu" else "xla"
     return name

@@ -107,13 +107,15 @@ def _kernel(grid: AnchorGrid, window: int | None, num_heads: int, interpret: boo
                                           interpret=interpret)
 
 
-def _interpret(interpret: bool | None) -> bool:
-    """None -> the Pallas interpreter unless the backend is TPU (correct but slow, so it is logged)."""
+def _interpret(interpret: bool | None, mesh: Mesh | None) -> bool:
+    """None -> the Pallas interpreter unless the devices are TPUs: the mesh's (which may be a deviceless TPU
+    topology compiled from a CPU host), else the default backend's. Correct but slow, so it is logged."""
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        platform = jax.default_backend() if mesh is None or mesh.empty else mesh.devices.flat[0].platform
+        interpret = platform != "tpu"
         if interpret:
             log.warning("splash attention on %s runs in the Pallas interpreter (slow); use attention_impl='xla' "
-                        "off TPU", jax.default_backend())
+                        "off TPU", platform)
     return interpret
 
 
@@ -151,7 +153,7 @@ def dflash_attention_splash(
         if tuple(array.shape[:2]) != (batch, length):
             raise ValueError(f"dflash_attention_splash: {name} has shape {tuple(array.shape)}, expected leading "
                              f"dimensions {(batch, length)} for {grid}")
-    interpret = _interpret(interpret)
+    interpret = _interpret(interpret, mesh)
     padded_queries, padded_keys = _padded_lengths(grid)
     q_scaled = _kernel_layout((q * scale).astype(q.dtype), padded_queries)
     keys = _kernel_layout(jnp.concatenate([k_ctx, k_blk], axis=1), padded_keys)
@@ -191,7 +193,7 @@ def causal_attention_splash(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
     padded query sees at least itself (the kernel needs every row to see a key); a padded key lies after every
     real query, so the causal mask already hides it from them.
     """
-    interpret = _interpret(interpret)
+    interpret = _interpret(interpret, mesh)
     length = q.shape[1]
     padded = _round_up(length, LANES)
     segments = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - length)), mode="edge")

@@ -110,6 +110,16 @@ def base_config() -> ConfigDict:
     config.optim.muon_ns_dtype = "bfloat16"  # Newton-Schulz operands ("float32": exact, slower on accelerators)
     config.optim.muon_weight_decay = 0.1  # decoupled, times the scheduled learning rate
 
+    # Memory (design §13). Rematerialisation of the drafter layers in the backward: "none", "full" (keep each
+    # layer's input only), "dots" (keep the weight matmuls' outputs) or "attention" (keep the attention output).
+    # The frozen target needs none: no gradient flows through it, so its forward keeps only the feature layers.
+    config.remat = "none"
+    # The ahead-of-time plan (dflash_jax/plan.py): the step compiled from abstract arrays before any weight is
+    # read; it must fit config.hbm_gib per device (None = the device's own memory when it reports one).
+    # plan_only=True prints the plan and stops.
+    config.plan_only = False
+    config.hbm_gib = placeholder(float)
+
     # Mesh: one of the sizes may be -1 (take the remaining devices).
     config.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1))
     # Several processes (multi-host pods), joined by jax.distributed.initialize before anything else:

@@ -22,6 +22,7 @@ from ml_collections import ConfigDict
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from dflash_jax import plan
 from dflash_jax.data import BatchLoader, Prefetcher, merge_states
 from dflash_jax.errors import ConfigError, DataError
 from dflash_jax.eval.train_hook import make_train_evaluator
@@ -67,6 +68,16 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
     main = jax.process_index() == 0  # of several processes (train/distributed.py), one writes the run files
     mesh = validate.mesh_from_config(config)
     validate.validate_batch_layout(config, int(np.prod([mesh.shape[axis] for axis in BATCH_AXES])))
+
+    # The step compiled from abstract arrays first (dflash_jax/plan.py), where there is a budget to hold it to:
+    # a run that cannot fit stops before any weight is read.
+    budget = config.hbm_gib or plan.device_memory_gib(mesh.devices.flat[0])
+    if config.plan_only or budget:
+        report = plan.plan_train_step(config, plan.target_architecture(config), mesh, budget)
+        log.info("plan:\n%s", plan.format_plan(report))
+        plan.check_budget(report)
+        if config.plan_only:
+            return {"plan_total_gib": report.total_bytes / plan.GIB, "plan_temp_gib": report.temp_bytes / plan.GIB}
 
     # The frozen target and its tokenizer; the drafter's architecture follows from them and the config. One
     # attention backend for both models' full-sequence attention.

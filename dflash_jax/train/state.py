@@ -37,7 +37,7 @@ def make_drafter(drafter_config: DrafterConfig, config: ConfigDict, attention_im
     """A freshly initialised drafter: fp32 weights, compute in config.compute_dtype; splash per shard of mesh."""
     return Drafter(drafter_config, rngs=nnx.Rngs(seed), param_dtype=jnp.float32,
                    dtype=dtype_of(config.compute_dtype), attention_impl=attention_impl,
-                   query_chunk_blocks=config.query_chunk_blocks, mesh=mesh)
+                   query_chunk_blocks=config.query_chunk_blocks, mesh=mesh, remat=config.remat)
 
 
 class StateSpec(NamedTuple):

@@ -20,7 +20,7 @@ from ml_collections import ConfigDict
 from dflash_jax.data.corpus import check_input_files
 from dflash_jax.errors import ConfigError
 from dflash_jax.models.dflash import LABEL_SOURCES
-from dflash_jax.models.drafter import LAYER_TYPES, DrafterConfig, default_target_layer_ids
+from dflash_jax.models.drafter import LAYER_TYPES, REMAT_POLICIES, DrafterConfig, default_target_layer_ids
 from dflash_jax.ops.backends import ATTENTION_CHOICES
 from dflash_jax.sharding import make_mesh
 from dflash_jax.train.config import RENAMED, base_config, field_paths
@@ -65,6 +65,7 @@ def validate_config(config: ConfigDict) -> None:
     _require(loss.labels in LABEL_SOURCES, f"config.loss.labels must be one of {LABEL_SOURCES}, got {loss.labels!r}")
     _require(config.attention_impl in ATTENTION_CHOICES,
              f"config.attention_impl must be one of {ATTENTION_CHOICES}, got {config.attention_impl!r}")
+    _require(config.remat in REMAT_POLICIES, f"config.remat must be one of {list(REMAT_POLICIES)}, got {config.remat!r}")
     for field in ("target_dtype", "compute_dtype"):
         _require(config[field] in DTYPES, f"config.{field} must be one of {DTYPES}, got {config[field]!r}")
     _require(loss.noise_std >= 0, f"config.loss.noise_std must be >= 0, got {loss.noise_std}")
@@ -244,10 +245,12 @@ def dtype_of(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
-def mesh_from_config(config: ConfigDict):
-    """The (data, fsdp, tensor) mesh; fully explicit sizes may use fewer devices than there are (warned)."""
+def mesh_from_config(config: ConfigDict, devices=None):
+    """The (data, fsdp, tensor) mesh over `devices` (default: jax.devices()); fully explicit sizes may use fewer
+    devices than there are (warned)."""
     sizes = dict(config.mesh)
-    devices, wanted = jax.devices(), int(np.prod(list(sizes.values())))
+    devices = list(jax.devices() if devices is None else devices)
+    wanted = int(np.prod(list(sizes.values())))
     if -1 not in sizes.values() and wanted < len(devices):
         # Every process must hold part of the mesh: it feeds its own devices' rows and joins every step.
         _require(jax.process_count() == 1,

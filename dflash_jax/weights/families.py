@@ -31,11 +31,14 @@ LM_HEAD = "lm_head.weight"
 class TargetFamily:
     """How one kind of target is read: its config from config.json, its NNX model, its HF tensor names."""
 
-    config_from_hf: Callable[[Mapping], Any]  # raises ValueError naming the field at fault
+    config_type: type  # its config class; config_type.from_hf(config.json dict) raises ValueError naming the field
     model: type[nnx.Module]  # model(config, param_dtype=, rngs=, attention_impl=, mesh=)
     text_rules: Callable[[Any, str], list[WeightRule]]  # embedding, decoder layers, final norm under a prefix
     prefixes: tuple[str, ...] = ("model.",)  # where the text model's tensors may sit, most specific first
     skipped: tuple[str, ...] = ()  # tensors of parts a target does not use (a vision tower, an MTP head)
+
+    def config_from_hf(self, hf_config: Mapping) -> Any:
+        return self.config_type.from_hf(hf_config)
 
     def prefix(self, names: Sequence[str]) -> str:
         """The prefix the checkpoint's tensors use: the first of `prefixes` any name starts with."""
@@ -59,11 +62,19 @@ class TargetFamily:
                                                  attention_impl=attention_impl, mesh=mesh))
 
 
-QWEN3 = TargetFamily(Qwen3Config.from_hf, Qwen3, hf_qwen3.text_rules)
-QWEN3_5 = TargetFamily(Qwen3_5Config.from_hf, Qwen3_5, hf_qwen3_5.text_rules,
+QWEN3 = TargetFamily(Qwen3Config, Qwen3, hf_qwen3.text_rules)
+QWEN3_5 = TargetFamily(Qwen3_5Config, Qwen3_5, hf_qwen3_5.text_rules,
                        prefixes=(hf_qwen3_5.MULTIMODAL_PREFIX, hf_qwen3_5.TEXT_ONLY_PREFIX),
                        skipped=hf_qwen3_5.SKIPPED_PREFIXES)
 FAMILIES = {"qwen3": QWEN3, "qwen3_5": QWEN3_5, "qwen3_5_text": QWEN3_5}
+
+
+def family_of(config) -> TargetFamily:
+    """The family of a target config built in code (a config file's target_config()) rather than read."""
+    family = next((f for f in FAMILIES.values() if isinstance(config, f.config_type)), None)
+    if family is None:
+        raise CheckpointError(f"no target family has the config type {type(config).__name__}")
+    return family
 
 
 def resolve(hf_config: Mapping, config_path: str | Path) -> tuple[TargetFamily, Any]:

@@ -1,0 +1,282 @@
+r"""Plan a training run ahead of time: the whole train step compiled with abstract arrays (shapes, dtypes and
+shardings; no weight is read), and its memory per device and FLOPs per step (design §13):
+
+    dflash-jax plan --config configs/qwen27b.py --topology v5p-64 [--mesh data=1,fsdp=32,tensor=1] [--hbm_gib 95]
+
+`python -m dflash_jax.plan` is the same command. --topology names a Cloud TPU slice (v5p-64, v6e-64, or
+libtpu's own v5p:2x4x4), compiled by libtpu without any TPU attached (`pip install 'dflash-jax[tpu]'`), or
+cpu:N for N simulated CPU devices; without it, the devices this host has. The target's architecture is read
+from config.target_dir's config.json (no weights), or, without a target_dir, from the config file's
+`target_config()` (configs/qwen27b.py). Over the budget (--hbm_gib, default the device kind's memory) it
+fails naming the step's largest arrays. `dflash-jax train` runs the same check before loading any weights
+when the devices report their memory; config.plan_only=True stops it there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from collections import Counter
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from absl import flags
+from flax import nnx
+from ml_collections import ConfigDict, config_flags
+
+from dflash_jax import cli
+from dflash_jax.errors import ConfigError, UserError
+from dflash_jax.ops.backends import resolve_attention_impl
+from dflash_jax.sharding import batch_sharding, state_shardings
+from dflash_jax.train import flops, validate
+from dflash_jax.train.state import state_spec
+from dflash_jax.train.step import BATCH_KEYS, make_step
+from dflash_jax.weights.families import family_of, resolve
+from dflash_jax.weights.hub import local_dir
+from dflash_jax.weights.safetensors_dir import read_config
+
+GIB = 2**30
+# HBM per chip in GiB (nominal) of the device kinds a plan is usually made for, matched in order against the
+# device kind ("TPU v5" is v5p, "TPU v5 lite" v5e, "TPU v6 lite" v6e); --hbm_gib overrides.
+HBM_GIB = (("v6 lite", 32), ("v6e", 32), ("v5 lite", 16), ("v5e", 16), ("v5p", 95), ("tpu v5", 95), ("v4", 32),
+           ("h200", 141), ("h100", 80), ("a100", 80))
+MFU_ASSUMED = 0.4  # for the step time the plan prints; the measured MFU is in the train logs
+
+FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
+_CONFIG = cli.define_config_flag(FLAGS)
+_TOPOLOGY = flags.DEFINE_string("topology", None, "A TPU slice (v5p-64, v6e-64, v5p:2x4x4; needs libtpu) or cpu:N "
+                                "(N simulated CPU devices); default: this host's devices.", flag_values=FLAGS)
+_MESH = flags.DEFINE_string("mesh", None, "Mesh sizes, e.g. data=1,fsdp=32,tensor=1 (default: config.mesh).",
+                            flag_values=FLAGS)
+_HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Memory budget per device in GiB (default: config.hbm_gib, else "
+                              "the device kind's HBM).", flag_values=FLAGS)
+flags.mark_flags_as_required(["config"], flag_values=FLAGS)
+
+
+class Plan(NamedTuple):
+    """One compiled train step: bytes and FLOPs are per device unless named otherwise."""
+
+    backend: str  # what compiled it: "TPU v5p (deviceless, 32 chips)", "cpu (8 devices)", ...
+    device_kind: str
+    mesh: dict[str, int]
+    rows_per_device: float
+    target_bytes: int  # the frozen target's weights
+    params_bytes: int  # the drafter's fp32 weights
+    opt_state_bytes: int
+    batch_bytes: int
+    temp_bytes: int  # the compiler's temporaries (activations, gathered weights, gradients)
+    code_bytes: int  # generated code
+    total_bytes: int  # what the step needs resident: arguments, outputs not aliased to them, temporaries, code
+    xla_flops: float  # the compiler's count for one device
+    model_flops: float  # train/flops.py's count for the whole step, all devices
+    largest: list[tuple[int, str]]  # (bytes, "dtype[shape] op") of the biggest arrays the program holds
+    hbm_bytes: int | None  # the budget, if known
+
+
+def slice_topology(name: str) -> str:
+    """A Cloud TPU slice name (v5p-64: 64 TensorCores = 32 chips for v4/v5p; v6e-64, v5e-16: chips) as libtpu's
+    topology (v5p:2x4x4, v6e:8x8); a name already in libtpu's form is returned as it is."""
+    match = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name)
+    if match is None:
+        return name
+    generation, count = match.group(1), int(match.group(2))
+    three_d = generation in ("v4", "v5p")
+    chips = count // 2 if three_d else count
+    dims = [1, 1, 1] if three_d else [1, 1]
+    while math.prod(dims) < chips:  # the standard slice shapes: double the smallest axis, the last one first
+        smallest = min(dims)
+        dims[len(dims) - 1 - dims[::-1].index(smallest)] *= 2
+    if math.prod(dims) != chips:
+        raise UserError(f"--topology {name}: {chips} chips is not a power-of-two slice; give libtpu's form, e.g. "
+                        f"{generation}:2x2x2")
+    return f"{generation}:{'x'.join(map(str, sorted(dims)))}"
+
+
+def topology_devices(topology: str | None) -> list:
+    """The devices to compile for (see --topology)."""
+    if topology is None:
+        return jax.devices()
+    if topology.startswith("cpu:"):
+        count = int(topology.removeprefix("cpu:"))
+        try:
+            jax.config.update("jax_num_cpu_devices", count)  # only before the CPU backend starts
+        except RuntimeError:
+            pass
+        devices = jax.devices("cpu")
+        if len(devices) < count:
+            raise UserError(f"--topology {topology}: this process already started JAX with {len(devices)} CPU "
+                            f"devices (set XLA_FLAGS=--xla_force_host_platform_device_count={count})")
+        return devices[:count]
+    from jax.experimental import topologies
+    try:
+        return topologies.get_topology_desc(slice_topology(topology), "tpu").devices
+    except Exception as error:  # libtpu missing, or a name it does not know
+        raise UserError(f"--topology {topology}: cannot describe this TPU slice ({str(error).splitlines()[0]}); "
+                        f"deviceless TPU plans need libtpu: pip install 'dflash-jax[tpu]'") from None
+
+
+def target_architecture(config: ConfigDict, config_file: str | None = None):
+    """The target's config: from config.target_dir's config.json, else the config file's target_config()."""
+    if config.target_dir:
+        directory = local_dir(config.target_dir, "target")
+        return resolve(read_config(directory), f"{directory}/config.json")[1]
+    if config_file:
+        spec = importlib.util.spec_from_file_location("_plan_config", config_file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if hasattr(module, "target_config"):
+            return module.target_config()
+    raise ConfigError("set config.target_dir (its config.json is read, no weights) or plan with a config file that "
+                      "defines target_config(), such as configs/qwen27b.py")
+
+
+def device_memory_gib(device) -> float | None:
+    """What the runtime lets one device allocate (TPU and GPU report it; CPU does not)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return stats["bytes_limit"] / GIB if stats and "bytes_limit" in stats else None
+
+
+def _per_device_bytes(tree) -> int:
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | None = None) -> Plan:
+    """Compile the train step of `config` for `mesh` from abstract arrays and measure it (see `Plan`)."""
+    platform = mesh.devices.flat[0].platform
+    attention_impl = resolve_attention_impl(config.attention_impl, platform)
+    validate.validate_batch_layout(config, mesh.shape["data"] * mesh.shape["fsdp"])
+    if config.drafter.mask_token_id is None:  # no tokenizer is read; the mask token's id changes no shape
+        config = ConfigDict(config.to_dict())
+        config.drafter.mask_token_id = 0
+    drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer=None)
+    target = family_of(target_config).abstract_model(target_config, param_dtype=validate.dtype_of(config.target_dtype),
+                                   attention_impl=attention_impl, mesh=mesh)
+    target_graphdef, target_state = nnx.split(target)
+    target_shardings = state_shardings(target_state, mesh)
+    spec = state_spec(drafter_config, config, attention_impl, mesh)
+    step = make_step(config, drafter_config, spec, target_graphdef, target_shardings, mesh)
+    shape = (config.data.batch_size, config.data.seq_len)
+    batch = {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh)) for key in BATCH_KEYS}
+    target_abstract = _abstract(target_state, target_shardings)
+    compiled = step.train_step.lower(spec.abstract, target_abstract, batch).compile()
+
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    kind = mesh.devices.flat[0].device_kind
+    total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+             + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
+    if hbm_gib is None:
+        hbm_gib = next((gib for name, gib in HBM_GIB if name in kind.lower()), None)
+    deviceless = " deviceless" if platform != jax.default_backend() else ""
+    backend = f"{platform}{deviceless} compiler, {mesh.size} x {kind}"
+    return Plan(
+        backend=backend, device_kind=kind, mesh=dict(mesh.shape),
+        rows_per_device=config.data.batch_size / (mesh.shape["data"] * mesh.shape["fsdp"]),
+        target_bytes=_per_device_bytes(target_abstract), params_bytes=_per_device_bytes(spec.abstract.params),
+        opt_state_bytes=_per_device_bytes(spec.abstract.opt_state), batch_bytes=_per_device_bytes(batch),
+        temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes, total_bytes=total,
+        xla_flops=float(cost.get("flops", 0.0)) if cost else 0.0,
+        model_flops=flops.train_step_flops(config, target_config, drafter_config),
+        largest=largest_arrays(compiled.as_text()),
+        hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB))
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[([0-9,]*)\]\{[^}]*\} ([\w-]+)\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+          "f64": 8, "s64": 8, "u64": 8}
+
+
+def largest_arrays(hlo: str, count: int = 6) -> list[tuple[int, str]]:
+    """The biggest arrays the optimized program materialises (instructions outside fusion bodies, whose
+    insides never reach memory), largest first, each with its op and the JAX operation it came from: the
+    candidates for the compiler's temporaries."""
+    found: Counter = Counter()
+    in_fusion = False
+    for line in hlo.splitlines():
+        if line and not line[0].isspace():  # a computation header; fusion bodies are named fused_*
+            in_fusion = line.lstrip("ENTRY ").startswith("%fused") or "fused_computation" in line.split("(")[0]
+            continue
+        match = None if in_fusion else _INSTRUCTION.match(line)
+        if match is None or match.group(1) not in _BYTES or match.group(3) in ("parameter", "constant"):
+            continue
+        dims = [int(d) for d in match.group(2).split(",") if d]
+        size = math.prod(dims) * _BYTES[match.group(1)]
+        op_name = _OP_NAME.search(line)
+        origin = op_name.group(1).removeprefix("jit(train_step)/") if op_name else ""
+        found[(size, f"{match.group(1)}[{match.group(2)}] {match.group(3)} {origin}".strip())] += 1
+    ranked = sorted(found.items(), key=lambda item: -item[0][0])[:count]
+    return [(size, f"{text} (x{times})" if times > 1 else text) for (size, text), times in ranked]
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:8.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:8.2f} MiB"
+
+
+def format_plan(plan: Plan) -> str:
+    peak = next((tflops for name, tflops in flops.PEAK_TFLOPS if name in plan.device_kind.lower()), None)
+    devices = math.prod(plan.mesh.values())
+    lines = [
+        f"train step on {plan.backend}; mesh {plan.mesh}, {plan.rows_per_device:g} rows per device",
+        "per device:",
+        f"  target weights     {_size(plan.target_bytes)}",
+        f"  drafter parameters {_size(plan.params_bytes)}",
+        f"  optimizer state    {_size(plan.opt_state_bytes)}",
+        f"  batch              {_size(plan.batch_bytes)}",
+        f"  temporaries        {_size(plan.temp_bytes)}",
+        f"  generated code     {_size(plan.code_bytes)}",
+        f"  total              {_size(plan.total_bytes)}"
+        + ("" if plan.hbm_bytes is None else f"  of {plan.hbm_bytes / GIB:.1f} GiB HBM"),
+        f"FLOPs per step: {plan.model_flops:.4g} (model count, all devices; {plan.model_flops / devices:.4g} per "
+        f"device), compiler's count per device {plan.xla_flops:.4g}",
+    ]
+    if peak:
+        seconds = plan.model_flops / devices / (peak * 1e12 * MFU_ASSUMED)
+        lines.append(f"at {MFU_ASSUMED:.0%} MFU of {peak:g} TFLOP/s per device: {seconds:.2f} s per step")
+    lines.append("largest arrays:")
+    lines.extend(f"  {_size(size)} {text}" for size, text in plan.largest)
+    return "\n".join(lines)
+
+
+def check_budget(plan: Plan) -> None:
+    """UserError when the step needs more than the budget per device, naming its largest arrays."""
+    if plan.hbm_bytes is not None and plan.total_bytes > plan.hbm_bytes:
+        largest = ", ".join(f"{text} {_size(size).strip()}" for size, text in plan.largest[:3])
+        raise UserError(f"the train step needs {plan.total_bytes / GIB:.2f} GiB per device (temporaries "
+                        f"{plan.temp_bytes / GIB:.2f} GiB), over the {plan.hbm_bytes / GIB:.1f} GiB budget; largest "
+                        f"arrays: {largest}. Use more devices (mesh.fsdp), fewer rows per device "
+                        f"(data.batch_size, grad_accum_steps), or config.remat")
+
+
+def _mesh_sizes(text: str) -> dict[str, int]:
+    try:
+        sizes = {key.strip(): int(value) for key, value in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise UserError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T") from None
+    unknown = set(sizes) - {"data", "fsdp", "tensor"}
+    if unknown:
+        raise UserError(f"--mesh {text!r}: unknown axes {sorted(unknown)}; the axes are data, fsdp, tensor")
+    return sizes
+
+
+def main() -> None:
+    config = _CONFIG.value
+    if _MESH.value:
+        config.mesh.update(_mesh_sizes(_MESH.value))
+    target_config = target_architecture(config, config_flags.get_config_filename(FLAGS["config"]))
+    mesh = validate.mesh_from_config(config, topology_devices(_TOPOLOGY.value))
+    plan = plan_train_step(config, target_config, mesh, _HBM_GIB.value or config.hbm_gib)
+    print(format_plan(plan))
+    check_budget(plan)
+
+
+if __name__ == "__main__":
+    cli.run(main, FLAGS)

@@ -1,0 +1,127 @@
+"""The ahead-of-time plan (dflash_jax/plan.py): the train step compiled from abstract arrays on simulated CPU
+devices, its per-device figures against the shardings and the FLOP model, the budget check, the command, and
+(`make test-tpu-plan`, where libtpu installs) deviceless TPU compiles of a 27B-shaped step."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dflash_jax.errors import UserError
+from dflash_jax.plan import check_budget, plan_train_step, slice_topology, target_architecture, topology_devices
+from dflash_jax.train import flops, validate
+from dflash_jax.train.loop import train
+from dflash_jax.weights.targets import load_target
+from tests.command import REPO, dflash_jax, user_error
+from tests.train_fixtures import fast_cpu_compiles, make_target, mesh_of, tiny_config, write_corpus
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plan")
+    return {"target": make_target(root / "qwen3"), "corpus": write_corpus(root / "train.jsonl")}
+
+
+def test_plan_on_simulated_devices_matches_the_shardings_and_the_flop_model(files):
+    config = tiny_config(files["target"], files["corpus"],
+                         **{"data.batch_size": 8, "mesh.fsdp": 8, "drafter.mask_token_id": 0})
+    target_config = target_architecture(config)
+    with fast_cpu_compiles():
+        plan = plan_train_step(config, target_config, mesh_of(1, 8, 1), hbm_gib=1.0)
+    # The loaded target's weights, split over fsdp = 8: what each device holds is about an eighth (norms and
+    # other small vectors that do not divide stay whole).
+    target, _ = load_target(config.target_dir, param_dtype=jnp.float32)
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(target)))
+    assert whole / 8 <= plan.target_bytes < whole / 4
+    assert plan.opt_state_bytes == pytest.approx(2 * plan.params_bytes, rel=0.01)  # AdamW: mu and nu, fp32
+    assert plan.batch_bytes == 4 * 4 * config.data.seq_len  # four int32 arrays, one row per device
+    parts = plan.target_bytes + plan.params_bytes + plan.opt_state_bytes + plan.batch_bytes + plan.temp_bytes
+    assert parts <= plan.total_bytes <= parts + plan.code_bytes + plan.params_bytes + plan.opt_state_bytes + 2**20
+    assert plan.rows_per_device == 1 and plan.mesh == {"data": 1, "fsdp": 8, "tensor": 1}
+    drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer=None)
+    assert plan.model_flops == flops.train_step_flops(config, target_config, drafter_config)
+    # The compiler's own count for one device is within a factor of two of an eighth of the model's count
+    # (the model counts matmuls only; XLA:CPU also counts elementwise work).
+    assert 0.5 < plan.xla_flops / (plan.model_flops / 8) < 2.0
+    assert plan.largest and plan.largest[0][0] >= plan.largest[-1][0]
+    check_budget(plan)  # 1 GiB is plenty
+    with pytest.raises(UserError, match=r"over the 0\.0 GiB budget; largest arrays: \S+\["):
+        check_budget(plan._replace(hbm_bytes=1024))
+
+
+def test_plan_command_prints_the_plan_and_fails_over_the_budget(files):
+    args = ["plan", "--config", "configs/tiny.py", f"--config.target_dir={files['target']}", "--topology", "cpu:4",
+            "--mesh", "data=2,fsdp=2,tensor=1"]
+    result = dflash_jax(*args, devices=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 1}, 1 rows per device" in result.stdout
+    for line in ("target weights", "optimizer state", "temporaries", "generated code", "total", "FLOPs per step"):
+        assert line in result.stdout
+    message = user_error(dflash_jax(*args, "--hbm_gib", "0.001", devices=4))
+    assert "over the 0.0 GiB budget" in message and "largest arrays" in message
+    assert "unknown axes ['pipeline']" in user_error(dflash_jax(*args[:-1], "pipeline=4", devices=4))
+
+
+def test_slice_names_map_to_libtpu_topologies():
+    assert slice_topology("v5p-64") == "v5p:2x4x4"  # 32 chips: v5p counts TensorCores
+    assert slice_topology("v5p-16") == "v5p:2x2x2"
+    assert slice_topology("v6e-64") == "v6e:8x8"
+    assert slice_topology("v5e-8") == "v5e:2x4"
+    assert slice_topology("v5p:4x4x4") == "v5p:4x4x4"
+    with pytest.raises(UserError, match="not a power-of-two slice"):
+        slice_topology("v6e-48")
+
+
+def _qwen27b(num_layers: int):
+    spec = importlib.util.spec_from_file_location("qwen27b", REPO / "configs" / "qwen27b.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    full = module.target_config()
+    return module.get_config(), dataclasses.replace(full, num_hidden_layers=num_layers,
+                                                    layer_types=full.layer_types[:num_layers])
+
+
+def _libtpu_or_skip():
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed (pip install '.[tpu]'); deviceless TPU compiles need it")
+
+
+@pytest.mark.tpu_plan
+def test_deviceless_tpu_temporaries_do_not_grow_with_chips():
+    """A 27B-shaped step (every 27B width, one period of 4 target layers, T = 1024, 64 anchors, one row per
+    chip) on v5p slices of 8 and 32 chips: with the activations pinned to their rows, a chip's temporaries
+    are its own rows' activations plus one layer's gathered weights, whatever the number of chips."""
+    _libtpu_or_skip()
+    config, target_config = _qwen27b(4)
+    config.drafter.target_layer_ids = (0, 1, 2)
+    config.drafter.num_feature_layers = 3
+    config.data.seq_len = 1024
+    plans = {}
+    for chips in (8, 32):
+        config.mesh.update(data=1, fsdp=chips, tensor=1)
+        config.data.batch_size = chips
+        mesh = validate.mesh_from_config(config, topology_devices(f"v5p-{2 * chips}"))
+        plans[chips] = plan_train_step(config, target_config, mesh)
+        assert plans[chips].device_kind.startswith("TPU v5") and plans[chips].rows_per_device == 1
+    small, large = plans[8], plans[32]
+    assert abs(large.temp_bytes / small.temp_bytes - 1) < 0.10, (small.temp_bytes, large.temp_bytes)
+    assert large.target_bytes < small.target_bytes / 3  # the weights are split four times finer
+    np.testing.assert_allclose(large.model_flops / 32, small.model_flops / 8)
+
+
+def test_train_with_plan_only_stops_before_reading_weights(files, tmp_path):
+    config = tiny_config(files["target"], files["corpus"],
+                         **{"data.batch_size": 2, "mesh.fsdp": 2, "plan_only": True, "hbm_gib": 1.0})
+    with fast_cpu_compiles():
+        summary = train(config, tmp_path / "run")
+    assert 0 < summary["plan_temp_gib"] < summary["plan_total_gib"] < 1.0
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    config.hbm_gib = 1e-4
+    with pytest.raises(UserError, match="over the 0.0 GiB budget"), fast_cpu_compiles():
+        train(config, tmp_path / "run")
