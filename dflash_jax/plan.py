@@ -61,7 +61,7 @@ class Plan(NamedTuple):
     backend: str  # what compiled it: "TPU v5p (deviceless, 32 chips)", "cpu (8 devices)", ...
     device_kind: str
     mesh: dict[str, int]
-    rows_per_device: float
+    rows_per_device: float  # rows of the global batch per (data, fsdp) shard, which `tensor` devices share
     target_bytes: int  # the frozen target's weights
     params_bytes: int  # the drafter's fp32 weights
     opt_state_bytes: int
@@ -225,7 +225,8 @@ def format_plan(plan: Plan) -> str:
     peak = next((tflops for name, tflops in flops.PEAK_TFLOPS if name in plan.device_kind.lower()), None)
     devices = math.prod(plan.mesh.values())
     lines = [
-        f"train step on {plan.backend}; mesh {plan.mesh}, {plan.rows_per_device:g} rows per device",
+        f"train step on {plan.backend}; mesh {plan.mesh}, {plan.rows_per_device:g} rows per (data, fsdp) shard "
+        f"of {plan.mesh['tensor']} device(s)",
         "per device:",
         f"  target weights     {_size(plan.target_bytes)}",
         f"  drafter parameters {_size(plan.params_bytes)}",
@@ -236,7 +237,7 @@ def format_plan(plan: Plan) -> str:
         f"  total              {_size(plan.total_bytes)}"
         + ("" if plan.hbm_bytes is None else f"  of {plan.hbm_bytes / GIB:.1f} GiB HBM"),
         f"FLOPs per step: {plan.model_flops:.4g} (model count, all devices; {plan.model_flops / devices:.4g} per "
-        f"device), compiler's count per device {plan.xla_flops:.4g}",
+        f"device); the compiler's count per device, loop bodies once and kernels not at all: {plan.xla_flops:.4g}",
     ]
     if peak:
         seconds = plan.model_flops / devices / (peak * 1e12 * MFU_ASSUMED)

@@ -36,7 +36,7 @@ def test_overview_and_unknown_command():
     result = dflash_jax("--help")
     assert result.returncode == 0 and all(name in result.stdout for name in COMMANDS)
     assert user_error(dflash_jax("trian")) == ("error: unknown command 'trian'; the commands are regenerate, train, "
-                                               "evaluate, export, convert (see dflash-jax --help)")
+                                               "evaluate, export, convert, plan (see dflash-jax --help)")
 
 
 def test_print_config_shows_the_file_with_its_overrides():
