@@ -28,7 +28,7 @@ def test_every_command_has_help_naming_where_the_config_fields_are(command):
     assert "dflash_jax/train/config.py" in result.stdout
     # The command's own flags are listed, e.g. export's --out.
     own_flag = {"regenerate": "--prompts", "train": "--workdir", "evaluate": "--drafter", "export": "--out",
-                "convert": "--hf_dir"}
+                "convert": "--hf_dir", "plan": "--topology"}
     assert own_flag[command] in result.stdout
 
 
