@@ -133,8 +133,8 @@ def target_architecture(config: ConfigDict, config_file: str | None = None):
 
 
 def device_memory_gib(device) -> float | None:
-    """What the runtime lets one device allocate (TPU and GPU report it; CPU does not)."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    """What the runtime lets one of this process's devices allocate (TPU and GPU report it; CPU does not)."""
+    stats = device.memory_stats()
     return stats["bytes_limit"] / GIB if stats and "bytes_limit" in stats else None
 
 

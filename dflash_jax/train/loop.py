@@ -71,7 +71,7 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
 
     # The step compiled from abstract arrays first (dflash_jax/plan.py), where there is a budget to hold it to:
     # a run that cannot fit stops before any weight is read.
-    budget = config.hbm_gib or plan.device_memory_gib(mesh.devices.flat[0])
+    budget = config.hbm_gib or plan.device_memory_gib(jax.local_devices()[0])
     if config.plan_only or budget:
         report = plan.plan_train_step(config, plan.target_architecture(config), mesh, budget)
         log.info("plan:\n%s", plan.format_plan(report))
