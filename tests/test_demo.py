@@ -1,9 +1,9 @@
 """`make demo`'s job, run as the demo runs it: train with configs/toy.py, evaluate exact τ on the held-out toy
-prompts (the target's own greedy continuations) against the untrained drafter, export and reload; and the
-same training five times longer (configs/toy.py:long, `make demo-long`), which must reach the τ target.
+prompts (the target's own greedy continuations) against the untrained drafter, which must reach the τ target,
+then export and reload.
 
-The demo (about five minutes on 2 CPU cores) runs in `make test-slow`; the long run (about twenty
-minutes) in `make test-long`. Measured figures: bench/RESULTS.md "Toy drafter"."""
+The demo (about ten minutes on 2 CPU cores) runs in `make test-slow`. Measured figures: bench/RESULTS.md
+"Toy drafter"."""
 
 from __future__ import annotations
 
@@ -35,13 +35,15 @@ def toy_job(config: str, out: Path) -> tuple[dict, Path]:
 
 
 def check_evaluation(results: dict) -> None:
-    """What every toy evaluation must show, trained for however long."""
+    """What the toy evaluation must show: the τ target (exact τ >= 2.0 at B = 8 and >= 1.5x the untrained
+    drafter's) and the invariants of the evaluator."""
     trained, untrained = results["trained"], results["untrained"]
     assert results["continuation"] == "generate" and trained["responses"] == 64
     assert trained["greedy_agreement"] == 1.0  # τ of the target's own greedy decoding
     assert untrained["tau"] < 1.02, untrained["tau"]
     # A tree of candidates never accepts less than the single greedy chain.
     assert trained["ddtree_tau"]["22"] >= trained["ddtree_tau"]["8"] >= trained["tau"] - 1e-9
+    assert trained["tau"] >= 2.0 and trained["tau"] >= 1.5 * untrained["tau"], (trained["tau"], untrained["tau"])
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +56,9 @@ def demo(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_demo_training_raises_tau_above_the_untrained_drafter(demo):
+def test_demo_training_reaches_the_tau_target(demo):
     results, _, _ = demo
     check_evaluation(results)
-    assert results["trained"]["tau"] >= 1.4, results["trained"]["tau"]  # Muon: 1.467 (AdamW's 480 steps: 1.223)
-    assert results["trained"]["slot_acceptance"][0] >= 0.1, results["trained"]["slot_acceptance"]
 
 
 @pytest.mark.slow
@@ -80,11 +80,3 @@ def test_exported_toy_drafter_reloads_with_the_trained_weights(demo):
         np.testing.assert_array_equal(np.asarray(ours[...].astype(jnp.bfloat16).astype(jnp.float32)),
                                       np.asarray(exported[...]))
 
-
-@pytest.mark.long
-def test_long_toy_training_reaches_the_tau_target(tmp_path):
-    """The issue's target: exact τ >= 2.0 at B = 8 and >= 1.5x the untrained drafter's."""
-    results, _ = toy_job("configs/toy.py:long", tmp_path)
-    check_evaluation(results)
-    trained, untrained = results["trained"]["tau"], results["untrained"]["tau"]
-    assert trained >= 2.0 and trained >= 1.5 * untrained, (trained, untrained)
