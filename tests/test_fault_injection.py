@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import jax
+import pytest
 import numpy as np
 
 from tests.train_fixtures import losses, make_target, restore_last, tiny_config, write_corpus
@@ -29,6 +30,7 @@ def logged_steps(workdir: Path) -> int:
         return 0
 
 
+@pytest.mark.slow  # about a minute of CPU: `make test-slow`
 def test_random_kills_during_checkpoint_writes_end_like_an_uninterrupted_run(tmp_path):
     target_dir, train_file = make_target(tmp_path / "target"), write_corpus(tmp_path / "train.jsonl")
     settings = {"data.seq_len": 64, "drafter.block_size": 8, "drafter.sliding_window": 24, "mesh.fsdp": 1,

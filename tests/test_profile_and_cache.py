@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.train_fixtures import make_target, write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # about a minute of CPU: `make test-slow`
 def test_train_command_caches_compilations_and_traces_the_requested_steps(tmp_path):
     target_dir, train_file = make_target(tmp_path / "target"), write_corpus(tmp_path / "train.jsonl")
     workdir = tmp_path / "run"

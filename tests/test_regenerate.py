@@ -105,6 +105,7 @@ def test_greedy_responses_equal_uncached_greedy_decoding(target_dir, tmp_path):
                 assert message == record["messages"][i]
 
 
+@pytest.mark.slow  # about a minute of CPU: `make test-slow`
 def test_sampling_depends_on_the_seed_and_the_record_only(target_dir, tmp_path):
     """A sampled response is the same whatever else is in its batch (so a resumed job samples as an
     uninterrupted one would), and changes with the seed."""

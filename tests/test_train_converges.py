@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from dflash_jax.train.loop import train
 from tests.train_fixtures import fast_cpu_compiles, make_target, tiny_config, write_corpus
@@ -13,6 +14,7 @@ from tests.train_fixtures import fast_cpu_compiles, make_target, tiny_config, wr
 STEPS = 300
 
 
+@pytest.mark.slow  # about a minute of CPU: `make test-slow`
 def test_training_lowers_the_loss_and_raises_tau(tmp_path):
     config = tiny_config(make_target(tmp_path / "target"), write_corpus(tmp_path / "train.jsonl"),
                          total_steps=STEPS, log_every=1, checkpoint_every=STEPS)
