@@ -6,8 +6,9 @@ project for its data pipeline and its target), called by bench/learning_parity.p
     .venv-speculators/bin/python bench/speculators/train_reference.py --run RUN_DIR --out OUT_DIR \
         --save_steps 160,320,480
 
-RUN_DIR is a finished `python -m dflash_jax.train` workdir: its config.json is the recipe (optimizer, learning
-rates, schedule, clipping, data, drafter shape) and its drafter_config.json the drafter. What comes from each side:
+RUN_DIR is a finished `dflash-jax train` workdir: its config (the last start in config_history.jsonl) is the
+recipe (optimizer, learning rates, schedule, clipping, data, drafter shape) and its drafter_config.json the drafter.
+What comes from each side:
 
 - this project: the packed rows (its BatchLoader, same seed, same order), the frozen target's forward (feature
   layers and final hidden states, fp32), the static anchor grid and which anchors and slots are trained, and
@@ -52,6 +53,7 @@ from dflash_jax.ops import anchors as grid_ops
 from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.train.state import make_drafter
 from dflash_jax.train.validate import dtype_of
+from dflash_jax.train.workdir import CONFIG_HISTORY
 from dflash_jax.weights.drafter_files import drafter_to_torch_layout
 from dflash_jax.weights.targets import load_target
 
@@ -133,7 +135,8 @@ def main() -> None:
     args = parser.parse_args()
     run, out = Path(args.run), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = ConfigDict(json.loads((run / "config.json").read_text()))
+    starts = (run / CONFIG_HISTORY).read_text().splitlines()
+    config = ConfigDict(json.loads(starts[-1])["config"])  # a single start: the parity run is never resumed
     drafter_config = DrafterConfig(**json.loads((run / "drafter_config.json").read_text()))
     save_steps = {int(s) for s in args.save_steps.split(",") if s}
     torch.manual_seed(config.seed)
