@@ -29,7 +29,7 @@ from ml_collections import ConfigDict, config_flags
 from dflash_jax import cli
 from dflash_jax.errors import ConfigError, UserError
 from dflash_jax.ops.backends import resolve_attention_impl
-from dflash_jax.sharding import batch_sharding, state_shardings
+from dflash_jax.sharding import TARGET_LAYOUTS, batch_sharding, state_shardings
 from dflash_jax.train import flops, validate
 from dflash_jax.train.state import state_spec
 from dflash_jax.train.step import BATCH_KEYS, make_step
@@ -62,7 +62,9 @@ class Plan(NamedTuple):
     device_kind: str
     mesh: dict[str, int]
     rows_per_device: float  # rows of the global batch per (data, fsdp) shard, which `tensor` devices share
+    target_layout: str  # config.target_layout
     target_bytes: int  # the frozen target's weights
+    target_bytes_by_layout: dict[str, int]  # what they would take in each layout (dflash_jax/sharding.py)
     params_bytes: int  # the drafter's fp32 weights
     opt_state_bytes: int
     batch_bytes: int
@@ -152,6 +154,7 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
     platform = mesh.devices.flat[0].platform
     attention_impl = resolve_attention_impl(config.attention_impl, platform)
     validate.validate_batch_layout(config, mesh.shape["data"] * mesh.shape["fsdp"])
+    validate.validate_target_layout(config)
     if config.drafter.mask_token_id is None:  # no tokenizer is read; the mask token's id changes no shape
         config = ConfigDict(config.to_dict())
         config.drafter.mask_token_id = 0
@@ -159,12 +162,14 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
     target = family_of(target_config).abstract_model(target_config, param_dtype=validate.dtype_of(config.target_dtype),
                                    attention_impl=attention_impl, mesh=mesh)
     target_graphdef, target_state = nnx.split(target)
-    target_shardings = state_shardings(target_state, mesh)
+    target_shardings = state_shardings(target_state, mesh, config.target_layout)
     spec = state_spec(drafter_config, config, attention_impl, mesh)
     step = make_step(config, drafter_config, spec, target_graphdef, target_shardings, mesh)
     shape = (config.data.batch_size, config.data.seq_len)
     batch = {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh)) for key in BATCH_KEYS}
     target_abstract = _abstract(target_state, target_shardings)
+    by_layout = {layout: _per_device_bytes(_abstract(target_state, state_shardings(target_state, mesh, layout)))
+                 for layout in TARGET_LAYOUTS}
     compiled = step.train_step.lower(spec.abstract, target_abstract, batch).compile()
 
     memory = compiled.memory_analysis()
@@ -180,7 +185,8 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
     return Plan(
         backend=backend, device_kind=kind, mesh=dict(mesh.shape),
         rows_per_device=config.data.batch_size / (mesh.shape["data"] * mesh.shape["fsdp"]),
-        target_bytes=_per_device_bytes(target_abstract), params_bytes=_per_device_bytes(spec.abstract.params),
+        target_layout=config.target_layout, target_bytes=by_layout[config.target_layout],
+        target_bytes_by_layout=by_layout, params_bytes=_per_device_bytes(spec.abstract.params),
         opt_state_bytes=_per_device_bytes(spec.abstract.opt_state), batch_bytes=_per_device_bytes(batch),
         temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes, total_bytes=total,
         xla_flops=float(cost.get("flops", 0.0)) if cost else 0.0,
@@ -228,7 +234,9 @@ def format_plan(plan: Plan) -> str:
         f"train step on {plan.backend}; mesh {plan.mesh}, {plan.rows_per_device:g} rows per (data, fsdp) shard "
         f"of {plan.mesh['tensor']} device(s)",
         "per device:",
-        f"  target weights     {_size(plan.target_bytes)}",
+        f"  target weights     {_size(plan.target_bytes)}  ({plan.target_layout} layout; "
+        + ", ".join(f"{layout}: {_size(size).strip()}" for layout, size in plan.target_bytes_by_layout.items()
+                    if layout != plan.target_layout) + ")",
         f"  drafter parameters {_size(plan.params_bytes)}",
         f"  optimizer state    {_size(plan.opt_state_bytes)}",
         f"  batch              {_size(plan.batch_bytes)}",

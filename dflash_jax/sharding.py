@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 from flax import nnx
+from flax.core import spmd
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -34,7 +35,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("fc_in", "tensor"),
     ("conv", None),
     ("linear_heads", "tensor"),
-    ("linear_qkv", "tensor"),
+    ("linear_key", "tensor"),
     ("linear_value", "tensor"),
     # Activations (MaxText's activation_* names).
     ("activation_batch", BATCH_AXES),
@@ -53,6 +54,23 @@ ROWS_KV_HEADS = ("activation_batch", "activation_length", "activation_kv_heads",
 ROWS_MLP = ("activation_batch", "activation_length", "activation_mlp")  # [b, T, I]
 ROWS_VOCAB = ("activation_batch", "activation_length", "activation_vocab")  # [b, T, V chunk]
 ROWS = ("activation_batch", "activation_length")  # [b, T] (labels, per-token losses)
+
+# The frozen target's weight layouts (config.target_layout), as overrides of the weight rules above; the
+# activation rules stay as they are. "fsdp": the table itself (hidden axis over fsdp, heads / MLP / vocabulary
+# over tensor; a layer's weights are all-gathered as it runs). "tensor": heads / MLP / vocabulary over tensor
+# only, every (data, fsdp) group holding a whole copy (no weight traffic; the target must fit in 1/tensor of a
+# device). "replicate": every device holds the whole target.
+TARGET_LAYOUTS: dict[str, dict[str, None]] = {
+    "fsdp": {},
+    "tensor": {"embed": None},
+    "replicate": {name: None for name, _ in LOGICAL_RULES if not name.startswith("activation_")},
+}
+
+
+def layout_rules(target_layout: str) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+    """LOGICAL_RULES with the weight rules of a target layout (TARGET_LAYOUTS) in place."""
+    overrides = TARGET_LAYOUTS[target_layout]
+    return tuple((name, overrides.get(name, mapped)) for name, mapped in LOGICAL_RULES)
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, dcn_data: int = 1) -> Mesh:
@@ -90,10 +108,17 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, dcn_
     return Mesh(placed, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
-    """NamedShardings for every variable of an NNX state, from its logical axis names and LOGICAL_RULES."""
-    with nnx.logical_axis_rules(LOGICAL_RULES):
+def state_shardings(state: nnx.State, mesh: Mesh, target_layout: str = "fsdp") -> nnx.State:
+    """NamedShardings for every variable of an NNX state, from its logical axis names and the rule table (the
+    target's weights: with the rules of its layout, `layout_rules`)."""
+    with nnx.logical_axis_rules(layout_rules(target_layout)):
         return nnx.get_named_sharding(state, mesh)
+
+
+def active_rules() -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+    """The rules in force: those of an enclosing `nnx.logical_axis_rules(layout_rules(...))` (the train step
+    traces the target's forward under its layout's), else LOGICAL_RULES."""
+    return tuple(spmd.get_logical_axis_rules()) or LOGICAL_RULES
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
@@ -102,14 +127,14 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 
 def logical_spec(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shape: dict[str, int]) -> PartitionSpec:
-    """The PartitionSpec of an array of `shape` whose dimensions carry the logical `axes` (LOGICAL_RULES).
+    """The PartitionSpec of an array of `shape` whose dimensions carry the logical `axes` (`active_rules`).
 
     A dimension keeps only the mesh axes the mesh has and that divide it together (e.g. 4 kv heads stay
     whole on tensor = 8, evaluation's single row on data x fsdp = 8), and a mesh axis is used once.
     """
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {axes} do not match the array shape {shape}")
-    rules, used, spec = dict(LOGICAL_RULES), set(), []
+    rules, used, spec = dict(active_rules()), set(), []
     for size, name in zip(shape, axes):
         mapped = rules[name] if name is not None else None
         mapped = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())

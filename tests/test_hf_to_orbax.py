@@ -138,5 +138,5 @@ def test_restore_refuses_a_config_that_does_not_match_the_arrays(qwen3_dirs, tmp
                                               r"\(config.json needs \(3, 128, 64\)\)'"):
         load_target(copy)
     (copy / MARKER_FILE).write_text(json.dumps({"format": "dflash_jax.orbax_target", "version": 99}))
-    with pytest.raises(CheckpointError, match=r"version 99, expected 'dflash_jax.orbax_target' version 1"):
+    with pytest.raises(CheckpointError, match=r"version 99, expected 'dflash_jax.orbax_target' version 2"):
         load_target(copy)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ import pytest
 from flax import nnx
 
 from dflash_jax.errors import UserError
-from dflash_jax.plan import check_budget, plan_train_step, slice_topology, target_architecture, topology_devices
+from dflash_jax.plan import check_budget, format_plan, plan_train_step, slice_topology, target_architecture, topology_devices
 from dflash_jax.train import flops, validate
 from dflash_jax.train.loop import train
 from dflash_jax.weights.targets import load_target
@@ -51,6 +52,24 @@ def test_plan_on_simulated_devices_matches_the_shardings_and_the_flop_model(file
     check_budget(plan)  # 1 GiB is plenty
     with pytest.raises(UserError, match=r"over the 0\.0 GiB budget; largest arrays: \S+\["):
         check_budget(plan._replace(hbm_bytes=1024))
+
+
+def test_plan_shows_what_each_target_layout_puts_on_a_device(files):
+    """On data=1, fsdp=4, tensor=2: "replicate" holds the whole target per device, "tensor" half of it (the
+    norms stay whole), "fsdp" about an eighth; the step compiles with the chosen one."""
+    config = tiny_config(files["target"], files["corpus"], target_layout="tensor",
+                         **{"data.batch_size": 4, "mesh.fsdp": 4, "mesh.tensor": 2, "drafter.mask_token_id": 0})
+    with fast_cpu_compiles():
+        plan = plan_train_step(config, target_architecture(config), mesh_of(1, 4, 2))
+    target, _ = load_target(config.target_dir, param_dtype=jnp.float32)
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(target)))
+    layouts = plan.target_bytes_by_layout
+    assert layouts["replicate"] == whole
+    assert whole / 2 <= layouts["tensor"] < 0.55 * whole
+    assert whole / 8 <= layouts["fsdp"] < whole / 4
+    assert plan.target_layout == "tensor" and plan.target_bytes == layouts["tensor"]
+    assert plan.total_bytes >= plan.target_bytes
+    assert re.search(r"target weights .*\(tensor layout; fsdp: .*, replicate: ", format_plan(plan))
 
 
 def test_plan_command_prints_the_plan_and_fails_over_the_budget(files):

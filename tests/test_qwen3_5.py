@@ -148,9 +148,10 @@ def test_load_onto_mesh_shards_weights_and_keeps_outputs(checkpoints):
     plain, _ = load_target(directory, param_dtype=jnp.float32)
     sharded, _ = load_target(directory, param_dtype=jnp.float32, mesh=make_mesh(1, 4, 2))
     gdn = sharded.periods.layers[0].linear_attn
-    assert gdn.in_proj_qkv.kernel[...].sharding.spec == PartitionSpec(None, "fsdp", "tensor")
-    assert gdn.in_proj_qkv.kernel[...].addressable_shards[0].data.shape == (2, 64 // 4, 208 // 2)
-    assert gdn.conv1d.weight[...].sharding.spec == PartitionSpec(None, "tensor", None)
+    assert gdn.in_proj_q.kernel[...].sharding.spec == PartitionSpec(None, "fsdp", "tensor")
+    assert gdn.in_proj_q.kernel[...].addressable_shards[0].data.shape == (2, 64 // 4, 32 // 2)
+    assert gdn.in_proj_v.kernel[...].addressable_shards[0].data.shape == (2, 64 // 4, 144 // 2)
+    assert gdn.conv1d_k.weight[...].sharding.spec == PartitionSpec(None, "tensor", None)
     assert gdn.A_log[...].sharding.spec == PartitionSpec(None, "tensor")
     for got, expected in zip(forward(sharded, *inputs), forward(plain, *inputs)):  # hidden, features, logits
         assert relative_error(got, expected) < 1e-5  # sharded sums round differently
@@ -190,7 +191,9 @@ def test_27b_abstract_parameter_count():
         assert len(axes) == len(set(axes)), (path, sharding.get_value().spec)  # no mesh axis used twice
     attention = abstract.periods.layers[3].self_attn
     assert attention.q_proj.kernel.shape == (16, 5120, 12288)
-    assert abstract.periods.layers[0].linear_attn.conv1d.weight.shape == (16, 10240, 4)
+    delta_net = abstract.periods.layers[0].linear_attn
+    assert delta_net.conv1d_q.weight.shape == delta_net.conv1d_k.weight.shape == (16, 2048, 4)
+    assert delta_net.conv1d_v.weight.shape == (16, 6144, 4)
 
 
 # --- config parsing ---------------------------------------------------------------------------------------
@@ -249,7 +252,10 @@ def test_visual_and_mtp_tensors_are_skipped(checkpoints, tmp_path):
     directory = rewrite_checkpoint(source, tmp_path / "extra", lambda tensors: {**tensors, **extra})
     model, _ = load_target(directory, param_dtype=jnp.float32)
     expected = load_file(source / "model.safetensors")[LAYER0 + "conv1d.weight"][:, 0]
-    np.testing.assert_array_equal(model.periods.layers[0].linear_attn.conv1d.weight[...][0], expected)
+    delta_net = model.periods.layers[0].linear_attn  # HF's fused q|k|v rows, split in order
+    loaded = np.concatenate([conv.weight[...][0] for conv in (delta_net.conv1d_q, delta_net.conv1d_k,
+                                                                delta_net.conv1d_v)])
+    np.testing.assert_array_equal(loaded, expected)
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -8,8 +8,10 @@ import re
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from dflash_jax.sharding import logical_spec
+from dflash_jax.models.gated_deltanet import GatedDeltaNet
+from dflash_jax.sharding import logical_spec, state_shardings
 from dflash_jax.train.checkpoint import Checkpointer
 from dflash_jax.train.state import state_spec
 from dflash_jax.train.step import put_batch
@@ -32,27 +34,25 @@ def _fast_compiles():
         yield
 
 
-def config_for(files, kind, data=1, fsdp=1, tensor=1):
-    return tiny_config(files[kind], files["corpus"],
+def config_for(files, kind, data=1, fsdp=1, tensor=1, target_layout="fsdp"):
+    return tiny_config(files[kind], files["corpus"], target_layout=target_layout,
                        **{"data.batch_size": ROWS, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor})
 
 
-def one_step(files, kind, mesh_shape):
+def one_step(files, kind, mesh_shape, target_layout="fsdp"):
     """Metrics of one step and the parameters it updated, on the host."""
-    setup = build(config_for(files, kind, *mesh_shape), mesh_of(*mesh_shape))
+    setup = build(config_for(files, kind, *mesh_shape, target_layout), mesh_of(*mesh_shape))
     state, metrics = setup.step.train_step(setup.state, setup.target_state, put_batch(next(setup.loader), setup.mesh))
-    return jax.device_get(metrics), jax.device_get(state.params)
+    return jax.device_get(metrics), jax.device_get(state.params), setup.target_state
 
 
 @pytest.fixture(scope="module")
 def one_device(files):
-    return {kind: one_step(files, kind, (1, 1, 1)) for kind in ("qwen3", "qwen3_5")}
+    return {kind: one_step(files, kind, (1, 1, 1))[:2] for kind in ("qwen3", "qwen3_5")}
 
 
-@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2)])
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-def test_step_on_a_mesh_matches_one_device(files, one_device, kind, mesh_shape):
-    (one, single_params), (many, sharded_params) = one_device[kind], one_step(files, kind, mesh_shape)
+def assert_same_step(one_device_step, step):
+    (one, single_params), (many, sharded_params) = one_device_step, step
     np.testing.assert_array_equal(many["slot_count"], one["slot_count"])
     np.testing.assert_array_equal(many["slot_correct"], one["slot_correct"])
     np.testing.assert_allclose(many["loss"], one["loss"], rtol=1e-5)
@@ -60,6 +60,27 @@ def test_step_on_a_mesh_matches_one_device(files, one_device, kind, mesh_shape):
     leaves = jax.tree_util.tree_leaves_with_path(single_params)
     for (path, one), many in zip(leaves, jax.tree.leaves(sharded_params)):
         np.testing.assert_allclose(many, one, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2)])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_step_on_a_mesh_matches_one_device(files, one_device, kind, mesh_shape):
+    assert_same_step(one_device[kind], one_step(files, kind, mesh_shape)[:2])
+
+
+@pytest.mark.parametrize("target_layout, mesh_shape", [("tensor", (1, 4, 2)), ("replicate", (2, 2, 2))])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_target_layouts_match_one_device(files, one_device, kind, target_layout, mesh_shape):
+    """config.target_layout changes where the target's weights lie, never the step's result ("fsdp", the
+    default, is the test above)."""
+    metrics, params, target_state = one_step(files, kind, mesh_shape, target_layout)
+    assert_same_step(one_device[kind], (metrics, params))
+    specs = {jax.tree_util.keystr(path): leaf.sharding.spec for path, leaf in
+             jax.tree_util.tree_leaves_with_path(target_state)}
+    used = {axis for spec in specs.values() for entry in spec if entry
+            for axis in ((entry,) if isinstance(entry, str) else entry)}
+    # tensor: heads, MLP columns and the vocabulary split over tensor, nothing over fsdp; replicate: nothing split.
+    assert used == ({"tensor"} if target_layout == "tensor" else set()), specs
 
 
 _COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-reduce|reduce-scatter)(-start)?\(")
@@ -89,6 +110,29 @@ def test_no_collective_moves_a_global_batch_of_activations(files, kind, mesh_sha
     assert any(op == "all-gather" for op, _ in collectives), "expected FSDP weight all-gathers in the step"
     global_batch = [(op, shape) for op, shape in collectives if len(shape) >= 2 and shape[0] == ROWS]
     assert not global_batch, f"collectives of global-batch activations: {global_batch}"
+
+
+def test_gated_deltanet_splits_on_its_heads_without_moving_channels():
+    """Tensor parallelism inside a Gated DeltaNet layer (target_layout "tensor", tensor = 2): q, k and v come from
+    their own projections and convs, so each device computes its own heads from its own weight columns; the
+    layer's only collective is the all-reduce of out_proj's partial sums. (HF's fused q|k|v split in two
+    halves gives each device a mix of q, k and v channels, which the partitioner reshuffles with
+    collective-permutes of the activations.)"""
+    mesh = mesh_of(1, 1, 2)
+    layer = GatedDeltaNet(64, num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16,
+                          conv_kernel_size=4, rms_norm_eps=1e-6, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+    shardings = state_shardings(state, mesh, "tensor")
+
+    def forward(state, x, segment_ids):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return nnx.merge(graphdef, state)(x, segment_ids)[0]
+
+    x, segment_ids = jax.numpy.ones((2, 32, 64)), jax.numpy.zeros((2, 32), jax.numpy.int32)
+    hlo = jax.jit(forward, in_shardings=(shardings, None, None)).lower(state, x, segment_ids).compile().as_text()
+    collectives = re.findall(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+                             r"(?:-start)?\(", hlo)
+    assert [(shape.split("{")[0], op) for shape, op in collectives] == [("f32[2,32,64]", "all-reduce")], collectives
 
 
 def test_logical_spec_keeps_only_mesh_axes_that_divide():

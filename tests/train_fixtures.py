@@ -128,13 +128,14 @@ def build(config: ConfigDict, mesh: Mesh) -> Setup:
     validate.validate_config(config)
     attention_impl = resolve_attention_impl(config.attention_impl)
     target, target_config = load_target(config.target_dir, param_dtype=validate.dtype_of(config.target_dtype),
-                                        mesh=mesh, attention_impl=attention_impl)
+                                        mesh=mesh, attention_impl=attention_impl, target_layout=config.target_layout)
     tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
     spec = state_spec(drafter_config, config, attention_impl, mesh)
     state = init_train_state(drafter_config, config, attention_impl, spec)
     target_graphdef, target_state = nnx.split(target)
-    step = make_step(config, drafter_config, spec, target_graphdef, state_shardings(target_state, mesh), mesh)
+    step = make_step(config, drafter_config, spec, target_graphdef,
+                     state_shardings(target_state, mesh, config.target_layout), mesh)
     loader = BatchLoader(config.data.train_files, tokenizer, seq_len=config.data.seq_len, anchor_stride=config.data.anchor_stride,
                          batch_size=config.data.batch_size, seed=config.data.shuffle_seed)
     return Setup(config, mesh, target, target_state, drafter_config, spec, state, step, loader)

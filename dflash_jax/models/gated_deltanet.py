@@ -1,7 +1,9 @@
 """Gated DeltaNet, the linear-attention mixer of Qwen3.5/3.6 (transformers `Qwen3_5GatedDeltaNet` in
 models/qwen3_5/modeling_qwen3_5.py; math in design §8.3).
 
-x → in_proj_qkv → causal depthwise conv (K=4) + SiLU → q, k, v heads; q, k L2-normalised (eps added to Σx²),
+x → in_proj_qkv → causal depthwise conv (K=4) + SiLU → q, k, v heads (held here as in_proj_q/k/v and
+conv1d_q/k/v, the row blocks of HF's fused in_proj_qkv and conv1d: each splits on its own heads, so tensor
+parallelism over heads never reshuffles channels between q, k and v); q, k L2-normalised (eps added to Σx²),
 q scaled by dk^-0.5, key heads repeat-interleaved onto value heads; β = sigmoid(in_proj_b x);
 g = −exp(A_log)·softplus(in_proj_a x + dt_bias) in fp32; gated delta rule (fp32); per-head RMSNorm (plain w)
 gated by silu(in_proj_z x); out_proj. Conv and recurrent state restart at every packed-segment boundary.
@@ -40,9 +42,9 @@ class CausalDepthwiseConv(nnx.Module):
     at x (zero left padding).
     """
 
-    def __init__(self, channels: int, kernel_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    def __init__(self, channels: int, kernel_size: int, *, axis: str, rngs: nnx.Rngs, param_dtype=jnp.float32):
         init = jax.random.normal(rngs.params(), (channels, kernel_size), param_dtype) * kernel_size**-0.5
-        self.weight = param(init, ("linear_qkv", "conv"))
+        self.weight = param(init, (axis, "conv"))
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array,
                  history: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
@@ -87,7 +89,8 @@ def _l2_normalize(x: jax.Array) -> jax.Array:
 
 
 class GatedDeltaNet(nnx.Module):
-    """Linear-attention mixer. Projections are stored [in, out]; names follow the HF checkpoint."""
+    """Linear-attention mixer. Projections are stored [in, out]; names follow the HF checkpoint, the fused q|k|v
+    projection and its conv split into their q, k and v parts (weights/hf_qwen3_5.py splits the tensors)."""
 
     def __init__(self, hidden_size: int, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                  value_head_dim: int, conv_kernel_size: int, rms_norm_eps: float, rngs: nnx.Rngs,
@@ -96,12 +99,16 @@ class GatedDeltaNet(nnx.Module):
         self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
         key_dim, value_dim = num_key_heads * key_head_dim, num_value_heads * value_head_dim
         linear = lambda n_in, n_out, axes: Linear(n_in, n_out, axes=axes, rngs=rngs, param_dtype=param_dtype)
-        self.in_proj_qkv = linear(hidden_size, 2 * key_dim + value_dim, ("embed", "linear_qkv"))
+        self.in_proj_q = linear(hidden_size, key_dim, ("embed", "linear_key"))
+        self.in_proj_k = linear(hidden_size, key_dim, ("embed", "linear_key"))
+        self.in_proj_v = linear(hidden_size, value_dim, ("embed", "linear_value"))
         self.in_proj_z = linear(hidden_size, value_dim, ("embed", "linear_value"))
         self.in_proj_b = linear(hidden_size, num_value_heads, ("embed", "linear_heads"))
         self.in_proj_a = linear(hidden_size, num_value_heads, ("embed", "linear_heads"))
-        self.conv1d = CausalDepthwiseConv(2 * key_dim + value_dim, conv_kernel_size, rngs=rngs,
-                                          param_dtype=param_dtype)
+        conv = lambda channels, axis: CausalDepthwiseConv(channels, conv_kernel_size, axis=axis, rngs=rngs,
+                                                          param_dtype=param_dtype)
+        self.conv1d_q, self.conv1d_k = conv(key_dim, "linear_key"), conv(key_dim, "linear_key")
+        self.conv1d_v = conv(value_dim, "linear_value")
         # The decay parameters stay fp32 whatever the model dtype (HF upcasts A_log; dt_bias enters the fp32
         # softplus). Initial values as transformers: dt_bias = 1, A = exp(A_log) ~ U(1, 16).
         self.dt_bias = param(jnp.ones((num_value_heads,), jnp.float32), ("linear_heads",))
@@ -116,19 +123,20 @@ class GatedDeltaNet(nnx.Module):
         after these tokens, or None without one)."""
         batch, length, _ = x.shape
         key_dim = self.num_key_heads * self.key_head_dim
-        conv_inputs = self.in_proj_qkv(x)
+        convs = (self.conv1d_q, self.conv1d_k, self.conv1d_v)
+        conv_inputs = (self.in_proj_q(x), self.in_proj_k(x), self.in_proj_v(x))
         if cache is None:
-            mixed = self.conv1d(conv_inputs, segment_ids)
+            mixed = [conv(inputs, segment_ids) for conv, inputs in zip(convs, conv_inputs)]
             resets, initial_state = segment_starts(segment_ids), None
-        else:
-            mixed = self.conv1d(conv_inputs, segment_ids, (cache.conv_inputs, cache.history_segments))
+        else:  # the cache holds the conv inputs as HF's fused q|k|v channels
+            histories = jnp.split(cache.conv_inputs, [key_dim, 2 * key_dim], axis=-1)
+            mixed = [conv(inputs, segment_ids, (history, cache.history_segments))
+                     for conv, inputs, history in zip(convs, conv_inputs, histories)]
             # The first token continues the cached state iff it continues the last cached token's segment.
             previous = jnp.concatenate([cache.history_segments[:, -1:], segment_ids[:, :-1]], axis=1)
             resets, initial_state = segment_ids != previous, cache.state
-        mixed = jax.nn.silu(mixed)
-        q = mixed[..., :key_dim].reshape(batch, length, self.num_key_heads, self.key_head_dim)
-        k = mixed[..., key_dim:2 * key_dim].reshape(batch, length, self.num_key_heads, self.key_head_dim)
-        v = mixed[..., 2 * key_dim:].reshape(batch, length, self.num_value_heads, self.value_head_dim)
+        q, k, v = (jax.nn.silu(m).reshape(batch, length, -1, dim) for m, dim in
+                   zip(mixed, (self.key_head_dim, self.key_head_dim, self.value_head_dim)))
         # Value head j reads key head j // r (repeat_interleave, not tile).
         ratio = self.num_value_heads // self.num_key_heads
         q = jnp.repeat(_l2_normalize(q) * np.float32(self.key_head_dim**-0.5), ratio, axis=2)
@@ -142,7 +150,8 @@ class GatedDeltaNet(nnx.Module):
         out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state)
         if cache is not None:
             kept = cache.conv_inputs.shape[1]
-            history = jnp.concatenate([cache.conv_inputs, conv_inputs.astype(cache.conv_inputs.dtype)], axis=1)
+            fused = jnp.concatenate(conv_inputs, axis=-1).astype(cache.conv_inputs.dtype)
+            history = jnp.concatenate([cache.conv_inputs, fused], axis=1)
             cache = cache._replace(conv_inputs=history[:, history.shape[1] - kept:], state=state)
         z = constrain(self.in_proj_z(x).reshape(batch, length, self.num_value_heads, self.value_head_dim), ROWS_HEADS)
         out = self.norm(constrain(out.astype(x.dtype), ROWS_HEADS), z)

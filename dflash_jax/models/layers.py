@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from dflash_jax.sharding import BATCH_AXES, ROWS_EMBED, ROWS_MLP, constrain
+from dflash_jax.sharding import BATCH_AXES, ROWS_EMBED, ROWS_MLP, constrain, logical_spec
 
 INIT_STD = 0.02  # HF Qwen `initializer_range`
 
@@ -50,11 +50,13 @@ class Embed(nnx.Module):
         self.embedding = param(init, ("vocab", "embed"))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        """ids [b, L] -> [b, L, features]; under a mesh, rows split over the batch axes (`_lookup_by_rows`)."""
+        """ids [b, L] -> [b, L, features]; under a mesh, rows split over the batch axes (`_lookup_by_rows` when
+        the table's hidden axis is split over fsdp, as the rules in force say)."""
         table = self.embedding[...]
         mesh = jax.sharding.get_abstract_mesh()
         batch_shards = 1 if mesh.empty else mesh.shape["data"] * mesh.shape["fsdp"]
-        if ids.ndim != 2 or batch_shards == 1 or ids.shape[0] % batch_shards or table.shape[1] % mesh.shape["fsdp"]:
+        if (ids.ndim != 2 or batch_shards == 1 or ids.shape[0] % batch_shards
+                or logical_spec(table.shape, ("vocab", "embed"), dict(mesh.shape))[1] != "fsdp"):
             return jnp.take(table, ids, axis=0)
         lookup = jax.shard_map(_lookup_by_rows, in_specs=(PartitionSpec(None, "fsdp"), PartitionSpec(BATCH_AXES)),
                                out_specs=PartitionSpec(BATCH_AXES))

@@ -84,6 +84,12 @@ def base_config() -> ConfigDict:
     config.loss.vocab_chunk = 8192  # vocabulary chunk for the target's greedy labels
     config.loss.row_chunk = 512  # block tokens per batch row in one LM head + cross-entropy chunk
 
+    # How the frozen target's weights lie on the mesh (dflash_jax/sharding.py TARGET_LAYOUTS): "fsdp" = split over
+    # fsdp and tensor (least memory; each layer's weights are all-gathered as it runs), "tensor" = split over
+    # tensor only (heads, MLP, vocabulary; a whole copy per (data, fsdp) group, no weight traffic), "replicate" =
+    # whole on every device.
+    config.target_layout = "fsdp"
+
     # Attention of the drafter (design §5 mask) and of the target's forward (causal within documents):
     # "auto" = splash on TPU, XLA elsewhere (the target's XLA path walks 512-query chunks).
     config.attention_impl = "auto"

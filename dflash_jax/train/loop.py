@@ -82,9 +82,10 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
     # The frozen target and its tokenizer; the drafter's architecture follows from them and the config. One
     # attention backend for both models' full-sequence attention.
     attention_impl = resolve_attention_impl(config.attention_impl)
-    log.info("loading target %s onto mesh %s (attention: %s)", config.target_dir, dict(mesh.shape), attention_impl)
+    log.info("loading target %s onto mesh %s (layout: %s, attention: %s)", config.target_dir, dict(mesh.shape),
+             config.target_layout, attention_impl)
     target, target_config = load_target(config.target_dir, param_dtype=validate.dtype_of(config.target_dtype),
-                                        mesh=mesh, attention_impl=attention_impl)
+                                        mesh=mesh, attention_impl=attention_impl, target_layout=config.target_layout)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
     _check_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)
@@ -115,7 +116,8 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
         drop_metrics_after(workdir, start_step)
 
     target_graphdef, target_state = nnx.split(target)
-    step_fns = make_step(config, drafter_config, spec, target_graphdef, state_shardings(target_state, mesh), mesh)
+    step_fns = make_step(config, drafter_config, spec, target_graphdef, state_shardings(target_state, mesh, config.target_layout),
+                         mesh)
     step_flops = flops.train_step_flops(config, target_config, drafter_config)
     peak = flops.peak_tflops(config, jax.devices()[0])
     tokens_per_step = config.data.batch_size * config.data.seq_len

@@ -22,7 +22,7 @@ from dflash_jax.errors import ConfigError
 from dflash_jax.models.dflash import LABEL_SOURCES
 from dflash_jax.models.drafter import LAYER_TYPES, REMAT_POLICIES, DrafterConfig, default_target_layer_ids
 from dflash_jax.ops.backends import ATTENTION_CHOICES
-from dflash_jax.sharding import make_mesh
+from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
 from dflash_jax.train.config import RENAMED, base_config, field_paths
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ def validate_config(config: ConfigDict) -> None:
     _require(loss.labels in LABEL_SOURCES, f"config.loss.labels must be one of {LABEL_SOURCES}, got {loss.labels!r}")
     _require(config.attention_impl in ATTENTION_CHOICES,
              f"config.attention_impl must be one of {ATTENTION_CHOICES}, got {config.attention_impl!r}")
+    validate_target_layout(config)
     _require(config.remat in REMAT_POLICIES, f"config.remat must be one of {list(REMAT_POLICIES)}, got {config.remat!r}")
     for field in ("target_dtype", "compute_dtype"):
         _require(config[field] in DTYPES, f"config.{field} must be one of {DTYPES}, got {config[field]!r}")
@@ -139,6 +140,11 @@ def check_fields(config: ConfigDict) -> None:
     for path in field_paths(config):
         if path not in known and not any(path.startswith(field + ".") for field in known):
             raise ConfigError(unknown_field_message(path, known))
+
+
+def validate_target_layout(config: ConfigDict) -> None:
+    _require(config.target_layout in TARGET_LAYOUTS,
+             f"config.target_layout must be one of {list(TARGET_LAYOUTS)}, got {config.target_layout!r}")
 
 
 def validate_data_files(config: ConfigDict) -> None:

@@ -31,8 +31,7 @@ _SHARED = (  # in every decoder layer: (HF suffix, NNX path below the layer, fix
 )
 _LINEAR_ATTENTION = (
     *((f"linear_attn.{name}.weight", ("linear_attn", name, "kernel"), transpose)
-      for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")),
-    ("linear_attn.conv1d.weight", ("linear_attn", "conv1d", "weight"), squeeze_conv),
+      for name in ("in_proj_z", "in_proj_b", "in_proj_a", "out_proj")),
     ("linear_attn.dt_bias", ("linear_attn", "dt_bias"), identity),
     ("linear_attn.A_log", ("linear_attn", "A_log"), identity),
     ("linear_attn.norm.weight", ("linear_attn", "norm", "weight"), identity),
@@ -45,6 +44,27 @@ _FULL_ATTENTION = (
 )
 
 
+def _split_qkv(config: Qwen3_5Config) -> tuple:
+    """HF's fused in_proj_qkv [2·key_dim + value_dim, H] and conv1d [same, 1, K] hold q, k and v as row blocks;
+    the model holds each block as its own weight (models/gated_deltanet.py)."""
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    blocks = {"q": slice(0, key_dim), "k": slice(key_dim, 2 * key_dim),
+              "v": slice(2 * key_dim, 2 * key_dim + value_dim)}
+    rules = []
+    for part, rows in blocks.items():
+        rules.append(("linear_attn.in_proj_qkv.weight", ("linear_attn", f"in_proj_{part}", "kernel"),
+                      lambda x, rows=rows: _rows(x, rows, 2 * key_dim + value_dim).T))
+        rules.append(("linear_attn.conv1d.weight", ("linear_attn", f"conv1d_{part}", "weight"),
+                      lambda x, rows=rows: _rows(squeeze_conv(x), rows, 2 * key_dim + value_dim)))
+    return tuple(rules)
+
+
+def _rows(x: np.ndarray, rows: slice, fused: int) -> np.ndarray:
+    """Rows `rows` of a fused q|k|v tensor; a tensor of the wrong size passes whole to fail the shape check."""
+    return x[rows] if x.shape[0] == fused else x
+
+
 def text_rules(config: Qwen3_5Config, prefix: str) -> list[WeightRule]:
     """The embedding, the decoder layers and the final norm under `prefix`. HF layer i is position i % p of
     the period, repetition i // p."""
@@ -53,7 +73,7 @@ def text_rules(config: Qwen3_5Config, prefix: str) -> list[WeightRule]:
     rules = [WeightRule(f"{prefix}embed_tokens.weight", ("embed_tokens", "embedding")),
              WeightRule(f"{prefix}norm.weight", ("norm", "weight"))]
     for position, layer_type in enumerate(period):
-        mixer = _LINEAR_ATTENTION if layer_type == LINEAR_ATTENTION else _FULL_ATTENTION
+        mixer = (*_LINEAR_ATTENTION, *_split_qkv(config)) if layer_type == LINEAR_ATTENTION else _FULL_ATTENTION
         layers = [position + repeat * len(period) for repeat in range(repeats)]
         for suffix, path, fixup in (*_SHARED, *mixer):
             rules.append(WeightRule(f"{prefix}layers.{{layer}}.{suffix}", ("periods", "layers", position, *path),

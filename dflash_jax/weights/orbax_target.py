@@ -38,7 +38,8 @@ from dflash_jax.weights.safetensors_dir import INDEX_FILE, CheckpointReader, rea
 MARKER_FILE = "dflash_target.json"
 OUTPUT_KIND = "Orbax target"  # in the output directory's ownership file (weights/output_dir.py)
 PARAMS_DIR = "params"
-FORMAT, VERSION = "dflash_jax.orbax_target", 1
+# Version 2: a Gated DeltaNet's fused q|k|v projection and conv are stored as their q, k and v parts.
+FORMAT, VERSION = "dflash_jax.orbax_target", 2
 
 
 def leaf_name(path: tuple) -> str:
@@ -112,12 +113,12 @@ def _check_tensor_names(reader: CheckpointReader, rules: list[WeightRule], skipp
 
 
 def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None,
-                      attention_impl: str = "xla"):
+                      attention_impl: str = "xla", target_layout: str = "fsdp"):
     """Restore a directory written by `write_orbax_target`; returns (model, config) like `load_target`.
 
     With a mesh each variable is restored directly onto its sharding from the logical-axis rules (each
-    device reads only its shard); without one, onto the first device. Stored weights are cast to the
-    model's dtypes (`param_dtype`, fp32 where the model insists).
+    device reads only its shard; `target_layout` as in `load_target`); without one, onto the first device.
+    Stored weights are cast to the model's dtypes (`param_dtype`, fp32 where the model insists).
     """
     directory = Path(directory)
     marker = read_json(directory / MARKER_FILE)
@@ -128,7 +129,7 @@ def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: 
     abstract = family.abstract_model(config, param_dtype=param_dtype, attention_impl=attention_impl, mesh=mesh)
     graphdef, state = nnx.split(abstract)
     if mesh is not None:
-        shardings = {path: s.get_value() for path, s in nnx.to_flat_state(state_shardings(state, mesh))}
+        shardings = {path: s.get_value() for path, s in nnx.to_flat_state(state_shardings(state, mesh, target_layout))}
     else:
         shardings = {path: SingleDeviceSharding(jax.devices()[0]) for path, _ in nnx.to_flat_state(state)}
     variables = dict(nnx.to_flat_state(state))

@@ -24,10 +24,11 @@ def read_target_config(checkpoint_dir: str | Path):
 
 
 def load_target(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None,
-                attention_impl: str = "xla") -> tuple[nnx.Module, object]:
+                attention_impl: str = "xla", target_layout: str = "fsdp") -> tuple[nnx.Module, object]:
     """Load a target checkpoint directory into its NNX model; returns (model, config).
 
-    With a mesh, every weight is placed on its sharding (from the logical-axis rule table) as it is read. An
+    With a mesh, every weight is placed on its sharding (from the logical-axis rule table, with the rules of
+    `target_layout`: dflash_jax/sharding.py TARGET_LAYOUTS) as it is read. An
     Orbax target directory is restored shard by shard. attention_impl ("xla", "splash" or "auto") picks the
     backend of the model's full-sequence forward. Anything unusable (a missing or corrupt file, an unknown
     model_type, a bad config field, missing, unexpected or mis-shaped tensors) raises CheckpointError naming
@@ -35,11 +36,12 @@ def load_target(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: M
     """
     checkpoint_dir = local_dir(checkpoint_dir, "target")
     if is_orbax_target(checkpoint_dir):
-        return load_orbax_target(checkpoint_dir, param_dtype=param_dtype, mesh=mesh, attention_impl=attention_impl)
+        return load_orbax_target(checkpoint_dir, param_dtype=param_dtype, mesh=mesh, attention_impl=attention_impl,
+                                 target_layout=target_layout)
     family, config = resolve(read_config(checkpoint_dir), Path(checkpoint_dir) / "config.json")
     reader = CheckpointReader(checkpoint_dir)
     abstract = family.abstract_model(config, param_dtype=param_dtype, attention_impl=attention_impl, mesh=mesh)
-    shardings = state_shardings(nnx.state(abstract), mesh) if mesh is not None else None
+    shardings = state_shardings(nnx.state(abstract), mesh, target_layout) if mesh is not None else None
     rules = family.weight_rules(config, family.prefix(reader.names()))
     model = load_weights(abstract, reader, rules, ignore_prefixes=family.ignored(config), shardings=shardings)
     return model, config
