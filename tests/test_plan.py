@@ -72,6 +72,22 @@ def test_plan_shows_what_each_target_layout_puts_on_a_device(files):
     assert re.search(r"target weights .*\(tensor layout; fsdp: .*, replicate: ", format_plan(plan))
 
 
+def test_temporaries_do_not_grow_with_target_depth(files, tmp_path):
+    """The frozen target runs outside the gradient (train/step.py: its outputs are inputs of value_and_grad,
+    never part of the differentiated function), so autodiff keeps none of its residuals and the layer scan
+    gathers one layer's weights at a time: 4 or 8 target layers, the step's temporaries on fsdp = 8 differ by
+    less than one layer's residual stream of a device's rows (each kept layer would add at least that)."""
+    temporaries = {}
+    for layers in (4, 8):
+        target = make_target(tmp_path / f"layers{layers}", num_layers=layers)
+        config = tiny_config(target, files["corpus"], **{
+            "data.batch_size": 8, "mesh.fsdp": 8, "drafter.mask_token_id": 0, "drafter.target_layer_ids": (1, 3)})
+        with fast_cpu_compiles():
+            temporaries[layers] = plan_train_step(config, target_architecture(config), mesh_of(1, 8, 1)).temp_bytes
+    one_residual = 1 * config.data.seq_len * 64 * 4  # a device's row [1, T, H] in fp32
+    assert abs(temporaries[8] - temporaries[4]) < one_residual, temporaries
+
+
 def test_plan_command_prints_the_plan_and_fails_over_the_budget(files):
     args = ["plan", "--config", "configs/tiny.py", f"--config.target_dir={files['target']}", "--topology", "cpu:4",
             "--mesh", "data=2,fsdp=2,tensor=1"]
