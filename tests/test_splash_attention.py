@@ -150,7 +150,8 @@ def test_bad_shapes_are_refused():
 def test_resolve_attention_impl(monkeypatch):
     assert resolve_attention_impl("auto") == "xla"  # these tests run on CPU
     assert resolve_attention_impl("splash") == "splash" and resolve_attention_impl("xla") == "xla"
-    with pytest.raises(ValueError, match=r"attention_impl must be one of \['auto', 'splash', 'xla'\], got 'flash'"):
+    with pytest.raises(ValueError,
+                       match=r"attention_impl must be one of \['auto', 'cudnn', 'splash', 'xla'\], got 'flash'"):
         resolve_attention_impl("flash")
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert resolve_attention_impl("auto") == "splash"

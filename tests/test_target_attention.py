@@ -6,6 +6,7 @@ step's teacher and the exact-τ forward on splash over a device mesh."""
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,9 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
 from dflash_jax.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from dflash_jax.models.target import CAUSAL_ATTENTION_IMPLS
-from dflash_jax.ops.attention import causal_attention, causal_segment_mask, grouped_attention
+from dflash_jax.ops.attention import (causal_attention, causal_attention_fused, causal_segment_mask, cudnn_unsupported,
+                                     grouped_attention)
+from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.ops.splash_attention import causal_attention_splash
 from dflash_jax.sharding import make_mesh, replicated
 from dflash_jax.train.step import put_batch
@@ -130,7 +133,7 @@ def forward(model, inputs):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_targets_agree_on_every_backend(family, monkeypatch):
     """Same weights on each backend. With the default 512-query chunks the 300-token rows are one chunk, i.e.
-    the dense oracle; 128-query chunks and splash must match it."""
+    the dense oracle; 128-query chunks, splash and the cuDNN backend's jax.nn call must match it."""
     if family == "qwen3":
         config = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              num_attention_heads=6, num_key_value_heads=2, head_dim=16)
@@ -143,7 +146,11 @@ def test_targets_agree_on_every_backend(family, monkeypatch):
     splash_out = forward(make("splash"), inputs)
     monkeypatch.setitem(CAUSAL_ATTENTION_IMPLS, "xla", functools.partial(causal_attention, query_chunk=128))
     chunked_out = forward(make("xla"), inputs)
-    for name, outputs in (("chunks", chunked_out), ("splash", splash_out)):
+    # The cuDNN backend's call, on JAX's reference implementation (there is no GPU here).
+    monkeypatch.setitem(CAUSAL_ATTENTION_IMPLS, "cudnn",
+                        functools.partial(causal_attention_fused, implementation="xla"))
+    fused_out = forward(make("cudnn"), inputs)
+    for name, outputs in (("chunks", chunked_out), ("splash", splash_out), ("cudnn call", fused_out)):
         for got, expected in zip(outputs, dense_out):
             np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0, err_msg=name)
 
@@ -188,3 +195,27 @@ def test_train_step_teacher_follows_config_attention_impl(tmp_path):
             teachers[impl] = jax.jit(setup.step.teacher)(setup.target_state, put_batch(next(setup.loader), mesh))
     np.testing.assert_allclose(teachers["splash"].features, teachers["xla"].features, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(teachers["splash"].labels, teachers["xla"].labels)
+
+
+@pytest.mark.parametrize("q_heads, kv_heads", [(6, 2), (4, 1), (2, 2)], ids=["gqa3", "mqa", "mha"])
+def test_fused_attention_call_equals_the_dense_oracle(q_heads, kv_heads):
+    """The cuDNN backend's call (jax.nn.dot_product_attention: causal, the same-segment mask, [B, T, H, D] with
+    grouped heads) on JAX's own implementation, which takes the same arguments: masks and layouts are right."""
+    q, k, v = qkv(q_heads, kv_heads, seed=20 + q_heads)
+    segments = jnp.asarray(packed_segments(SEQ_LEN))
+    out = jax.jit(lambda *x: causal_attention_fused(*x, segments, SCALE, implementation="xla"))(q, k, v)
+    assert out.shape == q.shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, dense(q, k, v, segments), atol=1e-5, rtol=0)
+
+
+def test_cudnn_falls_back_to_query_chunks_with_one_log_line(caplog):
+    """Off GPU (and for shapes or dtypes cuDNN refuses) the cuDNN backend is the XLA query chunks, said once."""
+    q, k, v = qkv(4, 2, seed=5)
+    segments = jnp.asarray(packed_segments(SEQ_LEN))
+    assert cudnn_unsupported(q, k) == f"no GPU ({jax.devices()[0].platform})"
+    with caplog.at_level(logging.WARNING):
+        out = causal_attention_fused(q, k, v, segments, SCALE)
+    assert [record.getMessage() for record in caplog.records] == [
+        "cuDNN attention cannot run here (no GPU (cpu)); the target's attention runs in XLA query chunks"]
+    np.testing.assert_array_equal(out, causal_attention(q, k, v, segments, SCALE))
+    assert resolve_attention_impl("auto", "gpu") == "cudnn" and resolve_attention_impl("auto", "cpu") == "xla"

@@ -215,9 +215,10 @@ class Drafter(nnx.Module):
 
     param_dtype: storage dtype of the weights (fp32 master weights by default); dtype: compute dtype
     (defaults to param_dtype). attention_impl picks the training forward's §5 attention backend: "xla",
-    "splash", or "auto" (splash on TPU, else xla; ops/backends.py); query_chunk_blocks is the number of
-    blocks per query chunk of the XLA backend (its memory knob); mesh is the device mesh the activations are
-    sharded on, where splash runs per shard (None: one device). Decoding with a cache always runs in XLA.
+    "splash", or "auto" (splash on TPU, else xla; ops/backends.py; "cudnn", the targets' GPU path, is xla
+    here); query_chunk_blocks is the number of blocks per query chunk of the XLA backend (its memory knob);
+    mesh is the device mesh the activations are sharded on, where splash runs per shard (None: one device).
+    Decoding with a cache always runs in XLA.
     remat names the training forward's per-layer rematerialisation policy (REMAT_POLICIES).
     """
 

@@ -11,12 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from dflash_jax.ops.attention import QUERY_CHUNK, causal_attention, causal_segment_mask, grouped_attention
+from dflash_jax.ops.attention import (QUERY_CHUNK, causal_attention, causal_attention_fused, causal_segment_mask,
+                                     grouped_attention)
 from dflash_jax.ops.splash_attention import causal_attention_splash
 
 # The full-sequence attention of the targets by resolved `attention_impl` (ops/backends.py): query chunks in
-# XLA, or the splash kernel. The KV-cached decoding path always uses the dense `grouped_attention`.
-CAUSAL_ATTENTION_IMPLS = {"xla": causal_attention, "splash": causal_attention_splash}
+# XLA, the splash kernel, or cuDNN through jax.nn.dot_product_attention. The KV-cached decoding path always
+# uses the dense `grouped_attention`.
+CAUSAL_ATTENTION_IMPLS = {"xla": causal_attention, "splash": causal_attention_splash, "cudnn": causal_attention_fused}
 
 NO_SEGMENT = -1  # the segment id of decode-cache columns nothing was written to: it matches no token
 

@@ -6,12 +6,17 @@ own end, so the [T, T] scores of a whole row never exist (at T = 4096 and 32 hea
 fp32 per row and layer). `grouped_attention` under an explicit mask is the dense form, used by the KV-cached
 decoding paths and as the tests' oracle; `head_major_attention` is the same on operands already laid out
 head-major, which the chunked paths (here and ops/dflash_attention.py) prepare once per call.
+`causal_attention_fused` is the GPU path: the same attention through `jax.nn.dot_product_attention` on cuDNN.
 """
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
 
 MASKED_SCORE = -1e30  # finite, so a fully masked row gives a uniform (not NaN) softmax; no real row is fully masked
 # Queries per chunk of `causal_attention`: a chunk's scores are at most [B, Hq, QUERY_CHUNK, T] fp32 (the last
@@ -72,3 +77,41 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
         visible = causal_segment_mask(segment_ids[:, start:stop], segment_ids[:, :stop], start)
         outputs.append(head_major_attention(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], visible, scale))
     return jnp.concatenate(outputs, axis=2).swapaxes(1, 2).reshape(batch, length, q_heads, head_dim)
+
+
+def cudnn_unsupported(q: jax.Array, k: jax.Array) -> str | None:
+    """Why cuDNN's flash attention cannot take these operands ([B, T, H, D]), or None: it needs a GPU, bf16/fp16,
+    a head dim that is a multiple of 8 and at most 256 from Hopper on (128 before), and an even length when a
+    mask rides along (jax/_src/cudnn/fused_attention_stablehlo.py `check_is_flash_attention`)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return f"no GPU ({device.platform})"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"dtype {q.dtype} (cuDNN takes bfloat16 or float16)"
+    capability = float(getattr(device, "compute_capability", "0"))
+    head_limit = 256 if capability >= 9.0 else 128
+    if q.shape[-1] % 8 or q.shape[-1] > head_limit:
+        return f"head dim {q.shape[-1]} (a multiple of 8, at most {head_limit} on compute capability {capability})"
+    if q.shape[1] % 2:
+        return f"odd length {q.shape[1]}"
+    return None
+
+
+def causal_attention_fused(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, scale: float,
+                           implementation: str = "cudnn") -> jax.Array:
+    """`causal_attention` through `jax.nn.dot_product_attention` (layouts [B, T, H, D], grouped heads as they
+    are): is_causal lets cuDNN's flash kernel skip the tiles above the diagonal, and the documents of a packed
+    row are a boolean [B, 1, T, T] same-segment mask, which cuDNN adds as a bias. implementation="xla" is the
+    same call on JAX's reference path (how the tests check the wiring on CPU). When cuDNN cannot take the
+    operands (`cudnn_unsupported`, or the call itself refuses) it falls back to the XLA query chunks with
+    one log line."""
+    reason = cudnn_unsupported(q, k) if implementation == "cudnn" else None
+    if reason is None:
+        same_segment = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        try:
+            return jax.nn.dot_product_attention(q, k, v, mask=same_segment, scale=scale, is_causal=True,
+                                                implementation=implementation)
+        except (NotImplementedError, RuntimeError, ValueError) as error:  # cuDNN missing, too old, or refusing
+            reason = str(error).splitlines()[0]
+    log.warning("cuDNN attention cannot run here (%s); the target's attention runs in XLA query chunks", reason)
+    return causal_attention(q, k, v, segment_ids, scale)

@@ -91,7 +91,8 @@ def base_config() -> ConfigDict:
     config.target_layout = "fsdp"
 
     # Attention of the drafter (design §5 mask) and of the target's forward (causal within documents):
-    # "auto" = splash on TPU, XLA elsewhere (the target's XLA path walks 512-query chunks).
+    # "auto" = splash on TPU, cuDNN on GPU (the target's causal attention; the drafter's runs in XLA there), XLA
+    # elsewhere (the target's XLA path walks 512-query chunks); "cudnn" off GPU falls back to XLA with a warning.
     config.attention_impl = "auto"
     config.query_chunk_blocks = 16  # blocks per query chunk in the XLA drafter attention
 
