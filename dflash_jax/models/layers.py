@@ -39,7 +39,45 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
         dtype = kernel.dtype if self.dtype is None else self.dtype
-        return jnp.dot(x.astype(dtype), kernel.astype(dtype))
+        x, kernel = x.astype(dtype), kernel.astype(dtype)
+        return _dot_transposing_narrow_side(x, kernel) if _compiles_for_cpu() else jnp.dot(x, kernel)
+
+
+def _compiles_for_cpu() -> bool:
+    """Whether the computation being traced is compiled for CPU devices: the mesh's in the trace context (the
+    ahead-of-time plan compiles for TPUs from a CPU host), else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    return (jax.default_backend() if device is None else device.platform) == "cpu"
+
+
+@jax.custom_vjp
+def _dot_transposing_narrow_side(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x @ kernel, whose kernel gradient xᵀ·dy is computed from an explicit transpose of the narrower of x
+    [..., in] and dy [..., out]. Left to itself, XLA:CPU folds a transpose into that dot and then copies an
+    operand into the layout its matmul wants, often the wider one, with dy's own producer (e.g. the SwiGLU
+    backward) recomputed inside the transposing copy; on the toy drafter's MLP that copy cost as much as a
+    third of the forward + backward (bench/RESULTS.md). Same products, so the same values to fp32 rounding."""
+    return jnp.dot(x, kernel)
+
+
+def _dot_forward(x, kernel):
+    return jnp.dot(x, kernel), (x, kernel)
+
+
+def _dot_backward(residuals, dy):
+    x, kernel = residuals
+    dx = jax.lax.dot_general(dy, kernel, (((dy.ndim - 1,), (1,)), ((), ())))  # dy @ kernelᵀ
+    rows_x, rows_dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    # The barrier keeps the transpose a copy of its own instead of folding it back into the dot.
+    if kernel.shape[0] <= kernel.shape[1]:  # in <= out: transpose x, [in, rows] @ [rows, out]
+        dkernel = jnp.dot(jax.lax.optimization_barrier(rows_x.T), rows_dy)
+    else:  # transpose dy, ([out, rows] @ [rows, in])ᵀ
+        dkernel = jnp.dot(jax.lax.optimization_barrier(rows_dy.T), rows_x).T
+    return dx, dkernel
+
+
+_dot_transposing_narrow_side.defvjp(_dot_forward, _dot_backward)
 
 
 class Embed(nnx.Module):
