@@ -70,6 +70,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     side by side: see bench/RESULTS.md). No jax.checkpoint: the targets' forward is never differentiated.
     """
     batch, length, q_heads, head_dim = q.shape
+    # A row of at most two chunks is split in halves all the same: the first half's queries skip the second
+    # half's keys, 3/4 of the dense form's work (at T = 384 the attention takes a quarter less time on CPU).
+    query_chunk = min(query_chunk, -(-length // 2))
     q, k, v = to_head_major(q, k.shape[2]), k.swapaxes(1, 2), v.swapaxes(1, 2)
     outputs = []
     for start in range(0, length, query_chunk):
