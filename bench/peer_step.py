@@ -9,7 +9,8 @@ sdpa attention and its eager CE loss; its step is what its trainer does per batc
 anchors, the dense mask, the frozen verifier head's targets, the drafter, logits, loss, metrics), backward,
 clip, AdamW. The project's drafter step: the target's greedy labels (its LM head over the labelled rows), the
 drafter forward/backward with the fused LM-head cross-entropy, clip + AdamW, one jitted call. Rounds alternate
-the two sides (the order flips every round) and report medians, so machine load hits both alike; the load
+the two sides (the order flips every round) and report medians, so machine load hits both alike (a shape whose
+two sides do not fit in the available memory together runs them one after the other, and says so); the load
 average is printed before and after. The project's whole step (an 8-layer target's forward inside) and a
 breakdown of its parts follow, so a regression shows where it is. Last, for the --bf16-shapes, the project's
 drafter step with bf16 compute against fp32 and a square matmul's rate in each dtype (does bf16 pay on this
@@ -76,14 +77,13 @@ class Shape:
     seed: int = 0
 
     def memory_estimate(self) -> int:
-        """Bytes both sides hold at once, roughly: per side the drafter's weights, gradients and AdamW moments
-        and a few [N*B, V] fp32 logit temporaries (speculators keeps whole ones); the project's side one fp32
-        [H, V] LM head, speculators' side three while its model is built (its embedding, LM head and verifier
-        head, before the benchmark ties them to one matrix)."""
+        """Bytes both sides hold at once, roughly: per side the drafter's weights, gradients and AdamW moments,
+        a few [N*B, V] fp32 logit temporaries (speculators keeps whole ones) and one fp32 [H, V] vocabulary
+        matrix (speculators' embedding, LM head and verifier head share one, none allocated before it)."""
         attention = 2 * self.hidden * self.head_dim * (self.q_heads + self.kv_heads)
         weights = self.layers * (attention + 3 * self.hidden * self.intermediate) + self.features * self.hidden ** 2
         logits = self.rows * self.seq_len // self.stride * self.block * self.vocab
-        return 4 * (2 * (4 * weights + 4 * logits) + (1 + 3) * self.vocab * self.hidden)
+        return 4 * 2 * (4 * weights + 4 * logits + self.vocab * self.hidden)
 
 
 SHAPES = {
@@ -92,8 +92,9 @@ SHAPES = {
     "B": Shape(hidden=1024, layers=2, q_heads=8, kv_heads=2, head_dim=128, intermediate=3072, vocab=32000,
                seq_len=2048, stride=16, block=16, gamma=7.0, features=3, target_layers=8),
     # Qwen3-8B's drafter widths (z-lab's Qwen3-8B DFlash: H 4096, 32/8 heads x 128, I 12288, V 151936, 5
-    # feature layers, B 16), reduced to one layer and T = 512; both sides together still need about 20 GB
-    # (memory_estimate; skipped where less is available); no whole step (the target: 6 GB per 8 layers).
+    # feature layers, B 16), reduced to one layer and T = 512; both sides together need about 16 GB
+    # (memory_estimate; where less is available they run one after the other, each about 8 GB); no whole
+    # step (the target: 6 GB per 8 layers).
     "qwen3_8b": Shape(hidden=4096, layers=1, q_heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                       vocab=151936, seq_len=512, stride=16, block=16, gamma=7.0, features=5, target_layers=0),
     # `make demo`'s step (configs/toy.py: 4 rows of 384 tokens, the toy target's widths, Muon; random weights
@@ -294,30 +295,44 @@ class SpeculatorsSide:
         self.process.wait()
 
 
-def compare(name: str, shape: Shape, args) -> dict:
-    """One shape: the two sides alternating (1-row shapes), the project's whole step and its parts."""
+def rounds(name: str, sides: list[tuple[str, Callable[[int], Timings]]], args) -> dict[str, Timings]:
+    """args.rounds rounds of args.steps steps of each side, alternating and flipping the order every round."""
+    times = {side: Timings([], []) for side, _ in sides}
+    for round_index in range(args.rounds):
+        for side, run in sides[:: 1 if round_index % 2 == 0 else -1]:
+            times[side] += run(args.steps)
+        print(f"  {name} round {round_index + 1}: " + ", ".join(
+            f"{side} {np.median(t.wall[-args.steps:]):.3f} s" for side, t in times.items()), flush=True)
+    return times
+
+
+def compare(name: str, shape: Shape, args, together: bool = True) -> dict:
+    """One shape: the two sides alternating (1-row shapes), the project's whole step and its parts.
+    together=False (a shape whose two sides do not fit in memory at once): speculators' rounds first, its
+    process ended, then the project's."""
     inputs = peer_inputs(shape)
     result = {"shape": dataclasses.asdict(shape), "load_before": os.getloadavg(),
-              "dflash_jax_attention": f"xla (query_chunk_blocks={args.query_chunk_blocks})"}
-    ours = ProjectSide(shape, inputs, args.query_chunk_blocks)
-    start = time.perf_counter()
-    ours.drafter_steps(1)
-    result["compile_s"] = time.perf_counter() - start
-    times = {"dflash_jax": Timings([], [])}
+              "dflash_jax_attention": f"xla (query_chunk_blocks={args.query_chunk_blocks})",
+              "sides": "alternating" if together or shape.rows > 1 else "one after the other"}
+    times = {}
     with tempfile.TemporaryDirectory() as directory:
-        sides = [("dflash_jax", ours.drafter_steps)]
+        theirs = None
         if shape.rows == 1:
             np.savez(os.path.join(directory, "inputs.npz"), **inputs)
             theirs = SpeculatorsSide(shape, os.path.join(directory, "inputs.npz"), args.threads)
             result["speculators_attention"] = theirs.ready["attention"]
+            if not together:
+                times.update(rounds(name, [("speculators", theirs.steps)], args))
+                theirs.close()
+        ours = ProjectSide(shape, inputs, args.query_chunk_blocks)
+        start = time.perf_counter()
+        ours.drafter_steps(1)
+        result["compile_s"] = time.perf_counter() - start
+        sides = [("dflash_jax", ours.drafter_steps)]
+        if theirs is not None and together:
             sides.append(("speculators", theirs.steps))
-            times["speculators"] = Timings([], [])
-        for round_index in range(args.rounds):  # alternate, flipping the order every round
-            for side, run in sides[:: 1 if round_index % 2 == 0 else -1]:
-                times[side] += run(args.steps)
-            print(f"  {name} round {round_index + 1}: " + ", ".join(
-                f"{side} {np.median(t.wall[-args.steps:]):.3f} s" for side, t in times.items()), flush=True)
-        if shape.rows == 1:
+        times.update(rounds(name, sides, args))
+        if theirs is not None and together:
             theirs.close()
     for side, timings in times.items():
         result[f"{side}_s"], result[f"{side}_cpu_s"] = timings.median()
@@ -351,12 +366,9 @@ def bf16_comparison(shape: Shape, args) -> dict:
     inputs = peer_inputs(shape)
     result = {"load_before": os.getloadavg()}
     sides = {dtype: ProjectSide(shape, inputs, args.query_chunk_blocks, dtype) for dtype in ("float32", "bfloat16")}
-    times = {dtype: Timings([], []) for dtype in sides}
     for side in sides.values():
         side.drafter_steps(1)
-    for round_index in range(args.rounds):
-        for dtype, side in list(sides.items())[:: 1 if round_index % 2 == 0 else -1]:
-            times[dtype] += side.drafter_steps(args.steps)
+    times = rounds("bf16 vs fp32", [(dtype, side.drafter_steps) for dtype, side in sides.items()], args)
     for dtype, timings in times.items():
         result[f"{dtype}_step_s"] = timings.median()[0]
         result[f"{dtype}_matmul_gflops"] = matmul_rate(2048, getattr(jnp, dtype), args.rounds)
@@ -389,9 +401,9 @@ def report(name: str, result: dict) -> str:
              f"| {seconds('speculators_s')} | {seconds('dflash_jax_s')} | "
              + (f"{result['ratio']:.2f}x ({result['cpu_ratio']:.2f}x)" if "ratio" in result else "n/a")
              + f" | {seconds('whole_step_s')} |", "",
-             f"Attention: speculators {result.get('speculators_attention', 'n/a')}; dflash_jax "
-             f"{result['dflash_jax_attention']}. Load average (1/5/15 min) before {fmt_load(result['load_before'])}, "
-             f"after {fmt_load(result['load_after'])}."]
+             f"Sides: {result['sides']}. Attention: speculators {result.get('speculators_attention', 'n/a')}; "
+             f"dflash_jax {result['dflash_jax_attention']}. Load average (1/5/15 min) before "
+             f"{fmt_load(result['load_before'])}, after {fmt_load(result['load_after'])}."]
     if "parts" in result:
         lines += ["", "| dflash_jax part (jitted alone; forward + backward where trained) | wall | CPU |",
                   "|---|---:|---:|"]
@@ -438,11 +450,15 @@ def main() -> None:
     results = {}
     for name in names:
         needed, available = SHAPES[name].memory_estimate(), available_memory()
-        if needed > available:
-            print(f"shape {name}: skipped, it needs about {needed / 2**30:.1f} GiB and {available / 2**30:.1f} GiB "
-                  f"are available\n", flush=True)
+        if needed / 2 > available:
+            print(f"shape {name}: skipped, one side needs about {needed / 2**31:.1f} GiB and "
+                  f"{available / 2**30:.1f} GiB are available\n", flush=True)
             continue
-        results[name] = compare(name, SHAPES[name], args)
+        if needed > available:
+            print(f"shape {name}: the two sides need about {needed / 2**30:.1f} GiB together and "
+                  f"{available / 2**30:.1f} GiB are available: they run one after the other (not alternating, so "
+                  f"a change of machine load between them is not cancelled)", flush=True)
+        results[name] = compare(name, SHAPES[name], args, together=needed <= available)
         print(report(name, results[name]) + "\n", flush=True)
     for name in bf16_names:
         results[f"{name} bf16"] = bf16_comparison(SHAPES[name], args)

@@ -24,6 +24,17 @@ from speculators.proposals.greedy import GreedyTokenProposalConfig
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Config
 
 
+class DraftModelSharingOneVocabularyMatrix(DFlashDraftModel):
+    """speculators' drafter whose three vocabulary-sized matrices (embedding, LM head, verifier LM head) are
+    created on the meta device, so that none is allocated before `build` replaces all three with one shared
+    matrix: at Qwen3-8B's vocabulary each is 2.5 GB, and the transient three would not fit beside the other
+    side of the benchmark."""
+
+    def _init_vocab(self, config):
+        with torch.device("meta"):
+            super()._init_vocab(config)
+
+
 def build(shape: dict, inputs_file: str):
     torch.manual_seed(0)
     layer_config = Qwen3Config(
@@ -39,7 +50,7 @@ def build(shape: dict, inputs_file: str):
             algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=block - 1)],
             default_proposal_method="greedy",
             verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"])))
-    model = DFlashDraftModel(config)
+    model = DraftModelSharingOneVocabularyMatrix(config)
     # The verifier's embedding and LM head (frozen; NaN until loaded from a verifier): one shared random
     # matrix, as a model with tied embeddings has, so the vocabulary-sized memory is held once.
     vocab_matrix = torch.nn.Parameter(torch.randn(shape["vocab"], shape["hidden"]) * shape["hidden"] ** -0.5,
