@@ -32,10 +32,13 @@ def map_row_chunks(fn: Callable, row_chunk: int, axis: int, *arrays: jax.Array):
     The axes before `axis` (batch axes) stay whole, so a batch sharded over devices stays sharded and each
     device works on [local batch, row_chunk, ...] at a time. The last chunk is padded with zero rows (their
     outputs are dropped). A `fori_loop` writes each chunk's outputs in place: no transposes, one chunk live.
+    Rows that fit in one chunk are one call of fn.
     """
     rows = arrays[0].shape[axis]
     chunk = min(row_chunk, rows)
     count = -(-rows // chunk)
+    if count == 1:  # all rows in one chunk: no loop, no output buffers to write into
+        return fn(*arrays)
     padding = [(0, 0)] * axis + [(0, count * chunk - rows)]
     arrays = [jnp.pad(x, padding + [(0, 0)] * (x.ndim - axis - 1)) if count * chunk > rows else x for x in arrays]
 
