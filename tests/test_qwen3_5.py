@@ -266,7 +266,9 @@ def test_visual_and_mtp_tensors_are_skipped(checkpoints, tmp_path):
     (lambda t: {**t, LAYER0 + "in_proj_z.weight": np.zeros((144, 65), np.float32)},
      r"in_proj_z\.weight has shape \(144, 65\), expected \(144, 64\)"),
     (lambda t: {**t, LAYER0 + "conv1d.weight": np.zeros((208, 1, 5), np.float32)},
-     r"conv1d\.weight has shape \(208, 1, 5\), expected"),
+     r"conv1d\.weight has shape \(208, 1, 5\), expected \(208, 1, 4\)"),
+    (lambda t: {**t, LAYER0 + "in_proj_qkv.weight": np.zeros((200, 64), np.float32)},
+     r"in_proj_qkv\.weight has shape \(200, 64\), expected \(208, 64\)"),
 ])
 def test_loader_reports_bad_checkpoints(checkpoints, tmp_path, edit, message):
     directory = rewrite_checkpoint(checkpoints["causal_lm"][0], tmp_path / "bad", edit)

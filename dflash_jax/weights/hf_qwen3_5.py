@@ -17,11 +17,6 @@ MULTIMODAL_PREFIX, TEXT_ONLY_PREFIX = "model.language_model.", "model."
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 
 
-def squeeze_conv(x: np.ndarray) -> np.ndarray:
-    """Depthwise Conv1d weight [C, 1, K] -> [C, K]. Other shapes pass through to fail the shape check."""
-    return x[:, 0, :] if x.ndim == 3 and x.shape[1] == 1 else x
-
-
 _SHARED = (  # in every decoder layer: (HF suffix, NNX path below the layer, fix-up)
     ("input_layernorm.weight", ("input_layernorm", "weight"), identity),
     ("post_attention_layernorm.weight", ("post_attention_layernorm", "weight"), identity),
@@ -48,21 +43,25 @@ def _split_qkv(config: Qwen3_5Config) -> tuple:
     """HF's fused in_proj_qkv [2·key_dim + value_dim, H] and conv1d [same, 1, K] hold q, k and v as row blocks;
     the model holds each block as its own weight (models/gated_deltanet.py)."""
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim
-    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
-    blocks = {"q": slice(0, key_dim), "k": slice(key_dim, 2 * key_dim),
-              "v": slice(2 * key_dim, 2 * key_dim + value_dim)}
+    fused = 2 * key_dim + config.linear_num_value_heads * config.linear_value_head_dim
+    in_proj_shape, conv_shape = (fused, config.hidden_size), (fused, 1, config.linear_conv_kernel_dim)
+    blocks = {"q": slice(0, key_dim), "k": slice(key_dim, 2 * key_dim), "v": slice(2 * key_dim, fused)}
     rules = []
     for part, rows in blocks.items():
         rules.append(("linear_attn.in_proj_qkv.weight", ("linear_attn", f"in_proj_{part}", "kernel"),
-                      lambda x, rows=rows: _rows(x, rows, 2 * key_dim + value_dim).T))
+                      lambda x, rows=rows: _fused_rows(x, rows, in_proj_shape).T))
         rules.append(("linear_attn.conv1d.weight", ("linear_attn", f"conv1d_{part}", "weight"),
-                      lambda x, rows=rows: _rows(squeeze_conv(x), rows, 2 * key_dim + value_dim)))
+                      lambda x, rows=rows: _fused_rows(x, rows, conv_shape)[:, 0, :]))
     return tuple(rules)
 
 
-def _rows(x: np.ndarray, rows: slice, fused: int) -> np.ndarray:
-    """Rows `rows` of a fused q|k|v tensor; a tensor of the wrong size passes whole to fail the shape check."""
-    return x[rows] if x.shape[0] == fused else x
+def _fused_rows(x: np.ndarray, rows: slice, fused_shape: tuple[int, ...]) -> np.ndarray:
+    """Rows `rows` of a fused q|k|v tensor, whose whole shape is checked here (the loader would otherwise
+    compare one block's shape and name that in its message)."""
+    if tuple(x.shape) != fused_shape:
+        raise ValueError(f"has shape {tuple(x.shape)}, expected {fused_shape} for this config "
+                         "(q, k and v fused)")
+    return x[rows]
 
 
 def text_rules(config: Qwen3_5Config, prefix: str) -> list[WeightRule]:

@@ -79,7 +79,10 @@ def load_weights(abstract_model: nnx.Module, reader: CheckpointReader, rules: Se
         expected = tuple(variable.shape)
         pieces = []
         for name in rule.names():
-            piece = rule.fixup(reader.read(name))
+            try:
+                piece = rule.fixup(reader.read(name))
+            except ValueError as error:  # a fix-up that checks its input's shape itself
+                raise CheckpointError(f"{reader.dir}: tensor {name} {error}") from None
             per_layer = expected[1:] if rule.layers is not None else expected
             if tuple(piece.shape) != per_layer:
                 raise CheckpointError(f"{reader.dir}: tensor {name} has shape {tuple(reader.shape(name))}, "
