@@ -5,7 +5,7 @@ target-regenerated data (dflash_jax/assets/toy_data). `make demo` runs, from the
     dflash-jax evaluate --config configs/toy.py --workdir out/toy_run --max_new_tokens 128
     dflash-jax export --workdir out/toy_run --out out/toy_drafter
 
-It trains 1100 steps with Muon, about nine minutes on 2 CPU cores, and reaches the τ target (exact τ >= 2 at
+It trains 1100 steps with Muon, about seven and a half minutes on 2 CPU cores, and reaches the τ target (exact τ >= 2 at
 B = 8; bench/RESULTS.md, "Toy drafter"). For its first few hundred steps the drafter sits on a plateau where
 every slot predicts the token that follows the anchor; Muon at speculators' default rate for the weight
 matrices (10x the base rate) leaves it after about 250 steps, AdamW after about 650. Paths are resolved from
@@ -42,7 +42,7 @@ def get_config():
     config.loss.gamma = 4.0  # design §6: 4 for B = 8
     config.data.seq_len = 384  # a prompt (64-192 tokens) and its completion (<= 128 tokens) fill most of a row
     config.data.anchor_stride = 8
-    config.data.batch_size = 4  # 0.47 s a step on 2 CPU cores
+    config.data.batch_size = 4  # 0.39 s a step on 2 idle CPU cores
     config.total_steps = 1100
     # Muon with vLLM speculators' defaults for `--lr 3e-3`: 3e-2 for the weight matrices (their updates scaled
     # to AdamW's RMS), 3e-3 and AdamW's betas (0.9, 0.999) for the norms.
