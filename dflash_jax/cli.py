@@ -17,6 +17,7 @@ Adding a command is one line in COMMANDS.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -56,7 +57,15 @@ def define_config_flag(flag_values: flags.FlagValues) -> flags.FlagHolder:
 def fail(message: str) -> None:
     """Report a user error as one line and exit with code 2."""
     sys.stderr.write(f"error: {' '.join(str(message).split())}\n")
+    # Work the error abandoned (e.g. Orbax's concurrent reads of the other arrays of a damaged checkpoint) can
+    # be collected at exit and print its own traceback after the one line; it says nothing the line does not.
+    sys.unraisablehook = _quiet_abandoned_coroutines
     sys.exit(USER_ERROR_EXIT)
+
+
+def _quiet_abandoned_coroutines(unraisable) -> None:
+    if not inspect.iscoroutine(unraisable.object):
+        sys.__unraisablehook__(unraisable)
 
 
 def run(main: Callable[[], None], command_flags: flags.FlagValues, argv: Sequence[str] | None = None) -> None:
