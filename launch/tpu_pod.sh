@@ -83,9 +83,10 @@ create() {
   fi
 }
 
-install() {  # this checkout (without .git, virtual environments or outputs) to every worker, then its install
+install() {  # this checkout (no .git, venvs, outputs or local libtpu) to every worker, then its install
   local archive=${TMPDIR:-/tmp}/dflash_jax-$name.tar.gz
-  run tar -czf "$archive" -C "$(cd "$(dirname "$0")/.." && pwd)" --exclude=.git --exclude='.venv*' --exclude=out .
+  run tar -czf "$archive" -C "$(cd "$(dirname "$0")/.." && pwd)" --exclude=.git --exclude='.venv*' --exclude=out \
+    --exclude=.libtpu --exclude=__pycache__ .
   run gcloud compute tpus tpu-vm scp "$archive" "$name:dflash_jax.tar.gz" "${where[@]}" --worker=all
   run rm -f "$archive"
   on_workers all "mkdir -p $REMOTE_DIR && tar -xzf dflash_jax.tar.gz -C $REMOTE_DIR && $REMOTE_DIR/launch/install.sh tpu"
