@@ -116,8 +116,8 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
         drop_metrics_after(workdir, start_step)
 
     target_graphdef, target_state = nnx.split(target)
-    step_fns = make_step(config, drafter_config, spec, target_graphdef, state_shardings(target_state, mesh, config.target_layout),
-                         mesh)
+    target_shardings = state_shardings(target_state, mesh, config.target_layout)
+    step_fns = make_step(config, drafter_config, spec, target_graphdef, target_shardings, mesh)
     step_flops = flops.train_step_flops(config, target_config, drafter_config)
     peak = flops.peak_tflops(config, jax.devices()[0])
     tokens_per_step = config.data.batch_size * config.data.seq_len

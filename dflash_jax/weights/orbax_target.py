@@ -124,7 +124,8 @@ def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: 
     marker = read_json(directory / MARKER_FILE)
     if marker.get("format") != FORMAT or marker.get("version") != VERSION:
         raise CheckpointError(f"{directory / MARKER_FILE}: format {marker.get('format')!r} version "
-                              f"{marker.get('version')!r}, expected {FORMAT!r} version {VERSION}")
+                              f"{marker.get('version')!r}, expected {FORMAT!r} version {VERSION}; write it again from the "
+                              "Hugging Face checkpoint with `dflash-jax convert`")
     family, config = resolve(read_config(directory), directory / "config.json")
     abstract = family.abstract_model(config, param_dtype=param_dtype, attention_impl=attention_impl, mesh=mesh)
     graphdef, state = nnx.split(abstract)
