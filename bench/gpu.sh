@@ -7,7 +7,8 @@
 # NVIDIA driver is needed on the host) into $VENV (default .venv-gpu), records nvidia-smi, then runs
 # bench/gpu_step.py: a random-weight Qwen3-8B-shaped target and the design §11 drafter at T = 4096, 512
 # anchors, B = 16, bf16, target attention on cuDNN. Writes gpu_step.json and gpu_step.md (step time, tokens/s,
-# MFU against 989 TFLOP/s per H200) to $OUT. Arguments go to bench/gpu_step.py.
+# MFU against 989 TFLOP/s per H200) to $OUT, then the targets' XLA attention by query chunk size
+# (target_attention_chunks.md). Arguments go to bench/gpu_step.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out/gpu}
@@ -18,3 +19,7 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || echo "nvidia-smi not found" > "$out/n
 # Let JAX take most of each GPU's memory (its default preallocation is 75%).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 "$VENV/bin/python" -m bench.gpu_step --out "$out" "$@" 2>&1 | tee "$out/gpu_step.log"
+# The targets' XLA attention (cuDNN's fallback) by query chunk size: what QUERY_CHUNK_BY_PLATFORM["gpu"] is
+# to be chosen from (ops/attention.py).
+"$VENV/bin/python" -m bench.bench_target_attention_chunks --shapes B,qwen3_8b --rounds 3 2>&1 \
+  | tee "$out/target_attention_chunks.md"

@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from dflash_jax.ops.backends import compile_platform
 from dflash_jax.sharding import BATCH_AXES, ROWS_EMBED, ROWS_MLP, constrain, logical_spec
 
 INIT_STD = 0.02  # HF Qwen `initializer_range`
@@ -40,15 +41,7 @@ class Linear(nnx.Module):
         kernel = self.kernel[...]
         dtype = kernel.dtype if self.dtype is None else self.dtype
         x, kernel = x.astype(dtype), kernel.astype(dtype)
-        return _dot_transposing_narrow_side(x, kernel) if _compiles_for_cpu() else jnp.dot(x, kernel)
-
-
-def _compiles_for_cpu() -> bool:
-    """Whether the computation being traced is compiled for CPU devices: the mesh's in the trace context (the
-    ahead-of-time plan compiles for TPUs from a CPU host), else JAX's default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else mesh.abstract_device
-    return (jax.default_backend() if device is None else device.platform) == "cpu"
+        return _dot_transposing_narrow_side(x, kernel) if compile_platform() == "cpu" else jnp.dot(x, kernel)
 
 
 @jax.custom_vjp

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from dflash_jax.ops.attention import (QUERY_CHUNK, causal_attention, causal_attention_fused, causal_segment_mask,
-                                     grouped_attention)
+from dflash_jax.ops.attention import (causal_attention, causal_attention_fused, causal_segment_mask,
+                                     default_query_chunk, grouped_attention)
 from dflash_jax.ops.splash_attention import causal_attention_splash
 
 # The full-sequence attention of the targets by resolved `attention_impl` (ops/backends.py): query chunks in
@@ -65,9 +65,10 @@ def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids:
             attention = functools.partial(attention, mesh=mesh)
         return attention(q, k, v, segment_ids, scale), None
     keys, values = write_columns(cache.keys, k, cache.start), write_columns(cache.values, v, cache.start)
-    outputs = []  # a long prefill attends in query chunks, as `causal_attention`: [b, H, QUERY_CHUNK, capacity]
-    for first in range(0, q.shape[1], QUERY_CHUNK):
-        chunk = slice(first, first + QUERY_CHUNK)
+    outputs = []  # a long prefill attends in query chunks, as `causal_attention`: [b, H, chunk, capacity]
+    query_chunk = default_query_chunk()
+    for first in range(0, q.shape[1], query_chunk):
+        chunk = slice(first, first + query_chunk)
         visible = causal_segment_mask(segment_ids[:, chunk], cache.segment_ids, cache.start + first)
         outputs.append(grouped_attention(q[:, chunk], keys, values, visible, scale))
     return jnp.concatenate(outputs, axis=1), cache._replace(keys=keys, values=values)

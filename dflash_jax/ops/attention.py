@@ -16,12 +16,22 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.ops.backends import compile_platform
+
 log = logging.getLogger(__name__)
 
 MASKED_SCORE = -1e30  # finite, so a fully masked row gives a uniform (not NaN) softmax; no real row is fully masked
-# Queries per chunk of `causal_attention`: a chunk's scores are at most [B, Hq, QUERY_CHUNK, T] fp32 (the last
-# chunk's), an eighth of the whole row's at T = 4096.
+# Queries per chunk of `causal_attention`: a chunk's scores are at most [B, Hq, chunk, T] fp32 (the last
+# chunk's), an eighth of the whole row's at T = 4096 for 512. By the platform compiled for: on CPU 256 was the
+# fastest of 64-2048 at T = 2048 and 4096 (bench/bench_target_attention_chunks.py, bench/RESULTS.md; 21% less
+# time than 512 at T = 2048, and less memory); elsewhere the XLA path is the fallback of the cuDNN and splash
+# kernels and keeps 512 until measured there (bench/gpu.sh runs the same sweep).
 QUERY_CHUNK = 512
+QUERY_CHUNK_BY_PLATFORM = {"cpu": 256}
+
+
+def default_query_chunk() -> int:
+    return QUERY_CHUNK_BY_PLATFORM.get(compile_platform(), QUERY_CHUNK)
 
 
 def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> jax.Array:
@@ -60,7 +70,7 @@ def causal_segment_mask(query_segments: jax.Array, key_segments: jax.Array, firs
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, scale: float,
-                     query_chunk: int = QUERY_CHUNK) -> jax.Array:
+                     query_chunk: int | None = None) -> jax.Array:
     """Causal, segment-restricted attention. q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]; segment_ids: [B, T].
 
     Queries start..stop-1 can only see keys 0..stop-1, so each chunk scores against that prefix alone: static
@@ -68,8 +78,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     [B, Hkv, T, D]), so no chunk copies its slice of the keys into the layout its matmuls need. The chunks are
     independent, so how many of them are in flight at once is the XLA scheduler's choice (XLA:CPU runs them
     side by side: see bench/RESULTS.md). No jax.checkpoint: the targets' forward is never differentiated.
+    query_chunk: queries per chunk (default: `default_query_chunk()`, by platform).
     """
     batch, length, q_heads, head_dim = q.shape
+    query_chunk = query_chunk or default_query_chunk()
     # A row of at most two chunks is split in halves all the same: the first half's queries skip the second
     # half's keys, 3/4 of the dense form's work (at T = 384 the attention takes a quarter less time on CPU).
     query_chunk = min(query_chunk, -(-length // 2))

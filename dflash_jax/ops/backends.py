@@ -25,3 +25,11 @@ def resolve_attention_impl(name: str, platform: str | None = None) -> str:
     if name == "auto":
         return {"tpu": "splash", "gpu": "cudnn"}.get(platform or jax.default_backend(), "xla")
     return name
+
+
+def compile_platform() -> str:
+    """The platform of the computation being traced: the mesh's in the trace context (the ahead-of-time plan
+    compiles for TPUs from a CPU host), else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    return jax.default_backend() if device is None else device.platform
