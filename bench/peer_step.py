@@ -103,6 +103,8 @@ SHAPES = {
                  seq_len=384, stride=8, block=8, gamma=4.0, features=3, target_layers=4, rows=4,
                  optimizer="muon", vocab_chunk=4096),
 }
+# The same step with AdamW (make demo's optimizer before Muon): what Muon's Newton-Schulz adds to the step.
+SHAPES["toy_adamw"] = dataclasses.replace(SHAPES["toy"], optimizer="adamw")
 
 
 def peer_inputs(shape: Shape) -> dict[str, np.ndarray]:
