@@ -17,7 +17,6 @@ from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, block_token_ids
 from dflash_jax.weights.targets import load_target
 from tests.hf_fixtures import qwen3_config, save_qwen3
 from tests.test_generate import BLOCK, VOCAB, drafter_config
-from tests.train_fixtures import fast_cpu_compiles
 
 NEW_TOKENS = 28
 
@@ -118,9 +117,8 @@ def train_briefly(target, drafter: Drafter, examples: list[Example], steps: int)
         optimizer.update(drafter, grads)
         return loss
 
-    with fast_cpu_compiles():
-        for _ in range(steps):
-            step(drafter, optimizer)
+    for _ in range(steps):
+        step(drafter, optimizer)
     return drafter
 
 

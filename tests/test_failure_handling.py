@@ -26,7 +26,7 @@ from dflash_jax.train.workdir import (CONFIG_HISTORY, ERRORS_LOG, LOCK_FILE, MET
 from dflash_jax.weights.drafter_files import CHECKPOINTS_DIR
 from tests.command import dflash_jax, user_error
 from tests.test_export import training_workdir
-from tests.train_fixtures import fast_cpu_compiles, losses, make_target, tiny_config, write_corpus
+from tests.train_fixtures import losses, make_target, tiny_config, write_corpus
 
 # A trace that Python prints for an abandoned TensorStore read when it is collected would reach the console too.
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
@@ -60,8 +60,7 @@ def stopped_run(tmp_path_factory):
             os.kill(os.getpid(), signal.SIGTERM)
         return {}
 
-    with fast_cpu_compiles():
-        summary = train(config, root / "run", evaluate=stop_at_4)
+    summary = train(config, root / "run", evaluate=stop_at_4)
     assert (summary["final_step"], summary["stopped_by"]) == (4, "SIGTERM")
     return config, root / "run"
 
@@ -71,7 +70,7 @@ def test_a_corrupt_latest_checkpoint_resumes_like_the_previous_step(stopped_run,
     corrupt, previous = shutil.copytree(stopped, tmp_path / "corrupt"), shutil.copytree(stopped, tmp_path / "previous")
     damage(corrupt / CHECKPOINTS_DIR / "4")
     shutil.rmtree(previous / CHECKPOINTS_DIR / "4")  # the run that only ever had the step-2 checkpoint
-    with fast_cpu_compiles(), caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING):
         resumed = train(config, corrupt, evaluate=no_eval)
         warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
         reference = train(config, previous, evaluate=no_eval)

@@ -38,7 +38,8 @@ def add_to_hub_cache(cache: Path, repo_id: str, source: Path) -> Path:
 
 def regenerate(args: list[str], cache: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(cache.parent / "hf_home"))
+    env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(cache.parent / "hf_home"),
+               JAX_DISABLE_MOST_OPTIMIZATIONS="1")  # a tiny model: compile time dominates
     return subprocess.run([sys.executable, "-m", "dflash_jax.regenerate", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 

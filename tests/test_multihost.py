@@ -26,16 +26,17 @@ import pytest
 from dflash_jax.errors import ConfigError
 from dflash_jax.train import distributed
 from dflash_jax.train.loop import train
-from tests.train_fixtures import fast_cpu_compiles, losses, make_target, restore_last, tiny_config, write_corpus
+from tests.train_fixtures import losses, make_target, restore_last, tiny_config, write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 4
+STEPS = 16  # long enough for a stop to land before the end; the same in every run (LR schedule)
 DEVICES_PER_PROCESS = 4
 # The same run for every launch. Two micro-batches of eight rows, one row per device each, and feature noise:
 # the rows each process feeds and the RNG must both line up with the single-process run.
 SETTINGS = {"compute_dtype": "float32", "data.seq_len": 64, "data.anchor_stride": 8, "drafter.block_size": 8,
             "drafter.sliding_window": 24, "loss.row_chunk": 24, "loss.vocab_chunk": 200, "data.batch_size": 16,
-            "grad_accum_steps": 2, "loss.noise_std": 0.1, "total_steps": STEPS, "log_every": 1, "checkpoint_every": 2}
+            "grad_accum_steps": 2, "loss.noise_std": 0.1, "total_steps": STEPS, "log_every": 1,
+            "checkpoint_every": 1000}
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +45,29 @@ def files(tmp_path_factory):
     return make_target(root / "target"), write_corpus(root / "train.jsonl")
 
 
+@pytest.fixture(scope="module")
+def straight(files, tmp_path_factory):
+    """The reference both tests compare with: the run in this process on the session's eight devices, to the
+    end, uninterrupted (checkpoint_every changes only when the state is saved, never the run)."""
+    config = tiny_config(*files, **SETTINGS, **{"mesh.fsdp": 8})
+    workdir = tmp_path_factory.mktemp("straight")
+    train(config, workdir)
+    return config, workdir
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
 
 
-def train_command(target_dir: Path, train_file: Path, workdir: Path, settings: dict, *extra: str) -> list[str]:
+def train_command(target_dir: Path, train_file: Path, workdir: Path, *extra: str) -> list[str]:
+    """The train command of SETTINGS; the session's compilation cache lets later launches of the same
+    program (the second pair of processes, the one-process resume) skip XLA's compile."""
     return [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"),
             "--workdir", str(workdir), f"--config.target_dir={target_dir}", f"--config.data.train_files={train_file}",
-            *(f"--config.{key}={value}" for key, value in settings.items()), *extra]
+            *(f"--config.{key}={value}" for key, value in SETTINGS.items()),
+            f"--config.compilation_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}", *extra]
 
 
 def cpu_env(devices: int) -> dict[str, str]:
@@ -91,15 +105,13 @@ def assert_each_process_built_only_its_rows(outputs: list[str], records: int) ->
     assert sum(indexed) == records and max(indexed) < records  # each record indexed by exactly one process
 
 
-def test_two_processes_train_like_one_with_the_same_mesh(files, tmp_path):
+def test_two_processes_train_like_one_with_the_same_mesh(files, straight, tmp_path):
     target_dir, train_file = files
-    # Exact τ at the last step too: its forward runs on the mesh of both processes.
+    # Exact τ at the last step too: its forward runs on the mesh of both processes; a checkpoint halfway.
     outputs = outputs_of(start_two_processes(train_command(
-        target_dir, train_file, tmp_path / "two", SETTINGS,
-        f"--config.data.eval_files={train_file}", f"--config.eval_every={STEPS}", "--config.eval_prompts=2")))
-    config = tiny_config(target_dir, train_file, **SETTINGS, **{"mesh.fsdp": 8})  # the session's 8 devices
-    with fast_cpu_compiles():
-        train(config, tmp_path / "one")
+        target_dir, train_file, tmp_path / "two", f"--config.data.eval_files={train_file}",
+        f"--config.eval_every={STEPS}", "--config.eval_prompts=2", f"--config.checkpoint_every={STEPS // 2}")))
+    config, one_workdir = straight
 
     assert "process 0 of 2: 4 local of 8 devices" in outputs[0]
     assert "process 1 of 2: 4 local of 8 devices" in outputs[1]
@@ -107,25 +119,23 @@ def test_two_processes_train_like_one_with_the_same_mesh(files, tmp_path):
     assert f"step {STEPS}: loss" in outputs[0] and "step 1: loss" not in outputs[1]
     assert f"eval at step {STEPS}" in outputs[0] and "eval at" not in outputs[1]
     assert '"eval/tau"' in (tmp_path / "two" / "metrics.jsonl").read_text()
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    one, two = losses(one_workdir), losses(tmp_path / "two")
     assert sorted(two) == list(range(1, STEPS + 1))  # one record per step: only process 0 wrote
     np.testing.assert_allclose([two[step] for step in sorted(two)], [one[step] for step in sorted(one)], rtol=1e-5)
 
     # The checkpoint both processes wrote together holds the same state and data position. The collectives
     # sum in another order than one process does, and Adam's update m/sqrt(v) turns that rounding into up to
     # a few percent of one step (lr 6e-4) on weights whose gradient is nearly zero: hence atol 1e-4.
-    one_step, one_state, one_data = restore_last(tmp_path / "one", config)
+    assert sorted(map(int, os.listdir(tmp_path / "two" / "checkpoints"))) == [STEPS // 2, STEPS]
+    one_step, one_state, one_data = restore_last(one_workdir, config)
     two_step, two_state, two_data = restore_last(tmp_path / "two", config)
     assert one_step == two_step == STEPS
     assert two_data == one_data
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), two_state, one_state)
 
 
-def test_sigterm_to_one_process_stops_both_after_the_same_step_and_one_checkpoint(files, tmp_path):
-    target_dir, train_file = files
-    total = 16  # long enough for the stop to land before the end; the same in every run (LR schedule)
-    settings = dict(SETTINGS, total_steps=total, checkpoint_every=1000)
-    command = train_command(target_dir, train_file, tmp_path / "run", settings)
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_one_checkpoint(files, straight, tmp_path):
+    command = train_command(*files, tmp_path / "run")
     processes = start_two_processes(command)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 300
@@ -140,7 +150,7 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_one_checkpoin
     assert all(stops), [output[-2000:] for output in outputs]
     assert stops[0].group(1) == "a stop on another process" and stops[1].group(1) == "SIGTERM"
     stopped_at = int(stops[0].group(2))
-    assert int(stops[1].group(2)) == stopped_at < total
+    assert int(stops[1].group(2)) == stopped_at < STEPS
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == [str(stopped_at)]  # one checkpoint, both in it
     assert sorted(losses(tmp_path / "run")) == list(range(1, stopped_at + 1))
 
@@ -150,16 +160,14 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_one_checkpoin
     assert f"resuming from {tmp_path / 'run' / 'checkpoints'} at step {stopped_at}" in resumed.stderr
     assert "rows 0-15 of each batch of 16: 200 records" in resumed.stderr
 
-    config = tiny_config(target_dir, train_file, **settings, **{"mesh.fsdp": 8})
-    with fast_cpu_compiles():
-        train(config, tmp_path / "straight")
-    run, straight = losses(tmp_path / "run"), losses(tmp_path / "straight")
-    assert sorted(run) == sorted(straight) == list(range(1, total + 1))
-    np.testing.assert_allclose([run[step] for step in sorted(run)], [straight[step] for step in sorted(run)],
-                               rtol=1e-5)
+    config, straight_workdir = straight
+    run, straight_losses = losses(tmp_path / "run"), losses(straight_workdir)
+    assert sorted(run) == sorted(straight_losses) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([run[step] for step in sorted(run)],
+                               [straight_losses[step] for step in sorted(run)], rtol=1e-5)
     run_step, run_state, run_data = restore_last(tmp_path / "run", config)
-    straight_step, straight_state, straight_data = restore_last(tmp_path / "straight", config)
-    assert run_step == straight_step == total and run_data == straight_data
+    straight_step, straight_state, straight_data = restore_last(straight_workdir, config)
+    assert run_step == straight_step == STEPS and run_data == straight_data
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), run_state, straight_state)
 
 

@@ -20,7 +20,7 @@ from dflash_jax.train import flops, validate
 from dflash_jax.train.loop import train
 from dflash_jax.weights.targets import load_target
 from tests.command import REPO, dflash_jax, user_error
-from tests.train_fixtures import fast_cpu_compiles, make_target, mesh_of, tiny_config, write_corpus
+from tests.train_fixtures import make_target, mesh_of, tiny_config, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,7 @@ def test_plan_on_simulated_devices_matches_the_shardings_and_the_flop_model(file
     config = tiny_config(files["target"], files["corpus"],
                          **{"data.batch_size": 8, "mesh.fsdp": 8, "drafter.mask_token_id": 0})
     target_config = target_architecture(config)
-    with fast_cpu_compiles():
-        plan = plan_train_step(config, target_config, mesh_of(1, 8, 1), hbm_gib=1.0)
+    plan = plan_train_step(config, target_config, mesh_of(1, 8, 1), hbm_gib=1.0)
     # The loaded target's weights, split over fsdp = 8: what each device holds is about an eighth (norms and
     # other small vectors that do not divide stay whole).
     target, _ = load_target(config.target_dir, param_dtype=jnp.float32)
@@ -59,8 +58,7 @@ def test_plan_shows_what_each_target_layout_puts_on_a_device(files):
     norms stay whole), "fsdp" about an eighth; the step compiles with the chosen one."""
     config = tiny_config(files["target"], files["corpus"], target_layout="tensor",
                          **{"data.batch_size": 4, "mesh.fsdp": 4, "mesh.tensor": 2, "drafter.mask_token_id": 0})
-    with fast_cpu_compiles():
-        plan = plan_train_step(config, target_architecture(config), mesh_of(1, 4, 2))
+    plan = plan_train_step(config, target_architecture(config), mesh_of(1, 4, 2))
     target, _ = load_target(config.target_dir, param_dtype=jnp.float32)
     whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(target)))
     layouts = plan.target_bytes_by_layout
@@ -82,8 +80,7 @@ def test_temporaries_do_not_grow_with_target_depth(files, tmp_path):
         target = make_target(tmp_path / f"layers{layers}", num_layers=layers)
         config = tiny_config(target, files["corpus"], **{
             "data.batch_size": 8, "mesh.fsdp": 8, "drafter.mask_token_id": 0, "drafter.target_layer_ids": (1, 3)})
-        with fast_cpu_compiles():
-            temporaries[layers] = plan_train_step(config, target_architecture(config), mesh_of(1, 8, 1)).temp_bytes
+        temporaries[layers] = plan_train_step(config, target_architecture(config), mesh_of(1, 8, 1)).temp_bytes
     one_residual = 1 * config.data.seq_len * 64 * 4  # a device's row [1, T, H] in fp32
     assert abs(temporaries[8] - temporaries[4]) < one_residual, temporaries
 
@@ -151,10 +148,9 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips():
 def test_train_with_plan_only_stops_before_reading_weights(files, tmp_path):
     config = tiny_config(files["target"], files["corpus"],
                          **{"data.batch_size": 2, "mesh.fsdp": 2, "plan_only": True, "hbm_gib": 1.0})
-    with fast_cpu_compiles():
-        summary = train(config, tmp_path / "run")
+    summary = train(config, tmp_path / "run")
     assert 0 < summary["plan_temp_gib"] < summary["plan_total_gib"] < 1.0
     assert not (tmp_path / "run" / "checkpoints").exists()
     config.hbm_gib = 1e-4
-    with pytest.raises(UserError, match="over the 0.0 GiB budget"), fast_cpu_compiles():
+    with pytest.raises(UserError, match="over the 0.0 GiB budget"):
         train(config, tmp_path / "run")

@@ -15,8 +15,7 @@ from dflash_jax.sharding import logical_spec, state_shardings
 from dflash_jax.train.checkpoint import Checkpointer
 from dflash_jax.train.state import state_spec
 from dflash_jax.train.step import put_batch
-from tests.train_fixtures import build, fast_cpu_compiles, make_qwen3_5_target, make_target, mesh_of, tiny_config, \
-    write_corpus
+from tests.train_fixtures import build, make_qwen3_5_target, make_target, mesh_of, tiny_config, write_corpus
 
 ROWS = 8  # global batch: one row per device on the 8 simulated devices
 
@@ -26,12 +25,6 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharding")
     return {"qwen3": make_target(root / "qwen3"), "qwen3_5": make_qwen3_5_target(root / "qwen3_5"),
             "corpus": write_corpus(root / "train.jsonl")}
-
-
-@pytest.fixture(autouse=True)
-def _fast_compiles():
-    with fast_cpu_compiles():
-        yield
 
 
 def config_for(files, kind, data=1, fsdp=1, tensor=1, target_layout="fsdp"):

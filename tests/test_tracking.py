@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from dflash_jax.errors import ConfigError
 from dflash_jax.train.loop import train
 from dflash_jax.train.tracking import TENSORBOARD_DIR, Trackers, scalar_metrics
-from tests.train_fixtures import fast_cpu_compiles, make_target, tiny_config, write_corpus
+from tests.train_fixtures import make_target, tiny_config, write_corpus
 
 
 def metrics_records(workdir) -> list[dict]:
@@ -26,10 +26,9 @@ def test_event_files_hold_the_logged_values_and_each_step_once_after_a_resume(tm
                          total_steps=12, log_every=2, checkpoint_every=8, eval_every=4)
     workdir = tmp_path / "run"
     evaluate = lambda step, drafter, target: {"tau": 1 + step / 100}  # noqa: E731  (stands in for exact τ)
-    with fast_cpu_compiles():
-        train(config, workdir, evaluate=evaluate)  # logs steps 2..12, checkpoints at 8 and 12
-        shutil.rmtree(workdir / "checkpoints" / "12")  # as if the run died after logging 12, before saving it
-        resumed = train(config, workdir, evaluate=evaluate)
+    train(config, workdir, evaluate=evaluate)  # logs steps 2..12, checkpoints at 8 and 12
+    shutil.rmtree(workdir / "checkpoints" / "12")  # as if the run died after logging 12, before saving it
+    resumed = train(config, workdir, evaluate=evaluate)
     assert resumed["start_step"] == 8
 
     # The resumed run's event file starts with TensorBoard's purge marker at the first step it logs again.

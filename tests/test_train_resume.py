@@ -19,7 +19,7 @@ import pytest
 from dflash_jax.train.checkpoint import Checkpointer
 from dflash_jax.train.loop import train
 from tests.command import user_error
-from tests.train_fixtures import fast_cpu_compiles, losses, make_target, restore_last, tiny_config, write_corpus
+from tests.train_fixtures import losses, make_target, restore_last, tiny_config, write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,10 +43,9 @@ def test_stop_at_step_10_and_rerun_matches_a_straight_run(files, tmp_path, optim
         return {}
 
     preempted: list[int] = []
-    with fast_cpu_compiles():
-        straight = train(config, tmp_path / "straight", evaluate=lambda step, drafter, target: {})
-        first = train(config, tmp_path / "resumed", evaluate=preempt_once)
-        second = train(config, tmp_path / "resumed", evaluate=preempt_once)
+    straight = train(config, tmp_path / "straight", evaluate=lambda step, drafter, target: {})
+    first = train(config, tmp_path / "resumed", evaluate=preempt_once)
+    second = train(config, tmp_path / "resumed", evaluate=preempt_once)
 
     assert (first["final_step"], first["stopped_by"]) == (10, "SIGTERM")
     assert (second["start_step"], second["final_step"], second["stopped_by"]) == (10, 20, None)

@@ -14,8 +14,7 @@ from dflash_jax.ops.mask import position_mask
 from dflash_jax.train import flops
 from dflash_jax.train.optimizer import learning_rate_schedule
 from dflash_jax.train.step import put_batch
-from tests.train_fixtures import (build, fast_cpu_compiles, make_qwen3_5_target, make_target, mesh_of, tiny_config,
-                                  write_corpus)
+from tests.train_fixtures import build, make_qwen3_5_target, make_target, mesh_of, tiny_config, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +26,6 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hybrid_target(tmp_path_factory):
     return make_qwen3_5_target(tmp_path_factory.mktemp("train_step_qwen3_5") / "target")
-
-
-@pytest.fixture(autouse=True)
-def _fast_compiles():
-    with fast_cpu_compiles():
-        yield
 
 
 def to_numpy(tree):

@@ -3,7 +3,6 @@ a synthetic prompt/completion JSONL corpus, and a config for both (configs/tiny.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 from pathlib import Path
@@ -143,14 +142,3 @@ def build(config: ConfigDict, mesh: Mesh) -> Setup:
 
 def mesh_of(data: int = 1, fsdp: int = 1, tensor: int = 1) -> Mesh:
     return make_mesh(data, fsdp, tensor, devices=jax.devices()[: data * fsdp * tensor])
-
-
-@contextlib.contextmanager
-def fast_cpu_compiles():
-    """XLA:CPU spends ~30 s optimising even these tiny train steps; the tests need correctness, not speed."""
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", previous)
