@@ -54,16 +54,20 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
+@nnx.jit  # one function for every call below: each model compiles once
+def full_forward_logits(model, ids):
+    positions = jnp.arange(ids.shape[1])[None]
+    return fp32_logits(model(ids, positions, jnp.ones_like(ids)).hidden, model.lm_head_kernel())
+
+
 def uncached_greedy(model, prompt: list[int], stops: tuple[int, ...], width: int = 128) -> list[int]:
     """Token by token: the argmax of a full forward over the text so far (right padding changes nothing
     before it), until a stop token or MAX_NEW tokens."""
-    forward = nnx.jit(lambda m, ids: fp32_logits(m(ids, jnp.arange(width)[None], jnp.ones_like(ids)).hidden,
-                                                 m.lm_head_kernel()))
     text = list(prompt)
     for _ in range(MAX_NEW):
         ids = np.zeros((1, width), np.int32)
         ids[0, :len(text)] = text
-        text.append(int(np.argmax(forward(model, ids)[0, len(text) - 1])))
+        text.append(int(np.argmax(full_forward_logits(model, ids)[0, len(text) - 1])))
         if text[-1] in stops:
             break
     return text[len(prompt):]
@@ -146,6 +150,7 @@ def test_resume_cuts_what_a_kill_left_and_appends_each_record_once(tmp_path):
 
 def _start(args: list[str]) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a laptop
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # a tiny model: compile time dominates
     return subprocess.Popen([sys.executable, "-m", "dflash_jax.regenerate", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
