@@ -20,7 +20,9 @@ import sys
 import threading
 import time
 import traceback
+import types
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -72,11 +74,27 @@ def library_logs_captured() -> Iterator[list[str]]:
     try:
         yield lines
     finally:
-        gc.collect()
+        with warnings.catch_warnings(record=True) as collected:  # "coroutine ... was never awaited", the same reads
+            warnings.simplefilter("always")
+            _wait_for_abandoned_reads()
+            gc.collect()
+        lines.extend(str(warning.message) for warning in collected)
         sys.unraisablehook = unraisable_hook
         for logger, previous in zip(loggers, propagate):
             logger.removeHandler(handler)
             logger.propagate = previous
+
+
+def _wait_for_abandoned_reads(timeout: float = 10.0) -> None:
+    """A failed Orbax restore returns while TensorStore still reads the other arrays; their coroutines stay
+    alive until those reads complete (on TensorStore's threads) and only then fail on the closed event loop and
+    get collected. Waiting for that here (local reads take milliseconds) keeps their traces in this capture
+    instead of on the console later."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(
+            type(obj) is types.CoroutineType and "orbax" in obj.cr_code.co_filename for obj in gc.get_objects()):
+        gc.collect()
+        time.sleep(0.01)
 
 
 def short_reason(error: BaseException, limit: int = 300) -> str:
