@@ -11,7 +11,9 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 # The tests' models are tiny: XLA:CPU's optimisation passes cost far more than they save (the suite takes about
 # 40% longer with them). The commands the tests start choose for themselves (most set JAX_DISABLE_MOST_OPTIMIZATIONS).
-jax.config.update("jax_disable_most_optimizations", True)
+# JAX_DISABLE_MOST_OPTIMIZATIONS=0 in the environment runs the suite on the optimised path instead.
+if "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ:
+    jax.config.update("jax_disable_most_optimizations", True)
 
 
 @pytest.fixture(scope="session", autouse=True)
