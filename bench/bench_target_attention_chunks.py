@@ -1,8 +1,8 @@
 """Time of the targets' XLA causal attention (`ops/attention.py` `causal_attention`, forward only: the target
 is frozen) by query chunk size, the sizes alternating within each round, medians; with XLA's temporary memory
-of each size. This is what chose the XLA path's query chunk per platform (`QUERY_CHUNK_BY_PLATFORM`) (bench/RESULTS.md); GPUs run cuDNN's fused
-kernel and TPUs the splash kernel, whose tiling is their own, so the XLA chunk only matters where those
-cannot run.
+of each size. This is what chose the XLA path's query chunk per platform (`QUERY_CHUNK_BY_PLATFORM`;
+bench/RESULTS.md); GPUs run cuDNN's fused kernel and TPUs the splash kernel, whose tiling is their own, so
+the XLA chunk only matters where those cannot run.
 
     .venv/bin/python -m bench.bench_target_attention_chunks [--shapes toy,B,qwen3_8b] [--rounds 5]
 """

@@ -5,11 +5,11 @@ target-regenerated data (dflash_jax/assets/toy_data). `make demo` runs, from the
     dflash-jax evaluate --config configs/toy.py --workdir out/toy_run --max_new_tokens 128
     dflash-jax export --workdir out/toy_run --out out/toy_drafter
 
-It trains 1100 steps with Muon, about seven and a half minutes on 2 CPU cores, and reaches the τ target (exact τ >= 2 at
-B = 8; bench/RESULTS.md, "Toy drafter"). For its first few hundred steps the drafter sits on a plateau where
-every slot predicts the token that follows the anchor; Muon at speculators' default rate for the weight
-matrices (10x the base rate) leaves it after about 250 steps, AdamW after about 650. Paths are resolved from
-this file, so it runs from any directory.
+It trains 1100 steps with Muon, about seven and a half minutes on 2 CPU cores, and reaches the τ target
+(exact τ >= 2 at B = 8; bench/RESULTS.md, "Toy drafter"). For its first few hundred steps the drafter sits on
+a plateau where every slot predicts the token that follows the anchor; Muon at speculators' default rate for
+the weight matrices (10x the base rate) leaves it after about 250 steps, AdamW after about 650. Paths are
+resolved from this file, so it runs from any directory.
 """
 
 from pathlib import Path

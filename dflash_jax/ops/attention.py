@@ -81,7 +81,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     query_chunk: queries per chunk (default: `default_query_chunk()`, by platform).
     """
     batch, length, q_heads, head_dim = q.shape
-    query_chunk = query_chunk or default_query_chunk()
+    if query_chunk is None:
+        query_chunk = default_query_chunk()
     # A row of at most two chunks is split in halves all the same: the first half's queries skip the second
     # half's keys, 3/4 of the dense form's work (at T = 384 the attention takes a quarter less time on CPU).
     query_chunk = min(query_chunk, -(-length // 2))
