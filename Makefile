@@ -43,7 +43,7 @@ clean:
 # The whole job on the bundled toy target: train a drafter (progress bar), print exact and DDTree τ of the
 # trained and the untrained drafter on the held-out prompts, export it for vLLM (the export prints the
 # `vllm serve` command). A rerun starts a fresh run. One CPU device (no simulated mesh): what a laptop has.
-# About ten minutes on 2 CPU cores, enough for the τ target (README; asserted by `make test-slow`).
+# About eight and a half minutes on 2 CPU cores, enough for the τ target (README; asserted by `make test-slow`).
 demo: $(VENV)/.base-installed
 	rm -rf out/toy_run out/toy_drafter
 	env -u XLA_FLAGS $(VENV)/bin/dflash-jax train --config configs/toy.py --workdir out/toy_run

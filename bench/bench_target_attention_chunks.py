@@ -31,7 +31,7 @@ class Shape(NamedTuple):
 
 
 SHAPES = {
-    "toy": Shape(rows=4, seq_len=384, q_heads=4, kv_heads=2, head_dim=64),  # make demo's target
+    "toy": Shape(rows=3, seq_len=328, q_heads=4, kv_heads=2, head_dim=64),  # make demo's target rows (configs/toy.py)
     "B": Shape(rows=2, seq_len=2048, q_heads=8, kv_heads=2, head_dim=128),  # bench/peer_step.py's shape B
     "qwen3_8b": Shape(rows=1, seq_len=4096, q_heads=32, kv_heads=8, head_dim=128),
 }

@@ -38,6 +38,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from configs import toy
 from dflash_jax.models.dflash import TargetContext, target_labels
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.models.layers import rope_inverse_frequencies
@@ -97,12 +98,24 @@ SHAPES = {
     # step (the target: 6 GB per 8 layers).
     "qwen3_8b": Shape(hidden=4096, layers=1, q_heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                       vocab=151936, seq_len=512, stride=16, block=16, gamma=7.0, features=5, target_layers=0),
-    # `make demo`'s step (configs/toy.py: 4 rows of 384 tokens, the toy target's widths, Muon; random weights
-    # here): the project's side only.
-    "toy": Shape(hidden=256, layers=2, q_heads=4, kv_heads=2, head_dim=64, intermediate=768, vocab=4032,
-                 seq_len=384, stride=8, block=8, gamma=4.0, features=3, target_layers=4, rows=4,
-                 optimizer="muon", vocab_chunk=4096),
 }
+
+
+def demo_shape() -> Shape:
+    """`make demo`'s step: configs/toy.py's rows, anchors, drafter and optimizer at the toy target's widths
+    (random weights here), read from those files so that the benchmark follows the demo. The project's side only."""
+    config = toy.get_config()
+    target = json.loads((Path(config.target_dir) / "config.json").read_text())
+    drafter = config.drafter
+    return Shape(hidden=target["hidden_size"], layers=drafter.num_hidden_layers, q_heads=drafter.num_attention_heads,
+                 kv_heads=drafter.num_key_value_heads, head_dim=drafter.head_dim,
+                 intermediate=target["intermediate_size"], vocab=target["vocab_size"], seq_len=config.data.seq_len,
+                 stride=config.data.anchor_stride, block=drafter.block_size, gamma=config.loss.gamma,
+                 features=drafter.num_feature_layers, target_layers=target["num_hidden_layers"],
+                 rows=config.data.batch_size, optimizer=config.optim.name, vocab_chunk=config.loss.vocab_chunk)
+
+
+SHAPES["toy"] = demo_shape()
 # The same step with AdamW (make demo's optimizer before Muon): what Muon's Newton-Schulz adds to the step.
 SHAPES["toy_adamw"] = dataclasses.replace(SHAPES["toy"], optimizer="adamw")
 

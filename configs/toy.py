@@ -5,11 +5,11 @@ target-regenerated data (dflash_jax/assets/toy_data). `make demo` runs, from the
     dflash-jax evaluate --config configs/toy.py --workdir out/toy_run --max_new_tokens 128
     dflash-jax export --workdir out/toy_run --out out/toy_drafter
 
-It trains 1100 steps with Muon, about seven and a half minutes on 2 CPU cores, and reaches the τ target
-(exact τ >= 2 at B = 8; bench/RESULTS.md, "Toy drafter"). For its first few hundred steps the drafter sits on
-a plateau where every slot predicts the token that follows the anchor; Muon at speculators' default rate for
-the weight matrices (10x the base rate) leaves it after about 250 steps, AdamW after about 650. Paths are
-resolved from this file, so it runs from any directory.
+It trains 1467 steps of 3 rows with Muon, about seven minutes on 2 CPU cores, and reaches the τ target (exact
+τ >= 2 at B = 8; bench/RESULTS.md, "Toy drafter"). For its first few hundred steps the drafter sits on a plateau
+where every slot predicts the token that follows the anchor; Muon at speculators' default rate for the weight
+matrices (10x the base rate) leaves it after about 350 steps (with 4-row steps: 250, and AdamW about 650).
+Paths are resolved from this file, so it runs from any directory.
 """
 
 from pathlib import Path
@@ -40,10 +40,14 @@ def get_config():
 
     config.drafter.block_size = 8
     config.loss.gamma = 4.0  # design §6: 4 for B = 8
-    config.data.seq_len = 384  # a prompt (64-192 tokens) and its completion (<= 128 tokens) fill most of a row
+    # A row holds one record: the longest (320 tokens) plus the largest phase shift (S - 1 = 7). Longer rows
+    # would only add padding: records average 260 tokens, too many for two in a row.
+    config.data.seq_len = 328
     config.data.anchor_stride = 8
-    config.data.batch_size = 4  # 0.39 s a step on 2 idle CPU cores
-    config.total_steps = 1100
+    # 0.27-0.29 s a step on 2 idle CPU cores; 1467 steps see the 4,400 records (2.9 epochs) that 1100 steps of 4
+    # rows did, in more, smaller updates (bench/RESULTS.md, "Toy drafter").
+    config.data.batch_size = 3
+    config.total_steps = 1467
     # Muon with vLLM speculators' defaults for `--lr 3e-3`: 3e-2 for the weight matrices (their updates scaled
     # to AdamW's RMS), 3e-3 and AdamW's betas (0.9, 0.999) for the norms.
     config.optim.name = "muon"

@@ -2,7 +2,7 @@
 prompts (the target's own greedy continuations); the trained drafter must reach the τ target against the
 untrained one. Then export and reload.
 
-The demo (about ten minutes on 2 CPU cores) runs in `make test-slow`. Measured figures: bench/RESULTS.md
+The demo (about eight and a half minutes on 2 CPU cores) runs in `make test-slow`. Measured figures: bench/RESULTS.md
 "Toy drafter"."""
 
 from __future__ import annotations
