@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from configs import toy
 from dflash_jax.ops.attention import causal_attention, default_query_chunk
 
 
@@ -30,8 +33,17 @@ class Shape(NamedTuple):
     head_dim: int
 
 
+def demo_shape() -> Shape:
+    """`make demo`'s target: configs/toy.py's rows at the toy target's attention widths, read from those files so
+    that the benchmark follows the demo."""
+    config = toy.get_config()
+    target = json.loads((Path(config.target_dir) / "config.json").read_text())
+    return Shape(rows=config.data.batch_size, seq_len=config.data.seq_len, q_heads=target["num_attention_heads"],
+                 kv_heads=target["num_key_value_heads"], head_dim=target["head_dim"])
+
+
 SHAPES = {
-    "toy": Shape(rows=3, seq_len=328, q_heads=4, kv_heads=2, head_dim=64),  # make demo's target rows (configs/toy.py)
+    "toy": demo_shape(),
     "B": Shape(rows=2, seq_len=2048, q_heads=8, kv_heads=2, head_dim=128),  # bench/peer_step.py's shape B
     "qwen3_8b": Shape(rows=1, seq_len=4096, q_heads=32, kv_heads=8, head_dim=128),
 }
