@@ -26,7 +26,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from dflash_jax.errors import UserError
-from dflash_jax.train.validate import check_overrides
+from dflash_jax.train.validate import check_overrides, resolve_chat_template_kwargs
 
 PROGRAM = "dflash-jax"
 # command -> the module whose `main()` runs it with its `FLAGS` (`python -m <module>` runs it the same way).
@@ -85,6 +85,7 @@ def run(main: Callable[[], None], command_flags: flags.FlagValues, argv: Sequenc
             flags.FLAGS(args[:1])  # absl's own flags (logging) keep their defaults
             if has_config:
                 command_flags.config.keys()  # a config file that failed to load raises here, not in main
+                resolve_chat_template_kwargs(command_flags.config)  # text from the command line -> a dict
         except UserError as error:
             fail(str(error))
         except flags.Error as error:

@@ -108,17 +108,20 @@ def test_completion_record_trains_exactly_the_completion_tokens():
     assert document.input_ids.dtype == np.int32 and document.loss_mask.dtype == np.int32
 
 
-def test_template_violating_the_prefix_property_is_reported():
+def test_template_that_rewrites_earlier_turns_is_located_in_the_whole_rendering():
+    # Renders the last assistant turn differently from earlier ones, as the Qwen reasoning templates do: the
+    # rendering of a prefix is no prefix of the whole one, and the turns are still found in the whole one.
     tokenizer = make_chat_tokenizer()
-    # Renders the last assistant turn differently from earlier ones, as some reasoning templates do.
     tokenizer.chat_template = (
         "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n"
-        "{%- if m['role'] == 'assistant' and loop.last %}<think></think>{% endif %}"
+        "{%- if m['role'] == 'assistant' and loop.last %}<|endoftext|>{% endif %}"
         "{{ m['content'] }}<|im_end|>\n{%- endfor %}"
         "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
     )
-    with pytest.raises(DataError, match=r"^t:7: chat template violates the prefix property at .*messages\[2\]"):
-        tokenize_record(ChatRecord(tuple(TWO_ASSISTANT_TURNS)), tokenizer, "t:7")
+    document = tokenize_record(ChatRecord(tuple(TWO_ASSISTANT_TURNS)), tokenizer, "t:7")
+    runs = [tokenizer.decode(run) for run in trained_runs(document)]
+    assert runs == [TWO_ASSISTANT_TURNS[2]["content"] + "<|im_end|>",
+                    "<|endoftext|>" + TWO_ASSISTANT_TURNS[4]["content"] + "<|im_end|>"]
 
 
 # -- bad records --------------------------------------------------------------------------------------------
@@ -129,13 +132,13 @@ def test_template_violating_the_prefix_property_is_reported():
     [
         ('{"messages": [', "invalid JSON"),
         ("[1, 2]", "expected a JSON object"),
-        ('{"text": "hi"}', "record needs 'messages' or 'prompt'"),
+        ('{"text": "hi"}', "record needs 'messages', 'conversations' or 'prompt'"),
         ('{"prompt": "hi"}', "record is missing 'completion'"),
         ('{"prompt": "hi", "completion": 3}', "'completion' must be a string"),
         ('{"prompt": "hi", "completion": ""}', "'completion' is empty"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', "conversation has no assistant turn"),
         ('{"messages": [{"role": "assistant"}]}', r"messages\[0\] is missing 'content'"),
-        ('{"messages": [{"role": "assistant", "content": ["x"]}]}', r"messages\[0\].content must be a string"),
+        ('{"messages": [{"role": "assistant", "content": 3}]}', r"messages\[0\].content must be a string or a list"),
     ],
 )
 def test_bad_record_reports_file_and_line(tmp_path: Path, bad_line: str, reason: str):

@@ -2,14 +2,17 @@
 
 Usage: `from tests.tokenizer_fixture import make_chat_tokenizer`. Each call returns a fresh
 `PreTrainedTokenizerFast` (tests may mutate it); the BPE training itself runs once per process.
+`make_qwen_tokenizer("qwen3")` / `("qwen3_5")` gives the same BPE with the Qwen chat tokens and the published
+Qwen3 or Qwen3.5/3.6 chat template (tests/fixtures/chat_templates/).
 """
 
 from __future__ import annotations
 
 import functools
 import random
+from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -67,4 +70,18 @@ def make_chat_tokenizer(with_chat_template: bool = True, vocab_size: int = 600) 
     )
     if with_chat_template:
         tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+CHAT_TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+# The Qwen tokenizers' added tokens the chat templates write: <think>/</think> and the tool tags are added but
+# not special in Qwen's tokenizer_config.json, so they are added the same way here.
+QWEN_TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+def make_qwen_tokenizer(template: str) -> PreTrainedTokenizerFast:
+    """The test BPE with Qwen's chat tokens and `tests/fixtures/chat_templates/<template>.jinja`."""
+    tokenizer = make_chat_tokenizer(with_chat_template=False)
+    tokenizer.add_tokens([AddedToken(tag, normalized=False, special=False) for tag in QWEN_TAGS])
+    tokenizer.chat_template = (CHAT_TEMPLATES / f"{template}.jinja").read_text()
     return tokenizer

@@ -1,18 +1,21 @@
 """Turn records into token ids and a loss mask with the target's Hugging Face tokenizer.
 
-Chat records: the whole conversation is rendered once with the chat template and tokenized once. Each
-assistant turn's character span is found by rendering prefixes of the conversation: the turn starts where
-`messages[:i]` + generation prompt ends and ends where `messages[:i+1]` ends (minus trailing whitespace the
-template writes after the end-of-turn token, e.g. ChatML's newline after `<|im_end|>`). Both renders must be
-prefixes of the full render (true for ChatML/Qwen templates on ordinary chats); a template that rewrites
-earlier turns depending on what follows violates this and is reported, never guessed around. Character
-spans become token masks through the fast tokenizer's offset mapping: a token is trained iff it starts
-inside an assistant span, so the role header `<|im_start|>assistant\\n` is not trained, the assistant content
-and its closing `<|im_end|>` are.
+Chat records (design §4): the whole conversation is rendered once with the chat template and tokenized once;
+nothing else is rendered from it. Each assistant turn is found in that one rendering by the template's own
+turn markers (`turn_markers`): the assistant header (the part of the generation prompt that every assistant
+turn starts with, e.g. `<|im_start|>assistant\\n`) and the end-of-turn text (e.g. `<|im_end|>`). The Qwen3 and
+Qwen3.5/3.6 templates render a `<think>` block only for the assistant turns after the last user query, so the
+rendering of a prefix of a conversation is in general not a prefix of the rendering of all of it; locating the
+turns in the full rendering needs no such agreement. A turn's span runs from the end of its header through its
+end-of-turn text: the reasoning block as rendered, the content, the tool calls and the end-of-turn token are
+trained; the header and every system, user and tool token are not. Character spans become token masks through
+the fast tokenizer's offset mapping: a token is trained iff it starts inside an assistant span.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +25,11 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash_jax.data.records import ChatRecord, CompletionRecord, Record
 from dflash_jax.errors import DataError
+
+# A probe conversation whose answers are unique strings: where they land in its rendering shows the markers.
+_PROBE_ANSWERS = ("Probe answer one.", "Probe answer two.")
+_PROBE = ({"role": "user", "content": "Probe question one?"}, {"role": "assistant", "content": _PROBE_ANSWERS[0]},
+          {"role": "user", "content": "Probe question two?"}, {"role": "assistant", "content": _PROBE_ANSWERS[1]})
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,14 @@ class Document:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class TurnMarkers:
+    """What opens an assistant turn in a template's rendering, and what closes it."""
+
+    header: str
+    end: str
 
 
 def check_chat_tokenizer(tokenizer: PreTrainedTokenizerBase, where: str) -> None:
@@ -67,42 +83,81 @@ def _tokenize_completion(record: CompletionRecord, tokenizer: PreTrainedTokenize
     return Document(input_ids=input_ids, loss_mask=loss_mask)
 
 
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], where: str,
+                template_kwargs: dict[str, Any], tools: list[dict[str, Any]] | None = None,
+                add_generation_prompt: bool = False) -> str:
+    """The chat template's text for `messages`; a template error is a DataError naming the record."""
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **template_kwargs)
+    except jinja2.TemplateError as e:
+        raise DataError(where, f"chat template failed: {e}") from None
+
+
+_MARKERS: dict[tuple[str, str], TurnMarkers] = {}
+
+
+def turn_markers(tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[str, Any], where: str) -> TurnMarkers:
+    """The template's assistant header and end-of-turn text, read off its rendering of a probe conversation
+    (once per template and kwargs). The header is what the generation prompt and an assistant turn before the
+    last query both start with (so a `<think>` block the generation prompt opens is not part of it); the end is
+    what follows both probe answers, without trailing whitespace. DataError when either comes out empty."""
+    key = (tokenizer.chat_template, json.dumps(template_kwargs, sort_keys=True, default=str))
+    if key not in _MARKERS:
+        probe = [dict(m) for m in _PROBE]
+        question = render_chat(tokenizer, probe[:1], where, template_kwargs)
+        prompt = render_chat(tokenizer, probe[:1], where, template_kwargs, add_generation_prompt=True)
+        whole = render_chat(tokenizer, probe, where, template_kwargs)
+        first, last = whole.find(_PROBE_ANSWERS[0]), whole.rfind(_PROBE_ANSWERS[1])
+        header = end = ""
+        if prompt.startswith(question) and whole.startswith(question) and 0 <= first < last:
+            header = os.path.commonprefix([prompt[len(question):], whole[len(question):first]])
+            end = os.path.commonprefix([whole[first + len(_PROBE_ANSWERS[0]):],
+                                        whole[last + len(_PROBE_ANSWERS[1]):]]).rstrip()
+        if not header.strip() or not end:
+            raise DataError(where, "the chat template's assistant turns cannot be located: no assistant header "
+                                   f"(found {header!r}) or end-of-turn text (found {end!r}) common to its "
+                                   "generation prompt and its rendering of a two-turn conversation")
+        _MARKERS[key] = TurnMarkers(header=header, end=end)
+    return _MARKERS[key]
+
+
+def assistant_spans(text: str, markers: TurnMarkers, turns: int, where: str) -> list[tuple[int, int]]:
+    """[start, end) character spans of the `turns` assistant turns in a rendered conversation: after each
+    assistant header, through the next end-of-turn text."""
+    spans, at = [], text.find(markers.header)
+    while at >= 0:
+        start = at + len(markers.header)
+        stop = text.find(markers.end, start)
+        if stop < 0:
+            raise DataError(where, f"an assistant turn of the rendered conversation has no end-of-turn "
+                                   f"{markers.end!r} after it")
+        spans.append((start, stop + len(markers.end)))
+        at = text.find(markers.header, stop + len(markers.end))
+    if len(spans) != turns:
+        raise DataError(where, f"the rendered conversation holds {len(spans)} assistant headers "
+                               f"{markers.header!r} but the record has {turns} assistant turns, so its turns "
+                               "cannot be located (a message containing the header text, or a template that "
+                               "drops or merges assistant turns)")
+    return spans
+
+
 def _tokenize_chat(
     record: ChatRecord, tokenizer: PreTrainedTokenizerBase, where: str, template_kwargs: dict[str, Any]
 ) -> Document:
     check_chat_tokenizer(tokenizer, where)
-    messages = list(record.messages)
+    messages = [dict(m) for m in record.messages]  # the template may not mutate the record
+    tools = [dict(t) for t in record.tools] if record.tools else None
+    text = render_chat(tokenizer, messages, where, template_kwargs, tools)
+    turns = sum(m["role"] == "assistant" for m in messages)
+    spans = assistant_spans(text, turn_markers(tokenizer, template_kwargs, where), turns, where)
 
-    def render(prefix: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        try:
-            return tokenizer.apply_chat_template(
-                prefix, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
-            )
-        except jinja2.TemplateError as e:
-            raise DataError(where, f"chat template failed on messages[:{len(prefix)}]: {e}") from None
-
-    full_text = render(messages, add_generation_prompt=False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = render(messages[:i], add_generation_prompt=True)
-        through = render(messages[: i + 1], add_generation_prompt=False)
-        if not (full_text.startswith(before) and full_text.startswith(through) and through.startswith(before)):
-            raise DataError(
-                where,
-                f"chat template violates the prefix property at assistant turn messages[{i}]: rendering the "
-                "conversation up to this turn is not a prefix of rendering all of it, so the turn's tokens "
-                "cannot be located (the template rewrites earlier turns depending on later ones)",
-            )
-        spans.append((i, len(before), len(through.rstrip())))
-
-    encoding = tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     token_starts = np.asarray([start for start, _ in encoding["offset_mapping"]], dtype=np.int64)
     loss_mask = np.zeros(len(token_starts), np.int32)
-    for i, span_start, span_end in spans:
+    for turn, (span_start, span_end) in enumerate(spans):
         in_span = (token_starts >= span_start) & (token_starts < span_end)
         if not in_span.any():
-            raise DataError(where, f"assistant turn messages[{i}] produced no tokens")
+            raise DataError(where, f"assistant turn {turn} produced no tokens")
         loss_mask[in_span] = 1
     return Document(input_ids=np.asarray(encoding["input_ids"], dtype=np.int32), loss_mask=loss_mask)

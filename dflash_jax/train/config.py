@@ -74,7 +74,9 @@ def base_config() -> ConfigDict:
     config.data.batch_size = 8  # rows per step (global, split over the data and fsdp mesh axes)
     config.data.shuffle_seed = 0
     config.data.bad_records = "raise"  # or "skip": log and count bad JSONL records instead of stopping
-    config.data.chat_template_kwargs = placeholder(dict)  # e.g. {"enable_thinking": False}
+    # Arguments of the chat template (e.g. {"enable_thinking": False}): a dict in a config file; on the command line
+    # a JSON object (`--config.data.chat_template_kwargs='{"enable_thinking": false}'`) or a Python dict literal.
+    config.data.chat_template_kwargs = placeholder(object)
 
     # Labels and loss (design §6).
     config.loss = ConfigDict()

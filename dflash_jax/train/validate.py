@@ -8,7 +8,9 @@ config and the tokenizer (design §2, §3, §10 for the defaults).
 
 from __future__ import annotations
 
+import ast
 import difflib
+import json
 import logging
 from collections.abc import Iterable
 
@@ -43,9 +45,30 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def resolve_chat_template_kwargs(config: ConfigDict) -> None:
+    """config.data.chat_template_kwargs as a dict: a command-line value is text (ml_collections cannot take a
+    dict there), a JSON object or a Python dict literal; None stays None. ConfigError for anything else."""
+    value = config.data.chat_template_kwargs
+    if value is None:
+        return
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            try:
+                value = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                pass
+    _require(isinstance(value, dict) and all(isinstance(key, str) for key in value),
+             f"config.data.chat_template_kwargs must be a JSON object such as '{{\"enable_thinking\": false}}', "
+             f"got {config.data.chat_template_kwargs!r}")
+    config.data.chat_template_kwargs = dict(value)
+
+
 def validate_config(config: ConfigDict) -> None:
     """Checks that need nothing but the config. Raises ConfigError."""
     check_fields(config)
+    resolve_chat_template_kwargs(config)
     data, loss, optim = config.data, config.loss, config.optim
     block_size = config.drafter.block_size
     _require(bool(config.target_dir), "config.target_dir is required: a Hugging Face target checkpoint directory")
