@@ -28,11 +28,15 @@ TINY = "configs/tiny.py"
 def test_data_files_are_checked_before_the_target_loads(tmp_path):
     corpus = write_corpus(tmp_path / "train.jsonl", count=10)
     nowhere = tmp_path / "no_target"  # never read: the data files are checked first
+    empty = tmp_path / "empty"
+    empty.mkdir()
     for bad, reason in ((tmp_path / "missing.jsonl", "no such file"),
-                        (tmp_path, "is a directory, not a JSONL file")):
+                        (empty, "directory holds no saved dataset and no JSONL or Parquet files"),
+                        (tmp_path / "*.parquet", "no file matches this pattern")):
         with pytest.raises(DataError) as error:
             train(tiny_config(nowhere, bad), tmp_path / "run")
         assert str(error.value) == f"{bad}: {reason} (config.data.train_files)"
+    for bad, reason in ((tmp_path / "missing.jsonl", "no such file"), (tmp_path, "is a directory, not a JSONL file")):
         with pytest.raises(DataError, match=rf"^{bad}: {reason} \(config.data.eval_files\)$"):
             train(tiny_config(nowhere, corpus, **{"data.eval_files": (str(bad),)}), tmp_path / "run")
     assert not (tmp_path / "run").exists()  # a refused start writes nothing

@@ -1,8 +1,9 @@
 """The training data iterator: shuffled, streamed, packed, phase-shifted rows of the global batch, for all of
 its rows or only some (one host's), with an exact resume point.
 
-Row r of every batch comes from its own `RowStream` (data/stream.py): the records that start in byte range r
-of `batch_size` equal ranges of the corpus, shuffled per epoch, packed greedily (data/packing.py). Row r of
+Row r of every batch comes from its own `RowStream` (data/stream.py): the records that start in range r of
+`batch_size` equal ranges of every source (data/corpus.py), shuffled per epoch, packed greedily
+(data/packing.py). Row r of
 batch k gets the phase of global row k * batch_size + r, a pure function of the seed. So the rows do not
 depend on which host builds them: a loader given `rows` indexes, reads, tokenizes and packs only those
 rows' shares of the corpus and yields only those rows, and the same rows come out of it as out of a loader
@@ -24,9 +25,10 @@ import numpy as np
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from dflash_jax.data.corpus import Corpus, corpus_bytes
+from dflash_jax.data.corpus import Corpus, share_range
 from dflash_jax.data.packing import ROW_KEYS, place_row, row_capacity, row_phase
 from dflash_jax.data.stream import RowStream
+from dflash_jax.data.sources import resolve_sources
 from dflash_jax.data.tokenize import check_chat_tokenizer
 from dflash_jax.errors import DataError
 
@@ -40,8 +42,9 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
     """Yields {"input_ids", "positions", "segment_ids", "loss_mask"}: int32 numpy arrays [len(rows), seq_len],
     rows `rows` of each global batch of `batch_size` rows, in that order. Never ends.
 
-    paths: JSONL files; each row's share is indexed in one pass (with `validate`, every record's JSON and
-        fields are checked then).
+    paths: the entries of config.data.train_files (data/sources.py: files, globs, directories, dataset ids,
+        each with an optional @weight); each row's share is indexed in one pass (with `validate`, every
+        record is checked then).
     rows: the global batch rows to build (default: all).
     seq_len, anchor_stride: T and S; rows hold T - (S - 1) content tokens, shifted right by a phase in [0, S).
     bad_records: "raise" (default) aborts with a DataError `path:line: reason`; "skip" logs the same message
@@ -80,17 +83,17 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
             raise ValueError(f"rows must be distinct rows of a batch of {batch_size}, got {rows}")
         self.seq_len, self.anchor_stride, self.batch_size = seq_len, anchor_stride, batch_size
         self.seed, self.pad_id = seed, pad_id
-        if not paths:
-            raise DataError("corpus", "no input files given")
-        self.corpus_bytes = corpus_bytes(paths)
+        sources = resolve_sources(paths, "config.data.train_files")
+        self.corpus_bytes = sum(s.source.units for s in sources)  # bytes of JSONL + rows of tables
         self._split_documents = self._truncated_documents = 0
         self.max_positions = max_positions
         self._batches = 0
 
-        ranges = [self._byte_range(row) for row in self.rows]
-        with tqdm(total=sum(hi - lo for lo, hi in ranges), unit="B", unit_scale=True, desc="indexing corpus") as bar:
-            corpora = [Corpus(paths, byte_range, validate=validate, bad_records=bad_records, progress=bar)
-                       for byte_range in ranges]
+        jsonl_bytes = sum(hi - lo for s in sources if s.source.unit == "bytes"
+                          for lo, hi in (share_range(s.source.units, row, batch_size) for row in self.rows))
+        with tqdm(total=jsonl_bytes, unit="B", unit_scale=True, desc="indexing corpus") as bar:
+            corpora = [Corpus(sources, row, batch_size, validate=validate, bad_records=bad_records, progress=bar)
+                       for row in self.rows]
         self.streams = [RowStream(corpus, row, seed=seed, capacity=capacity, tokenizer=tokenizer,
                                   chat_template_kwargs=chat_template_kwargs, on_split=self._report_split,
                                   max_positions=max_positions, on_truncate=self._report_truncated)
@@ -98,20 +101,17 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
         chat_records = [corpus.first_chat_record for corpus in corpora if corpus.first_chat_record is not None]
         if chat_records:
             check_chat_tokenizer(tokenizer, chat_records[0])
-        for row, corpus, (lo, hi) in zip(self.rows, corpora, ranges):
-            if not len(corpus):
-                raise DataError(", ".join(map(os.fspath, paths)), f"no record starts in bytes [{lo}, {hi}), the share "
-                                f"of batch row {row}: every row of a batch reads its own 1/{batch_size} of the "
-                                f"corpus, so {self.corpus_bytes} bytes are too few for batch_size {batch_size}")
-        log.info("rows %s of each batch of %d: %d records from bytes %s of the %d-byte corpus", _spans(self.rows),
-                 batch_size, self.num_records, ", ".join(f"[{lo}, {hi})" for lo, hi in _merged(ranges)),
-                 self.corpus_bytes)
+        names = ", ".join(s.source.name for s in sources)
+        for row, corpus in zip(self.rows, corpora):
+            if not corpus.epoch_length:
+                ranges = " or ".join(f"{s.source.unit} [{lo}, {hi})" for s, (lo, hi) in zip(sources, corpus.ranges))
+                raise DataError(names, f"no record starts in {ranges}, the share of batch row {row}: every row of "
+                                f"a batch reads its own 1/{batch_size} of every source, so {_sizes(sources)} are "
+                                f"too few for batch_size {batch_size}")
+        log.info("rows %s of each batch of %d: %d records of %s (%s)", _spans(self.rows), batch_size,
+                 self.num_records, names, _sizes(sources))
         if state is not None:
             self._restore(state)
-
-    def _byte_range(self, row: int) -> tuple[int, int]:
-        """Row `row`'s share of the corpus: the records that start in these bytes."""
-        return row * self.corpus_bytes // self.batch_size, (row + 1) * self.corpus_bytes // self.batch_size
 
     @property
     def num_records(self) -> int:
@@ -190,6 +190,12 @@ def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"loader states disagree on {different}: {state} vs {states[0]}")
         rows.update(state["rows"])
     return {**merged, "rows": dict(sorted(rows.items(), key=lambda item: int(item[0])))}
+
+
+def _sizes(sources) -> str:
+    """"1200 bytes, 40 rows": the sizes of the sources, by unit."""
+    return ", ".join(f"{sum(s.source.units for s in sources if s.source.unit == unit)} {unit}"
+                     for unit in ("bytes", "rows") if any(s.source.unit == unit for s in sources))
 
 
 def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -1,8 +1,8 @@
 """One row of every batch: its own share of the corpus, shuffled per epoch, packed greedily into rows.
 
-Row r of every global batch comes from stream r, which reads only the records that start in byte range r of
-`batch_size` equal ranges of the corpus (data/corpus.py), each epoch in its own permutation seeded by
-(seed, epoch, r). The document stream runs across epochs without a break and never ends. Since a stream
+Row r of every global batch comes from stream r, which reads only row r's share of the corpus (the records that
+start in range r of `batch_size` equal ranges of every source, data/corpus.py), each epoch in its own order
+seeded by (seed, epoch, r). The document stream runs across epochs without a break and never ends. Since a stream
 depends on nothing but its row index, a host builds exactly the rows its devices hold, and the saved
 position (one cursor per row) resumes on any number of hosts.
 """
@@ -53,11 +53,12 @@ class RowStream:
             start = self._next_document
         # `records` is checked on restore: a cursor only means something for the same share of the corpus.
         return {"epoch": start.epoch, "document": start.document, "token_offset": start.token_offset,
-                "records": len(self.corpus)}
+                "records": self.corpus.epoch_length}
 
     def restore(self, position: dict[str, int]) -> None:
-        if position.get("records") != len(self.corpus):
-            raise DataError("loader state", f"row {self.row}'s share of the corpus has {len(self.corpus)} records "
+        if position.get("records") != self.corpus.epoch_length:
+            raise DataError("loader state", f"an epoch of row {self.row}'s share of the corpus has "
+                                            f"{self.corpus.epoch_length} records "
                                             f"but {position.get('records')!r} in the saved state; the saved "
                                             "position does not apply to this data")
         self._next_document = Cursor(int(position["epoch"]), int(position["document"]),
@@ -71,7 +72,7 @@ class RowStream:
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The order in which epoch `epoch` visits this stream's records."""
         if epoch != self._order_epoch:
-            self._order = np.random.default_rng([self.seed, epoch, self.row]).permutation(len(self.corpus))
+            self._order = self.corpus.epoch_order(self.seed, epoch, self.row)
             self._order_epoch = epoch
         return self._order
 
@@ -79,7 +80,7 @@ class RowStream:
         """The next tokenized document and its cursor."""
         while True:
             cursor = self._next_document
-            if cursor.document >= len(self.corpus):
+            if cursor.document >= self.corpus.epoch_length:
                 self._next_document = Cursor(cursor.epoch + 1, 0)
                 continue
             self._next_document = Cursor(cursor.epoch, cursor.document + 1)

@@ -20,6 +20,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from dflash_jax.data.corpus import check_input_files
+from dflash_jax.data.sources import resolve_sources
 from dflash_jax.errors import ConfigError
 from dflash_jax.models.dflash import LABEL_SOURCES
 from dflash_jax.models.drafter import LAYER_TYPES, REMAT_POLICIES, DrafterConfig, default_target_layer_ids
@@ -72,8 +73,9 @@ def validate_config(config: ConfigDict) -> None:
     data, loss, optim = config.data, config.loss, config.optim
     block_size = config.drafter.block_size
     _require(bool(config.target_dir), "config.target_dir is required: a Hugging Face target checkpoint directory")
-    _require(bool(data.train_files), "config.data.train_files is required: one or more JSONL files "
-                                     "(--config.data.train_files=a.jsonl or a tuple in the config file)")
+    _require(bool(data.train_files), "config.data.train_files is required: one or more data files, globs, "
+                                     "directories or dataset ids (--config.data.train_files=a.jsonl or a tuple "
+                                     "in the config file)")
     _require(block_size >= 2, f"config.drafter.block_size must be >= 2 (the anchor slot plus at least one drafted "
                               f"slot), got {block_size}")
     _require(data.bad_records in BAD_RECORDS,
@@ -171,8 +173,8 @@ def validate_target_layout(config: ConfigDict) -> None:
 
 
 def validate_data_files(config: ConfigDict) -> None:
-    """Every data file exists and is a readable file: a DataError naming it, before the target loads."""
-    check_input_files(config.data.train_files, "config.data.train_files")
+    """Every data source exists and is readable: a DataError naming it, before the target loads."""
+    resolve_sources(config.data.train_files, "config.data.train_files")
     check_input_files(config.data.eval_files or (), "config.data.eval_files")
 
 

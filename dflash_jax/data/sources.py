@@ -1,0 +1,145 @@
+"""Where training records come from: the entries of config.data.train_files, resolved into sources.
+
+An entry is `PATH` or `PATH@WEIGHT`, PATH one of
+- a JSONL file (`.jsonl`, `.json`; compressed `.gz` / `.zst`) or a Parquet file (`.parquet`);
+- a glob (`data/*.parquet`, `shards/**/*.jsonl.zst`): every match, in sorted order;
+- a directory: a Hugging Face dataset written by `save_to_disk` (a DatasetDict's `train` split, or `DIR:SPLIT`),
+  else every JSONL and Parquet file under it, in sorted order;
+- a Hugging Face dataset id (`HuggingFaceH4/ultrachat_200k:train_sft`; the split defaults to `train`), loaded with
+  `datasets.load_dataset` from the local Hugging Face cache only (download it there first on a machine with
+  internet access; see the README's real workflow).
+WEIGHT (default 1) says how many times an epoch draws each record of the entry's sources: 2 = twice, 0.5 = a
+different half each epoch (data/corpus.py). Every problem is one DataError naming the entry.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_jax.data.jsonl import COMPRESSED, JsonlSource
+from dflash_jax.data.tables import DatasetSource, ParquetSource
+from dflash_jax.errors import DataError
+
+JSONL_SUFFIXES = tuple(base + zip_ for base in (".jsonl", ".json") for zip_ in ("", *COMPRESSED))
+DATA_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
+_GLOB_CHARS = ("*", "?", "[")
+
+
+@dataclass(frozen=True)
+class WeightedSource:
+    source: Any  # JsonlSource, ParquetSource or DatasetSource
+    weight: float
+
+
+def resolve_sources(entries: Sequence[str | os.PathLike], what: str) -> list[WeightedSource]:
+    """The sources of `entries`, in order. `what` (the config field) ends every error message."""
+    if not entries:
+        raise DataError("corpus", f"no input files given ({what})")
+    sources = []
+    for entry in entries:
+        path, split, weight = parse_entry(os.fspath(entry), what)
+        sources += [WeightedSource(source, weight) for source in _expand(path, split, what)]
+    return sources
+
+
+def parse_entry(entry: str, what: str) -> tuple[str, str | None, float]:
+    """`PATH[:SPLIT][@WEIGHT]` -> (path, split, weight)."""
+    path, weight = entry, 1.0
+    head, at, tail = entry.rpartition("@")
+    if at and head:
+        try:
+            weight = float(tail)
+        except ValueError:
+            pass  # an @ that is part of the path
+        else:
+            path = head
+            if not (math.isfinite(weight) and weight >= 0):
+                raise DataError(entry, f"weight {tail} must be a finite number >= 0 ({what})")
+    head, colon, split = path.rpartition(":")
+    if colon and head and split and "/" not in split and not os.path.exists(path):
+        return head, split, weight
+    return path, None, weight
+
+
+def _expand(path: str, split: str | None, what: str) -> list[Any]:
+    if any(char in path for char in _GLOB_CHARS) and not os.path.exists(path):
+        matches = sorted(glob.glob(path, recursive=True))
+        if not matches:
+            raise DataError(path, f"no file matches this pattern ({what})")
+        return [source for match in matches for source in _expand(match, split, what)]
+    if os.path.isdir(path):
+        if _is_saved_dataset(path):
+            return [_saved_dataset(path, split, what)]
+        files = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
+                       if name.endswith(DATA_SUFFIXES))
+        if not files:
+            raise DataError(path, f"directory holds no saved dataset and no JSONL or Parquet files ({what})")
+        return [_open_file(file, what) for file in files]
+    if os.path.exists(path):
+        return [_open_file(path, what)]
+    if _looks_like_dataset_id(path):
+        return [_cached_dataset(path, split, what)]
+    raise DataError(path, f"no such file ({what})")
+
+
+def _open_file(path: str, what: str) -> Any:
+    if not os.access(path, os.R_OK):
+        raise DataError(path, f"not readable by this user ({what})")
+    if path.endswith(".parquet"):
+        return ParquetSource(path)
+    return JsonlSource(path)  # any other name is read as JSON Lines
+
+
+def _is_saved_dataset(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, name)) for name in ("state.json", "dataset_dict.json"))
+
+
+def _saved_dataset(path: str, split: str | None, what: str) -> DatasetSource:
+    import datasets  # noqa: PLC0415 (imported only for Hugging Face datasets)
+
+    dataset = datasets.load_from_disk(path)
+    name = path
+    if isinstance(dataset, datasets.DatasetDict):
+        dataset, name = _split(dataset, split, path, what), f"{path}:{split or 'train'}"
+    return DatasetSource(name, dataset)
+
+
+def _cached_dataset(dataset_id: str, split: str | None, what: str) -> DatasetSource:
+    import datasets  # noqa: PLC0415
+    from huggingface_hub import constants  # noqa: PLC0415
+
+    # Only what is already cached is read: training never downloads data behind the user's back. (datasets and
+    # huggingface_hub read HF_HUB_OFFLINE at import, so their settings are switched for the call.)
+    settings = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
+                (constants, "HF_HUB_OFFLINE")]
+    previous = [getattr(module, name) for module, name in settings]
+    for module, name in settings:
+        setattr(module, name, True)
+    try:
+        dataset = datasets.load_dataset(dataset_id, split=split or "train")
+    except Exception as e:  # datasets raises many kinds (not cached, unknown split, bad files)
+        raise DataError(dataset_id, f"not a file, and not a dataset in the local Hugging Face cache with a split "
+                                    f"{split or 'train'!r} ({type(e).__name__}: {' '.join(str(e).split())[:300]}) "
+                                    f"({what})") from None
+    finally:
+        for (module, name), value in zip(settings, previous):
+            setattr(module, name, value)
+    return DatasetSource(f"{dataset_id}:{split or 'train'}", dataset)
+
+
+def _split(dataset_dict: Any, split: str | None, path: str, what: str) -> Any:
+    split = split or "train"
+    if split not in dataset_dict:
+        raise DataError(path, f"the saved dataset has no split {split!r}; it has {sorted(dataset_dict)} "
+                              f"(name one as {path}:SPLIT) ({what})")
+    return dataset_dict[split]
+
+
+def _looks_like_dataset_id(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and "\\" not in path
