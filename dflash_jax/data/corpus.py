@@ -3,7 +3,7 @@
 Row r of a batch of B rows owns, of every source (data/sources.py), the records that start in the r-th of B
 equal ranges of that source's units (bytes of a JSONL file, rows of a table), so the shares of the rows split
 every source and a host indexes and reads only its rows' shares. An epoch of the row draws each record of a
-source of weight w round(w * n) / n times over (n: the records of the source in the row's share): whole copies,
+source of weight w floor(w * n + 1/2) / n times over (n: the records of the source in the row's share): whole copies,
 then a fresh seeded subset for the fraction, all of it in one seeded permutation. With every weight 1 an epoch
 is a permutation of the share. Validation happens at indexing (data/jsonl.py, data/tables.py); the bad-record
 policy is applied here.
@@ -12,6 +12,7 @@ policy is applied here.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Sequence
 
@@ -42,6 +43,11 @@ def share_range(units: int, row: int, batch_size: int) -> tuple[int, int]:
     return row * units // batch_size, (row + 1) * units // batch_size
 
 
+def _draws(weight: float, records: int) -> int:
+    """Records an epoch draws from a share of `records` records of weight `weight`: w * n, rounded half up."""
+    return math.floor(weight * records + 0.5)
+
+
 class Corpus:
     """Record i of the row's share = record i - starts[s] of source s's share, for the s with starts[s] <= i.
 
@@ -69,7 +75,7 @@ class Corpus:
         self.starts = np.cumsum([0] + [len(share) for share in self.shares])
         firsts = [share.first_chat_record for share in self.shares if share.first_chat_record is not None]
         self.first_chat_record = firsts[0] if firsts else None  # `where` of the first chat record validated
-        self._counts = [round(w * len(share)) for w, share in zip(self.weights, self.shares)]
+        self._counts = [_draws(w, len(share)) for w, share in zip(self.weights, self.shares)]
         self.epoch_length = sum(self._counts)  # records one epoch of this row draws
 
     def report_bad_record(self, error: DataError) -> None:
