@@ -151,3 +151,30 @@ def test_corpus_size_counts_what_an_epoch_draws(formats, tmp_path):
     assert (size.records, size.tokens, size.trained_tokens) == (36, tokens, trained)
     size = corpus_size([formats["jsonl"], f"{formats['saved']}@0.5"], tokenizer)
     assert (size.records, size.tokens, size.trained_tokens) == (54, round(1.5 * tokens), round(1.5 * trained))
+
+
+def test_a_dataset_id_is_read_from_the_local_hugging_face_cache(tmp_path, monkeypatch):
+    # The layout `hf download --repo-type dataset` leaves: a snapshot of the repo's data files, split by name.
+    import datasets.config  # noqa: PLC0415
+    from huggingface_hub import constants  # noqa: PLC0415
+
+    repo = tmp_path / "hub" / "datasets--someone--chats"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    data = repo / "snapshots" / ("0" * 40) / "data"
+    data.mkdir(parents=True)
+    records = mixed_records(12)
+    columns = ("messages", "prompt", "completion")
+    train = pa.Table.from_pylist([{k: r.get(k) for k in columns} for r in records])
+    pq.write_table(train, data / "train_sft-00000-of-00001.parquet")
+    pq.write_table(train.slice(0, 3), data / "test_sft-00000-of-00001.parquet")  # splits share their columns
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    tokenizer = make_qwen_tokenizer("qwen3")
+    jsonl = write_jsonl(tmp_path / "train.jsonl", records)
+    from_cache, reference = loader("someone/chats:train_sft", tokenizer), loader(str(jsonl), tokenizer)
+    assert from_cache.num_records == 12
+    for _ in range(8):
+        assert_same(next(from_cache), next(reference))
+    with pytest.raises(DataError, match=r"^someone/chats:validation: .*split"):
+        resolve_sources(["someone/chats:validation"], "f")

@@ -5,9 +5,10 @@ An entry is `PATH` or `PATH@WEIGHT`, PATH one of
 - a glob (`data/*.parquet`, `shards/**/*.jsonl.zst`): every match, in sorted order;
 - a directory: a Hugging Face dataset written by `save_to_disk` (a DatasetDict's `train` split, or `DIR:SPLIT`),
   else every JSONL and Parquet file under it, in sorted order;
-- a Hugging Face dataset id (`HuggingFaceH4/ultrachat_200k:train_sft`; the split defaults to `train`), loaded with
-  `datasets.load_dataset` from the local Hugging Face cache only (download it there first on a machine with
-  internet access; see the README's real workflow).
+- a Hugging Face dataset id (`HuggingFaceH4/ultrachat_200k:train_sft`; the split defaults to `train`): its
+  snapshot in the local Hugging Face cache, never downloaded here (download it first on a machine with internet
+  access; see the README's real workflow), loaded with `datasets.load_dataset` (splits from the file names;
+  its Arrow cache is built once per machine).
 WEIGHT (default 1) says how many times an epoch draws each record of the entry's sources: 2 = twice, 0.5 = a
 different half each epoch (data/corpus.py). Every problem is one DataError naming the entry.
 """
@@ -111,25 +112,22 @@ def _saved_dataset(path: str, split: str | None, what: str) -> DatasetSource:
 
 def _cached_dataset(dataset_id: str, split: str | None, what: str) -> DatasetSource:
     import datasets  # noqa: PLC0415
-    from huggingface_hub import constants  # noqa: PLC0415
+    from huggingface_hub import snapshot_download  # noqa: PLC0415
 
-    # Only what is already cached is read: training never downloads data behind the user's back. (datasets and
-    # huggingface_hub read HF_HUB_OFFLINE at import, so their settings are switched for the call.)
-    settings = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
-                (constants, "HF_HUB_OFFLINE")]
-    previous = [getattr(module, name) for module, name in settings]
-    for module, name in settings:
-        setattr(module, name, True)
+    # Only the local Hugging Face cache is read: training never downloads data behind the user's back. The
+    # snapshot's data files are then loaded as `datasets` loads any data directory (splits from file names).
+    split = split or "train"
     try:
-        dataset = datasets.load_dataset(dataset_id, split=split or "train")
-    except Exception as e:  # datasets raises many kinds (not cached, unknown split, bad files)
-        raise DataError(dataset_id, f"not a file, and not a dataset in the local Hugging Face cache with a split "
-                                    f"{split or 'train'!r} ({type(e).__name__}: {' '.join(str(e).split())[:300]}) "
-                                    f"({what})") from None
-    finally:
-        for (module, name), value in zip(settings, previous):
-            setattr(module, name, value)
-    return DatasetSource(f"{dataset_id}:{split or 'train'}", dataset)
+        directory = snapshot_download(dataset_id, repo_type="dataset", local_files_only=True)
+    except Exception as e:  # huggingface_hub raises several kinds for "not cached" and "not a repo id"
+        raise DataError(dataset_id, f"not a file, and not a dataset in the local Hugging Face cache "
+                                    f"({type(e).__name__}; download it first, e.g. `hf download {dataset_id} "
+                                    f"--repo-type dataset`) ({what})") from None
+    try:
+        dataset = datasets.load_dataset(directory, split=split)
+    except (ValueError, datasets.exceptions.DatasetGenerationError) as e:  # an unknown split, unreadable files
+        raise DataError(f"{dataset_id}:{split}", f"{' '.join(str(e).split())[:300]} ({what})") from None
+    return DatasetSource(f"{dataset_id}:{split}", dataset)
 
 
 def _split(dataset_dict: Any, split: str | None, path: str, what: str) -> Any:
