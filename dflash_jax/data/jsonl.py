@@ -36,9 +36,9 @@ class JsonlSource:
 
     unit = "bytes"
 
-    def __init__(self, path: str):
-        self.name = path
-        self._decompressed: tempfile.TemporaryDirectory | None = None
+    def __init__(self, path: str, fs=None):
+        self.name, self.fs = path, fs  # fs: the fsspec filesystem of a URL (gs://...), None for a local path
+        self._temporary: tempfile.TemporaryDirectory | None = None
         self._path = None if path.endswith(COMPRESSED) else path  # decompressed when first needed
 
     @property
@@ -50,22 +50,32 @@ class JsonlSource:
 
     @property
     def units(self) -> int:
+        if self.fs is not None and self._path == self.name:
+            return self.fs.size(self.name)
         return os.path.getsize(self.path)
 
+    def _open(self):
+        """The source file as a binary stream (local or through its filesystem)."""
+        return open(self.name, "rb") if self.fs is None else self.fs.open(self.name, "rb")
+
+    def _scratch(self, name: str) -> str:
+        if self._temporary is None:
+            self._temporary = tempfile.TemporaryDirectory(prefix="dflash_jax-")
+        return os.path.join(self._temporary.name, name)
+
     def _decompress(self, path: str) -> str:
-        self._decompressed = tempfile.TemporaryDirectory(prefix="dflash_jax-")
-        target = os.path.join(self._decompressed.name, "records.jsonl")
+        target = self._scratch("records.jsonl")
         errors: tuple[type[Exception], ...] = (OSError, EOFError)  # a truncated or corrupt stream
         if path.endswith(".gz"):
             def opener():
-                return gzip.open(path, "rb")
+                return gzip.open(self._open(), "rb")
         else:
             import zstandard  # noqa: PLC0415 (needed only for .zst files)
 
             errors += (zstandard.ZstdError,)
 
             def opener():
-                return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+                return zstandard.ZstdDecompressor().stream_reader(self._open(), closefd=True)
         try:
             with opener() as source, open(target, "wb") as out:
                 shutil.copyfileobj(source, out, _COPY_CHUNK_BYTES)
@@ -75,15 +85,44 @@ class JsonlSource:
 
     def share(self, lo: int, hi: int, validate: bool, report_bad: Callable[[DataError], None],
               progress: tqdm) -> JsonlShare:
-        return JsonlShare(self, lo, hi, validate, report_bad, progress)
+        path = self.path
+        if self.fs is not None and path == self.name:  # an object in a bucket: fetch the share's bytes once
+            path = self._fetch_range(lo, hi)
+        return JsonlShare(self, path, lo, hi, validate, report_bad, progress)
+
+    def _fetch_range(self, lo: int, hi: int) -> str:
+        """The bytes the share reads (from lo - 1 through the end of the line holding byte hi - 1), written at
+        their own offsets into a sparse local file, so the share reads it as it would the whole file: one
+        ranged request per share instead of one per record (a round trip each on an object store)."""
+        target = self._scratch(f"share-{lo}-{hi}.jsonl")
+        start, size = max(lo - 1, 0), self.units
+        with open(target, "wb") as out, self.fs.open(self.name, "rb", block_size=_COPY_CHUNK_BYTES) as source:
+            out.seek(start)
+            source.seek(start)
+            out.write(source.read(max(hi - start, 0)))
+            while hi < size:  # complete the line that runs past hi
+                chunk = source.read(_PROGRESS_EVERY_BYTES)
+                if not chunk:
+                    break
+                newline = chunk.find(b"\n")
+                out.write(chunk if newline < 0 else chunk[: newline + 1])
+                if newline >= 0:
+                    break
+        return target
+
+    def count_newlines(self, stop: int) -> int:
+        """Newlines in the first `stop` bytes of the source (only for the line number of a message)."""
+        with (open(self.path, "rb") if self.fs is None or self._path != self.name else self._open()) as f:
+            return _count_newlines(f, stop)
 
 
 class JsonlShare:
     """Record i = the line starting at byte `offsets[i]` of the source file."""
 
-    def __init__(self, source: JsonlSource, lo: int, hi: int, validate: bool,
+    def __init__(self, source: JsonlSource, path: str, lo: int, hi: int, validate: bool,
                  report_bad: Callable[[DataError], None], progress: tqdm):
-        self.source, self.first_chat_record = source, None
+        """path: the local file holding the source's bytes (at least those of [lo, hi) and their lines)."""
+        self.source, self.path, self.first_chat_record = source, path, None
         # Line numbers are counted from the first line indexed; where that line is not the file's first, the
         # lines before it are counted only when a message needs one (`where`).
         self._first_indexed, self._line_base = lo, (1 if lo == 0 else None)
@@ -96,7 +135,7 @@ class JsonlShare:
 
     def _index(self, start: int, stop: int, validate: bool, report_bad: Callable[[DataError], None],
                progress: tqdm, offsets: array.array, lines: array.array) -> None:
-        with open(self.source.path, "rb") as f:
+        with open(self.path, "rb") as f:
             offset = start
             if start > 0:  # the line that holds byte start-1 belongs to the range before this one
                 f.seek(start - 1)
@@ -143,13 +182,13 @@ class JsonlShare:
 
     def _where(self, line_index: int) -> str:
         if self._line_base is None:
-            self._line_base = 1 + _count_newlines(self.source.path, self._first_indexed)
+            self._line_base = 1 + self.source.count_newlines(self._first_indexed)
         return f"{self.source.name}:{self._line_base + line_index}"
 
     def read(self, index: int) -> Record:
         """Read and parse record `index` from disk (one seek + one line)."""
         if self._file is None:
-            self._file = open(self.source.path, "rb")
+            self._file = open(self.path, "rb")
         self._file.seek(int(self.offsets[index]))
         return self._parse(self._file.readline(), int(self.lines[index]))
 
@@ -165,14 +204,13 @@ class JsonlShare:
             self._file = None
 
 
-def _count_newlines(path: str, stop: int) -> int:
-    """Newlines in the first `stop` bytes of `path`."""
+def _count_newlines(f: BinaryIO, stop: int) -> int:
+    """Newlines in the first `stop` bytes of `f`."""
     count = 0
-    with open(path, "rb") as f:
-        while stop > 0:
-            chunk = f.read(min(stop, _COUNT_CHUNK_BYTES))
-            if not chunk:
-                break
-            count += chunk.count(b"\n")
-            stop -= len(chunk)
+    while stop > 0:
+        chunk = f.read(min(stop, _COUNT_CHUNK_BYTES))
+        if not chunk:
+            break
+        count += chunk.count(b"\n")
+        stop -= len(chunk)
     return count

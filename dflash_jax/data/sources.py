@@ -1,7 +1,8 @@
 """Where training records come from: the entries of config.data.train_files, resolved into sources.
 
 An entry is `PATH` or `PATH@WEIGHT`, PATH one of
-- a JSONL file (`.jsonl`, `.json`; compressed `.gz` / `.zst`) or a Parquet file (`.parquet`);
+- a JSONL file (`.jsonl`, `.json`; compressed `.gz` / `.zst`) or a Parquet file (`.parquet`), on the local disk or
+  at a URL of any filesystem fsspec knows (`gs://bucket/train.jsonl` with gcsfs installed, `s3://`, ...);
 - a glob (`data/*.parquet`, `shards/**/*.jsonl.zst`): every match, in sorted order;
 - a directory: a Hugging Face dataset written by `save_to_disk` (a DatasetDict's `train` split, or `DIR:SPLIT`),
   else every JSONL and Parquet file under it, in sorted order;
@@ -15,7 +16,6 @@ different half each epoch (data/corpus.py). Every problem is one DataError namin
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 from collections.abc import Sequence
@@ -68,36 +68,48 @@ def parse_entry(entry: str, what: str) -> tuple[str, str | None, float]:
 
 
 def _expand(path: str, split: str | None, what: str) -> list[Any]:
-    if any(char in path for char in _GLOB_CHARS) and not os.path.exists(path):
-        matches = sorted(glob.glob(path, recursive=True))
+    fs, root = _filesystem(path, what)
+    local = "file" in fs.protocol
+    if any(char in path for char in _GLOB_CHARS) and not fs.exists(root):
+        matches = sorted(fs.glob(root))
         if not matches:
             raise DataError(path, f"no file matches this pattern ({what})")
-        return [source for match in matches for source in _expand(match, split, what)]
-    if os.path.isdir(path):
-        if _is_saved_dataset(path):
+        return [source for match in matches for source in _expand(_name(fs, match), split, what)]
+    if fs.isdir(root):
+        if any(fs.exists(f"{root}/{name}") for name in ("state.json", "dataset_dict.json")):
             return [_saved_dataset(path, split, what)]
-        files = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
-                       if name.endswith(DATA_SUFFIXES))
+        files = sorted(file for file in fs.find(root) if file.endswith(DATA_SUFFIXES))
         if not files:
             raise DataError(path, f"directory holds no saved dataset and no JSONL or Parquet files ({what})")
-        return [_open_file(file, what) for file in files]
-    if os.path.exists(path):
-        return [_open_file(path, what)]
-    if _looks_like_dataset_id(path):
+        return [_open_file(_name(fs, file), None if local else fs, what) for file in files]
+    if fs.exists(root):
+        return [_open_file(path, None if local else fs, what)]
+    if local and _looks_like_dataset_id(path):
         return [_cached_dataset(path, split, what)]
     raise DataError(path, f"no such file ({what})")
 
 
-def _open_file(path: str, what: str) -> Any:
-    if not os.access(path, os.R_OK):
+def _filesystem(path: str, what: str) -> tuple[Any, str]:
+    """The fsspec filesystem of a path or URL (gs://, s3://, ...) and the path within it."""
+    import fsspec  # noqa: PLC0415
+
+    try:
+        return fsspec.core.url_to_fs(path)
+    except (ImportError, ValueError) as e:  # a scheme whose filesystem package is not installed
+        raise DataError(path, f"cannot open: {' '.join(str(e).split())} ({what})") from None
+
+
+def _name(fs: Any, path: str) -> str:
+    """How a listed file is named to the user: a URL on an object store, a path on the local disk."""
+    return path if "file" in fs.protocol else fs.unstrip_protocol(path)
+
+
+def _open_file(path: str, fs: Any, what: str) -> Any:
+    if fs is None and not os.access(path, os.R_OK):
         raise DataError(path, f"not readable by this user ({what})")
     if path.endswith(".parquet"):
-        return ParquetSource(path)
-    return JsonlSource(path)  # any other name is read as JSON Lines
-
-
-def _is_saved_dataset(path: str) -> bool:
-    return any(os.path.exists(os.path.join(path, name)) for name in ("state.json", "dataset_dict.json"))
+        return ParquetSource(path, fs)
+    return JsonlSource(path, fs)  # any other name is read as JSON Lines
 
 
 def _saved_dataset(path: str, split: str | None, what: str) -> DatasetSource:

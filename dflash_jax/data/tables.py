@@ -26,12 +26,13 @@ _VALIDATE_BATCH_ROWS = 1024
 class ParquetSource:
     unit = "rows"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, fs=None):
+        """fs: the fsspec filesystem of a URL; row groups are then read with ranged requests."""
         import pyarrow.parquet as pq  # noqa: PLC0415 (pyarrow is needed only for table sources)
 
         self.name = path
         try:
-            self._file = pq.ParquetFile(path)
+            self._file = pq.ParquetFile(path if fs is None else fs.open(path, "rb"))
         except Exception as e:  # pyarrow.ArrowInvalid and kin: not a Parquet file
             raise DataError(path, f"cannot read as Parquet: {e}") from None
         self.units = self._file.metadata.num_rows
@@ -125,4 +126,7 @@ class TableShare:
         return parse_object(self._slice(i, 1).to_pylist()[0], self._where_row(i))
 
     def close(self) -> None:
-        pass  # the memory map and its temporary directory go with the share
+        if self._keep is not None:  # the Parquet share's temporary Arrow file
+            self._table = None
+            self._keep.cleanup()
+            self._keep = None
