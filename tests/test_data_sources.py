@@ -27,11 +27,18 @@ from tests.tokenizer_fixture import make_qwen_tokenizer
 OPTIONS = dict(seq_len=64, anchor_stride=8, seed=5)
 
 
+# Two calls with different arguments: in a table both argument structs get both fields, one of them null.
+TWO_CALLS = [TOOL_CHAT[0], {"role": "assistant", "content": "", "tool_calls": [
+    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lyon", "unit": "C"}}}]},
+    *TOOL_CHAT[2:]]
+
+
 def mixed_records(count: int = 36) -> list[dict]:
-    """Completions, chats with reasoning and a tool chat: rows of one table with every column, mostly null."""
+    """Completions, chats with reasoning and tool chats: rows of one table with every column, mostly null."""
     records = completion_records(count, seed=3, max_words=40)
     for i in range(0, count, 6):
-        records[i] = {"messages": REASONING_CONTENT if i % 12 else TOOL_CHAT}
+        records[i] = {"messages": (REASONING_CONTENT, TOOL_CHAT, TWO_CALLS)[i // 6 % 3]}
     return records
 
 
@@ -66,7 +73,7 @@ def test_every_format_gives_the_jsonl_batches_and_resumes_exactly(formats):
     tokenizer = make_qwen_tokenizer("qwen3_5")
     reference = loader(formats["jsonl"], tokenizer)
     states, batches = [], []
-    for _ in range(36):  # past one epoch
+    for _ in range(50):  # past one epoch
         states.append(json.loads(json.dumps(reference.state())))
         batches.append(next(reference))
     assert reference.streams[0].position()["epoch"] >= 1

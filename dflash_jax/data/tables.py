@@ -4,8 +4,9 @@ Shares are ranges of rows (a JSONL file's are ranges of bytes, data/jsonl.py). A
 row groups that hold its rows and keeps them in a memory-mapped Arrow file of this process, so records are read
 one at a time in shuffled order without decoding a row group per record and without holding the text in memory.
 A Hugging Face dataset (a `save_to_disk` directory, or a dataset id resolved by `datasets` from the local cache)
-is memory-mapped Arrow already: a share reads only its own rows' pages. Rows are records as in data/records.py
-(null columns are absent); messages name them `path row N` (N counted from 0).
+is memory-mapped Arrow already: a share reads only its own rows' pages. Rows are records as in data/records.py;
+a table gives every row every column and every struct every field of the column's type, so nulls are dropped at
+every depth (a tool call's arguments hold only the arguments given). Messages name rows `path row N` (from 0).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class TableShare:
 
     def _accept(self, i: int, row: dict[str, Any], report_bad: Callable[[DataError], None]) -> bool:
         try:
-            record = parse_object(row, self._where_row(i))
+            record = parse_object(_without_nulls(row), self._where_row(i))
         except DataError as e:
             report_bad(e)
             return False
@@ -123,10 +124,19 @@ class TableShare:
 
     def read(self, index: int) -> Record:
         i = int(self.rows[index])
-        return parse_object(self._slice(i, 1).to_pylist()[0], self._where_row(i))
+        return parse_object(_without_nulls(self._slice(i, 1).to_pylist()[0]), self._where_row(i))
 
     def close(self) -> None:
         if self._keep is not None:  # the Parquet share's temporary Arrow file
             self._table = None
             self._keep.cleanup()
             self._keep = None
+
+
+def _without_nulls(value: Any) -> Any:
+    """`value` with every null dict entry dropped, at every depth."""
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
