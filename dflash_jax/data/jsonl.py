@@ -6,7 +6,9 @@ host that trains on a few rows of the global batch reads and indexes only those 
 the text, so files larger than memory stream. Blank lines are not records and are skipped (a trailing newline is
 common). The index pass can validate every record up front, so a bad line fails the run at start-up rather than
 hours in. A gzip or zstd file (`.gz`, `.zst`) cannot be seeked, so it is first decompressed into a temporary file
-of this process (every host decompresses the whole file; its share is then read as above).
+of this process (every host decompresses the whole file; its share is then read as above). A file at a URL (an
+object in a gs:// bucket) is read through its fsspec filesystem: each share's bytes are fetched once, in one
+ranged read, into a local file (`_fetch_range`), never a request per record.
 """
 
 from __future__ import annotations
