@@ -185,3 +185,15 @@ def test_a_dataset_id_is_read_from_the_local_hugging_face_cache(tmp_path, monkey
         assert_same(next(from_cache), next(reference))
     with pytest.raises(DataError, match=r"^someone/chats:validation: .*split"):
         resolve_sources(["someone/chats:validation"], "f")
+
+
+def test_a_bad_table_row_is_named_by_file_and_row_and_can_be_skipped(tmp_path):
+    rows = completion_records(8)
+    rows[3] = {"prompt": "p", "completion": ""}
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    tokenizer = make_qwen_tokenizer("qwen3")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))} row 3: 'completion' is empty"):
+        loader(str(path), tokenizer)
+    skipping = loader(str(path), tokenizer, bad_records="skip")
+    assert skipping.num_records == 7 and skipping.stats()["skipped_records"] == 1
