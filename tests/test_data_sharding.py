@@ -128,3 +128,22 @@ def test_prefetch_raises_the_loaders_error_at_the_batch_that_needs_the_bad_recor
     with pytest.raises(DataError):  # and again: the stream does not go on past the error
         next(prefetched)
     prefetched.close()
+
+
+def test_a_position_saved_before_sources_resumes_only_a_single_file(corpus):
+    # Version 2 states came from one share of the concatenated files per row: the same layout for one file.
+    reference = loader(corpus[:1])
+    for _ in range(4):
+        next(reference)
+    old = {**reference.state(), "version": 2}
+    del old["sources"]
+    resumed = loader(corpus[:1], state=old)
+    for _ in range(5):
+        assert_same(next(resumed), next(reference))
+    two = loader(corpus)
+    old_two = {**two.state(), "version": 2}
+    del old_two["sources"]
+    with pytest.raises(DataError, match="version is 2 in the saved state but 3 now"):
+        loader(corpus, state=old_two)
+    with pytest.raises(DataError, match=r"sources is \[\[\d+, 1.0\], \[\d+, 1.0\]\] in the saved state but "):
+        loader([f"{corpus[0]}@1", f"{corpus[1]}@2"], state=two.state())

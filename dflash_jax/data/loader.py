@@ -34,8 +34,11 @@ from dflash_jax.errors import DataError
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 2
-_LAYOUT_KEYS = ("version", "batch_size", "corpus_bytes", "seed", "seq_len", "anchor_stride")
+STATE_VERSION = 3
+# Version 2 (before sources): one share of the concatenated files per row, the same as version 3 for one file
+# of weight 1, the only layout a version-2 state is still accepted for.
+_SAME_AS_ONE_FILE = 2
+_LAYOUT_KEYS = ("version", "batch_size", "corpus_bytes", "sources", "seed", "seq_len", "anchor_stride")
 
 
 class BatchLoader(Iterator[dict[str, np.ndarray]]):
@@ -85,6 +88,7 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
         self.seed, self.pad_id = seed, pad_id
         sources = resolve_sources(paths, "config.data.train_files")
         self.corpus_bytes = sum(s.source.units for s in sources)  # bytes of JSONL + rows of tables
+        self._sources = [[s.source.units, s.weight] for s in sources]  # what the shares and epochs follow from
         self._split_documents = self._truncated_documents = 0
         self.max_positions = max_positions
         self._batches = 0
@@ -123,11 +127,13 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
     def state(self) -> dict[str, Any]:
         """JSON-serialisable position of the next batch, for this loader's rows."""
         return {"version": STATE_VERSION, "batch_size": self.batch_size, "corpus_bytes": self.corpus_bytes,
-                "seed": self.seed, "seq_len": self.seq_len, "anchor_stride": self.anchor_stride,
+                "sources": self._sources, "seed": self.seed, "seq_len": self.seq_len, "anchor_stride": self.anchor_stride,
                 "batches": self._batches, "rows": {str(s.row): s.position() for s in self.streams}}
 
     def _restore(self, state: dict[str, Any]) -> None:
         now = self.state()
+        if state.get("version") == _SAME_AS_ONE_FILE and len(self._sources) == 1 and self._sources[0][1] == 1:
+            state = {**state, "version": STATE_VERSION, "sources": self._sources}
         for key in _LAYOUT_KEYS:  # a cursor only means something for the same corpus, order and row layout
             if state.get(key) != now[key]:
                 raise DataError("loader state", f"{key} is {state.get(key)!r} in the saved state but {now[key]!r} "
