@@ -23,6 +23,7 @@ from dflash_jax import regenerate
 from dflash_jax.regeneration.decode import BatchDecoder
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX
 from dflash_jax.regeneration.server_client import Retry
+from dflash_jax.train.validate import mesh_from_config
 from dflash_jax.weights.targets import load_target
 from tests.openai_server import OpenAIServer
 from tests.tokenizer_fixture import make_chat_tokenizer
@@ -51,15 +52,16 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def jax_greedy(target_dir: Path):
-    """generate() for OpenAIServer: the target's greedy decoding (decode.py, one prompt at a time)."""
-    target, _ = load_target(target_dir, param_dtype=jnp.float32)
+def jax_greedy(target_dir: Path, mesh):
+    """generate() for OpenAIServer: the target's greedy decoding (decode.py, one prompt at a time), on the mesh
+    the JAX path used (the same program: a hit in the tests' compilation cache)."""
+    target, _ = load_target(target_dir, param_dtype=jnp.float32, mesh=mesh)
     decoders = {}
 
     def generate(prompt: list[int], body: dict) -> tuple[list[int], str]:
         key = (body["max_tokens"], tuple(body["stop_token_ids"]))
         if key not in decoders:
-            decoders[key] = BatchDecoder(target, max_new_tokens=key[0], stop_token_ids=key[1])
+            decoders[key] = BatchDecoder(target, max_new_tokens=key[0], stop_token_ids=key[1], mesh=mesh)
         tokens = decoders[key].decode([prompt], [(0, 0)])[0]
         return tokens, "stop" if tokens[-1] in key[1] else "length"
 
@@ -74,7 +76,7 @@ def test_output_equals_the_jax_path_turn_by_turn(tmp_path):
                    progress=False)
 
     tokenizer = AutoTokenizer.from_pretrained(TOY_TARGET)
-    with OpenAIServer(tokenizer, jax_greedy(TOY_TARGET), root=str(TOY_TARGET)) as server:
+    with OpenAIServer(tokenizer, jax_greedy(TOY_TARGET, mesh_from_config(config)), root=str(TOY_TARGET)) as server:
         summary = regenerate.run_server([server.url], [str(prompts)], str(tmp_path / "server.jsonl"),
                                         max_new_tokens=MAX_NEW, temperature=0.0, concurrency=2, progress=False,
                                         chat_template_kwargs={"enable_thinking": False})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import logging
 import os
 import random
 import time
@@ -23,6 +24,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+log = logging.getLogger(__name__)
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 REQUEST_TIMEOUT_S = 3600.0  # one response of many thousand tokens from a busy server can take minutes
 
@@ -81,7 +83,10 @@ class Server:
             except _Transient as failure:
                 last = failure
                 if attempt + 1 < self.retry.attempts:
-                    time.sleep(self.retry.delay(attempt))
+                    delay = self.retry.delay(attempt)
+                    log.warning("%s%s: %s; retrying in %.1f s (%d/%d)", self.url, path, failure, delay, attempt + 1,
+                                self.retry.attempts - 1)
+                    time.sleep(delay)
         raise ServerUnreachable(f"{self.url}{path}: {last} (after {self.retry.attempts} attempts)")
 
     def _once(self, method: str, path: str, data: bytes | None) -> dict[str, Any]:

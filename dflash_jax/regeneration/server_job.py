@@ -37,6 +37,9 @@ from dflash_jax.regeneration.server_client import RequestRefused, Server, Server
 from dflash_jax.train.checkpoint import StopRequest
 
 log = logging.getLogger(__name__)
+# Hugging Face fast tokenizers are not safe to call from several threads at once (the Rust side can fail with
+# "Already borrowed"); rendering and decoding take microseconds beside a generation, so workers take turns.
+_TOKENIZER_LOCK = threading.Lock()
 FLUSH_EVERY_S = 2.0  # finished records are appended at least this often (each append is one fsync)
 WINDOW_PER_WORKER = 4  # records read ahead per worker: bounds what a slow record holds back in memory
 
@@ -81,7 +84,8 @@ def regenerate_record(server: Server, regeneration: Regeneration, index: int, sa
     """Every response of one record, turn by turn, from `server`. Raises DataError naming the record."""
     done = _Done(index, regeneration)
     while not regeneration.done:
-        prompt = regeneration.prompt()  # this side's ids: the length check, and the chat check below
+        with _TOKENIZER_LOCK:
+            prompt = regeneration.prompt()  # this side's ids: the length check, and the chat check below
         if max_model_len is not None and len(prompt) + sampling.max_tokens > max_model_len:
             log.warning("%s: the prompt has %d tokens, more than the %d that leave room for max_new_tokens "
                         "within the served model's %d; skipped", regeneration.where, len(prompt),
@@ -112,7 +116,8 @@ def regenerate_record(server: Server, regeneration: Regeneration, index: int, sa
                                                 f"or pass that tokenizer as --tokenizer")
         done.tokens += len(tokens)
         done.truncated += finish == "length"
-        regeneration.accept(tokens, sampling.stop_token_ids)
+        with _TOKENIZER_LOCK:
+            regeneration.accept(tokens, sampling.stop_token_ids)
     return done
 
 

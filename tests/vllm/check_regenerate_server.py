@@ -68,11 +68,9 @@ def first_difference(url: str, jax_record: dict, server_record: dict) -> str:
     """Where a record's two regenerations part: the first differing turn's first differing token, with the
     target's fp32 logits of both tokens there. Raises AssertionError unless it is a near-tie."""
     import jax.numpy as jnp
-    import numpy as np
     from transformers import AutoTokenizer
 
     from dflash_jax.eval.examples import stop_token_ids
-    from dflash_jax.ops.lm_head import fp32_logits
     from dflash_jax.regeneration.decode import BatchDecoder
     from dflash_jax.weights.targets import load_target
 
@@ -93,15 +91,25 @@ def first_difference(url: str, jax_record: dict, server_record: dict) -> str:
         served = json.loads(response.read())["choices"][0]["token_ids"]
     target, _ = load_target(TOY_TARGET, param_dtype=jnp.float32)
     own = BatchDecoder(target, max_new_tokens=NEW_TOKENS, stop_token_ids=stops).decode([prompt], [(0, 0)])[0]
+    return f"record {jax_record['i']}: {near_tie(target, prompt, own, served)}"
+
+
+def near_tie(target, prompt: list[int], own: list[int], served: list[int]) -> str:
+    """At the first token where the JAX continuation `own` and vLLM's `served` differ, the target's fp32 logits
+    of the two tokens, which must lie within NEAR_TIE of each other."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dflash_jax.ops.lm_head import fp32_logits
+
     position = next((i for i, (a, b) in enumerate(zip(own, served)) if a != b), None)
-    assert position is not None, f"record {jax_record['i']}: the same tokens alone, so it differed in its batch"
+    assert position is not None, "the same tokens alone: the record differed only in its batch"
     ids = jnp.asarray([prompt + own[:position]], jnp.int32)
     hidden = target(ids, jnp.arange(ids.shape[1])[None], jnp.ones_like(ids)).hidden
     logits = np.asarray(fp32_logits(hidden, target.lm_head_kernel()))[0, -1]
     gap = abs(float(logits[own[position]] - logits[served[position]]))
-    report = (f"record {jax_record['i']}: first differing token {position}: JAX {own[position]} (logit "
-              f"{logits[own[position]]:.6f}), vLLM {served[position]} (logit {logits[served[position]]:.6f}), "
-              f"gap {gap:.2e}")
+    report = (f"first differing token {position}: JAX {own[position]} (logit {logits[own[position]]:.6f}), "
+              f"vLLM {served[position]} (logit {logits[served[position]]:.6f}), gap {gap:.2e}")
     assert gap < NEAR_TIE, f"{report}: not a near-tie (>= {NEAR_TIE})"
     return report
 
