@@ -5,7 +5,8 @@ Backed by the toy target's own JAX greedy decoding, the output file must equal t
 (prompt records and multi-turn chats, each assistant turn answering the conversation so far). With canned
 answers: the per-server concurrency bound holds, 503/429/connection resets are retried to success, a 400 is
 one error naming the record, a server rendering other prompt ids than the target's tokenizer is refused,
-and jobs stopped by an error or SIGTERM resume to every record exactly once.
+and jobs stopped by an error or SIGTERM resume to every record exactly once. The command line passes its
+flags into the requests and reports a refusal as one line.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dflash_jax.regeneration.output import PROGRESS_SUFFIX
 from dflash_jax.regeneration.server_client import Retry
 from dflash_jax.train.validate import mesh_from_config
 from dflash_jax.weights.targets import load_target
+from tests.command import dflash_jax, user_error
 from tests.openai_server import OpenAIServer
 from tests.tokenizer_fixture import make_chat_tokenizer
 from tests.train_fixtures import tiny_config
@@ -195,3 +197,23 @@ def test_interrupted_jobs_resume_to_every_record_exactly_once(tmp_path, tokenize
         with pytest.raises(ValueError, match=r"other settings .*'max_new_tokens': \(8, 9\)"):
             regenerate.run_server([server.url], [str(prompts)], str(out), max_new_tokens=9,
                                   tokenizer=str(tokenizer_dir))
+
+
+@pytest.mark.slow  # the command's start-up (importing JAX, transformers, torch) is most of it: `make test-slow`
+def test_the_command_line(tmp_path, tokenizer_dir):
+    """`dflash-jax regenerate --server`: the flags reach the requests (sampling not given is left out, for the
+    server's defaults), and a refused request is one error line naming the record, after the records before it."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    records = [{"prompt": "Hello world"}, {"messages": [{"role": "user", "content": "Hello"}]}, {"prompt": "bad"}]
+    prompts, out = write_jsonl(tmp_path / "prompts.jsonl", records), tmp_path / "out.jsonl"
+    bad = tokenizer("bad", add_special_tokens=False)["input_ids"]
+    with OpenAIServer(tokenizer, canned(tokenizer),
+                      fault=lambda body, n: ("status", 400) if body.get("prompt") == bad else None) as server:
+        result = dflash_jax("regenerate", f"--server={server.url}", f"--prompts={prompts}", f"--out={out}",
+                            f"--tokenizer={tokenizer_dir}", "--temperature=0", "--max_new_tokens=5", "--concurrency=1",
+                            '--chat_template_kwargs={"enable_thinking": false}', "--quiet")
+    assert user_error(result) == (f"error: {prompts}:3: {server.url}/v1/completions refused the request: HTTP 400: "
+                                  f"injected failure 400 of request 2")
+    assert [(b["temperature"], b["max_tokens"], "top_p" in b) for b in server.bodies] == [(0.0, 5, False)] * 3
+    assert server.bodies[1]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert [set(r) for r in lines(out)] == [{"prompt", "completion"}, {"messages"}]
