@@ -82,15 +82,22 @@ STOPPED_EXIT_CODE = os.EX_TEMPFAIL  # stopped by a signal after writing the batc
 log = logging.getLogger("dflash_jax.regenerate")
 
 
+def _check_prompts_and_length(prompts: list[str], max_new_tokens: int) -> None:
+    if not prompts:
+        raise ConfigError("--prompts is required: one or more JSONL files of prompt records")
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+    for path in prompts:
+        if not os.path.isfile(path):
+            raise DataError(path, "prompt file not found")
+
+
 def run(config: ConfigDict, prompts: list[str], out: str, *, max_new_tokens: int, batch_size: int,
         temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, progress: bool = True) -> Summary:
     """Everything the command does; raises a UserError (errors.py) on a bad setup."""
     if not config.target_dir:
         raise ConfigError("config.target_dir is required: the target whose responses to generate")
-    if not prompts:
-        raise ConfigError("--prompts is required: one or more JSONL files of prompt records")
-    if max_new_tokens < 1:
-        raise ConfigError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+    _check_prompts_and_length(prompts, max_new_tokens)
     mesh = mesh_from_config(config)
     rows = mesh.shape[BATCH_AXES[0]] * mesh.shape[BATCH_AXES[1]]
     if batch_size < 1 or batch_size % rows:
@@ -100,9 +107,6 @@ def run(config: ConfigDict, prompts: list[str], out: str, *, max_new_tokens: int
         sampling = Sampling(temperature, top_p, seed)
     except ValueError as error:
         raise ConfigError(f"--{error}") from None
-    for path in prompts:
-        if not os.path.isfile(path):
-            raise DataError(path, "prompt file not found")
     settings = {"prompts": [os.path.abspath(p) for p in prompts], "target_dir": config.target_dir,
                 "target_dtype": config.target_dtype, "max_new_tokens": max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed,
@@ -129,20 +133,17 @@ def run_server(urls: list[str], prompts: list[str], out: str, *, max_new_tokens:
                progress: bool = True, retry: Retry = Retry()) -> Summary:
     """Regeneration through the OpenAI-compatible servers at `urls`; raises a UserError on a bad setup.
     temperature/top_p None: the served model's defaults. tokenizer None: the model the server reports."""
-    if not prompts:
-        raise ConfigError("--prompts is required: one or more JSONL files of prompt records")
-    if max_new_tokens < 1:
-        raise ConfigError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+    _check_prompts_and_length(prompts, max_new_tokens)
     if concurrency < 1:
         raise ConfigError(f"--concurrency must be >= 1, got {concurrency}")
     try:
         Sampling(0.0 if temperature is None else temperature, 1.0 if top_p is None else top_p, seed)
+    except ValueError as error:
+        raise ConfigError(f"--{error}") from None
+    try:
         servers = [Server(url, retry) for url in urls]
     except ValueError as error:
-        raise ConfigError(f"--{error}" if "must" in str(error) else f"--server: {error}") from None
-    for path in prompts:
-        if not os.path.isfile(path):
-            raise DataError(path, "prompt file not found")
+        raise ConfigError(f"--server: {error}") from None
     card = _served_model(servers, model)
     tokenizer_name = tokenizer or card.get("root") or card["id"]
     try:
