@@ -137,6 +137,37 @@ def _choice(response: dict, where: str, server: Server) -> tuple[list[int], list
     return [int(t) for t in tokens], served_prompt, choice.get("finish_reason")
 
 
+class _InInputOrder:
+    """Finished records put back in input order: `flush()` appends the contiguous run from the next record to
+    write (nothing after the first unfinished one), counting what it wrote, skipped and dropped."""
+
+    def __init__(self, output: ResumableJsonl, summary: Summary, bar: tqdm):
+        self.output, self.summary, self.bar = output, summary, bar
+        self.next_index = output.records_done
+        self.finished: dict[int, _Done] = {}
+        self.last_flush = time.monotonic()
+
+    def add(self, done: _Done) -> None:
+        self.finished[done.index] = done
+
+    def flush(self) -> None:
+        run = []
+        while self.next_index in self.finished:
+            run.append(self.finished.pop(self.next_index))
+            self.next_index += 1
+        self.last_flush = time.monotonic()
+        if not run:
+            return
+        answered = [d.regeneration for d in run if d.regeneration is not None]
+        kept = [r for r in answered if not r.empty_completion]
+        self.output.append([r.output() for r in kept], len(run))
+        self.summary.written += len(kept)
+        self.summary.skipped_long_prompt += len(run) - len(answered)
+        self.summary.dropped_empty += len(answered) - len(kept)
+        self.summary.records_done = self.output.records_done
+        self.bar.update(len(run))
+
+
 def regenerate_through_servers(servers: Sequence[Server], tokenizer: PreTrainedTokenizerBase,
                                prompt_files: Sequence[str], output: ResumableJsonl, sampling: Sampling, *,
                                concurrency: int, max_model_len: int | None = None,
@@ -166,60 +197,42 @@ def regenerate_through_servers(servers: Sequence[Server], tokenizer: PreTrainedT
                for server in servers for i in range(concurrency)]
     for thread in threads:
         thread.start()
-    window = WINDOW_PER_WORKER * len(threads)
     bar = tqdm(total=count_records(prompt_files), initial=output.records_done, desc="regenerate", unit="record",
                dynamic_ncols=True, disable=not progress)
-    next_read = next_write = output.records_done
-    finished: dict[int, _Done] = {}
-    exhausted, last_flush, began = False, time.monotonic(), time.perf_counter()
-
-    def flush() -> None:
-        nonlocal next_write, last_flush
-        run = []
-        while next_write in finished:
-            run.append(finished.pop(next_write))
-            next_write += 1
-        if run:
-            kept = [d.regeneration for d in run if d.regeneration is not None and not d.regeneration.empty_completion]
-            output.append([r.output() for r in kept], len(run))
-            summary.written += len(kept)
-            summary.skipped_long_prompt += sum(d.regeneration is None for d in run)
-            summary.dropped_empty += sum(d.regeneration is not None and d.regeneration.empty_completion for d in run)
-            summary.records_done = output.records_done
-            bar.update(len(run))
-        last_flush = time.monotonic()
-
+    writer = _InInputOrder(output, summary, bar)
+    window = WINDOW_PER_WORKER * len(threads)
+    next_read, exhausted, began = output.records_done, False, time.perf_counter()
     try:
         with StopRequest() as stop:
             while not stop.requested:
-                while not exhausted and next_read - next_write < window:
+                while not exhausted and next_read - writer.next_index < window:
                     item = next(records, None)
-                    if item is None:
-                        exhausted = True
-                        break
-                    where, record = item
-                    work.put((next_read, Regeneration(record, tokenizer, where, sampling.chat_template_kwargs)))
-                    next_read += 1
-                if exhausted and next_write + len(finished) == next_read:
+                    exhausted = item is None
+                    if not exhausted:
+                        where, record = item
+                        work.put((next_read, Regeneration(record, tokenizer, where, sampling.chat_template_kwargs)))
+                        next_read += 1
+                if exhausted and writer.next_index + len(writer.finished) == next_read:
                     break
                 try:
                     result = results.get(timeout=0.5)
                 except queue.Empty:
-                    continue
+                    result = None
                 if isinstance(result, BaseException):
                     raise result
-                finished[result.index] = result
-                summary.generated_tokens += result.tokens
-                summary.truncated += result.truncated
-                summary.decode_seconds = time.perf_counter() - began
-                bar.set_postfix(tokens_per_s=f"{summary.tokens_per_second:,.0f}")
-                if len(finished) >= len(threads) or time.monotonic() - last_flush > FLUSH_EVERY_S:
-                    flush()
+                if result is not None:
+                    writer.add(result)
+                    summary.generated_tokens += result.tokens
+                    summary.truncated += result.truncated
+                    summary.decode_seconds = time.perf_counter() - began
+                    bar.set_postfix(tokens_per_s=f"{summary.tokens_per_second:,.0f}")
+                if len(writer.finished) >= len(threads) or time.monotonic() - writer.last_flush > FLUSH_EVERY_S:
+                    writer.flush()
             summary.stopped_by = stop.requested
     finally:  # also on an error: what finished before the first unfinished record stays written
         cancelled.set()
         for _ in threads:
             work.put(None)
-        flush()
+        writer.flush()
         bar.close()
     return summary
