@@ -157,6 +157,9 @@ def test_refusals_are_one_error_naming_the_record(tmp_path, tokenizer_dir):
         with pytest.raises(ValueError, match=r"chats.jsonl:1: .* rendered turn 0 to other token ids than the "
                                              r"target's tokenizer here \(first difference at token 0\)"):
             run_server([server], chats, tmp_path / "chats_out.jsonl", tokenizer_dir)
+    with OpenAIServer(tokenizer, canned(tokenizer)) as server:
+        with pytest.raises(ValueError, match=rf"--server: {server.url} does not serve 'other' \(it serves \['toy'\]\)"):
+            run_server([server], prompts, tmp_path / "other.jsonl", tokenizer_dir, model="other")
     with pytest.raises(ValueError, match=r"--server: no OpenAI-compatible server answered: "
                                          r"http://127.0.0.1:9/v1/models: .*after 4 attempts"):
         regenerate.run_server(["http://127.0.0.1:9"], [str(prompts)], str(tmp_path / "x.jsonl"), max_new_tokens=8,
