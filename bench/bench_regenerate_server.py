@@ -5,12 +5,12 @@ against a vLLM CPU server (`regenerate --server`), the same prompts and token li
         [--records 64] [--max-new-tokens 128] [--batch-size 16] [--concurrency 64]
 
 (`make .venv-vllm/.installed` builds the vLLM venv.) The prompts are the first --records prompts of
-dflash_jax/assets/toy_data/eval.jsonl (64-192 tokens). Each path runs its job twice into fresh output files,
-the first untimed (JAX compiles; vLLM warms up), and reports the second: generated tokens over the job's
-generation time (the JAX path's decoding time; the server path's time from the first request to the last
-answer) and the job's wall time (the JAX path's target is loaded once, before both runs). The vLLM server runs with --max-num-seqs equal to --concurrency and
-shares the host's cores with this process (the client is idle while waiting). Prints a markdown table and
-the load average: figures taken on busy cores are floors.
+dflash_jax/assets/toy_data/eval.jsonl (64-192 tokens). Each path runs its job twice into fresh output files, the
+first untimed (JAX compiles; vLLM warms up), and reports the second: generated tokens over the job's generation
+time (the JAX path's decoding time; the server path's time from the first request to the last answer) and the
+job's wall time (the JAX path's target is loaded once, before both runs). The vLLM server runs with
+--max-num-seqs equal to --concurrency and shares the host's cores with this process (the client is idle while
+waiting). Prints a markdown table and the load average: figures taken on busy cores are floors.
 """
 
 from __future__ import annotations
