@@ -17,11 +17,13 @@ devices (greedy unless --temperature is given):
 
 `python -m dflash_jax.regenerate` is the same command. The target is config.target_dir (a Hugging Face or Orbax
 directory; Qwen3 dense or the Qwen3.5/3.6 hybrid) in config.target_dtype, its weights and the batch split over the
-mesh of config.mesh; chats are rendered with config.data.chat_template_kwargs (e.g. {"enable_thinking": False}).
-Input records are the training formats (`{"prompt"}` or `{"messages"}`; responses optional, see
-dflash_jax/regeneration/records.py); the output is training JSONL, the same from either path. Rerun the
-same command to continue a stopped job (SIGTERM/SIGINT stop it after the batch in flight, exit code 75):
-records already written are kept, the rest are appended, each exactly once.
+mesh of config.mesh. Either path renders chats with --chat_template_kwargs (default:
+config.data.chat_template_kwargs, e.g. {"enable_thinking": False}). Input records are the training formats
+(`{"prompt"}` or `{"messages"}`; responses optional, see dflash_jax/regeneration/records.py); the output is
+training JSONL, the same from either path. Rerun the same command to continue a stopped job (SIGTERM/SIGINT
+stop it with exit code 75, in JAX after the batch in flight, through servers at once, keeping the records
+finished before the first unfinished one): records already written are kept, the rest are appended, each
+exactly once.
 """
 
 from __future__ import annotations
