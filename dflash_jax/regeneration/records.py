@@ -76,12 +76,22 @@ class Regeneration:
         """Which response comes next (0 for the first)."""
         return len(self.responses)
 
+    @property
+    def empty_completion(self) -> bool:
+        """A prompt record whose completion came out empty: not valid training data, so it is not written."""
+        return self.messages is None and self.done and not self.responses[0]
+
     def prompt(self) -> list[int]:
         if self.messages is None:
             return self.tokenizer(self.record["prompt"], add_special_tokens=False)["input_ids"]
-        text = self.tokenizer.apply_chat_template(self._conversation(self.turns[self.turn]), tokenize=False,
-                                                  add_generation_prompt=True, **self.template_kwargs)
+        text = self.tokenizer.apply_chat_template(self.conversation(), tokenize=False, add_generation_prompt=True,
+                                                  **self.template_kwargs)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """A chat's messages before the next assistant turn, the turns answered so far replaced by their
+        responses: what the target answers next (rendered by `prompt()`, or sent to a server as it is)."""
+        return self._conversation(self.turns[self.turn])
 
     def accept(self, token_ids: Sequence[int], stop_token_ids: Sequence[int]) -> None:
         """The response: the generated ids without a final stop token, decoded as the tokenizer writes them."""
