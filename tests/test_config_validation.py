@@ -49,6 +49,8 @@ def config(**overrides):
     ({"data.seq_len": 8, "data.anchor_stride": 8, "drafter.block_size": 16}, "config.data.seq_len (8) must be >= config.drafter.block_size (16)"),
     ({"loss.gamma": 0.0}, "config.loss.gamma must be > 0"),
     ({"loss.gamma": -4.0}, "config.loss.gamma must be > 0"),
+    ({"loss.position_weights": "dpac"}, "config.loss.position_weights must be one of"),
+    ({"loss.dpace_alpha": 1.5}, "config.loss.dpace_alpha must lie in [0, 1]"),
     ({"drafter.layer_types": ("full_attention",) * 3}, "config.drafter.layer_types has 3 entries but "
                                                        "config.drafter.num_hidden_layers is 2"),
     ({"drafter.layer_types": ("full_attention", "local")}, "config.drafter.layer_types has unknown types ['local']"),

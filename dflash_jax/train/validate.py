@@ -28,6 +28,7 @@ from dflash_jax.train.config import RENAMED, base_config, field_paths
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("adamw", "muon")
+POSITION_WEIGHTS = ("decay", "dpace")
 BAD_RECORDS = ("raise", "skip")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -62,6 +63,10 @@ def validate_config(config: ConfigDict) -> None:
     _require(data.seq_len >= block_size,
              f"config.data.seq_len ({data.seq_len}) must be >= config.drafter.block_size ({block_size})")
     _require(loss.gamma > 0, f"config.loss.gamma must be > 0 (w_k = exp(-(k-1)/gamma), design §6), got {loss.gamma}")
+    _require(loss.position_weights in POSITION_WEIGHTS,
+             f"config.loss.position_weights must be one of {POSITION_WEIGHTS}, got {loss.position_weights!r}")
+    _require(0 <= loss.dpace_alpha <= 1,
+             f"config.loss.dpace_alpha must lie in [0, 1] (D-PACE smoothing, design §6), got {loss.dpace_alpha}")
     _require(loss.labels in LABEL_SOURCES, f"config.loss.labels must be one of {LABEL_SOURCES}, got {loss.labels!r}")
     _require(config.attention_impl in ATTENTION_CHOICES,
              f"config.attention_impl must be one of {ATTENTION_CHOICES}, got {config.attention_impl!r}")
