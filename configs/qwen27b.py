@@ -43,5 +43,6 @@ def get_config():
     config.drafter.block_size = 16
     config.loss.gamma = 7.0
     config.data.seq_len = 4096
+    config.epochs = 6  # the published recipes' 6 passes over the corpus; total_steps follows from its size
     config.data.anchor_stride = 16  # N = 256 anchors per row
     return config

@@ -102,7 +102,10 @@ def base_config() -> ConfigDict:
     config.query_chunk_blocks = 16  # blocks per query chunk in the XLA drafter attention
 
     # Optimisation (design §7).
-    config.total_steps = 10_000
+    # The schedule's length: total_steps, or epochs (passes over the corpus; total_steps is then derived from its
+    # token count and the tokens a step holds, train/epochs.py). Exactly one of the two.
+    config.total_steps = placeholder(int)
+    config.epochs = placeholder(float)
     config.grad_accum_steps = 1  # micro-batches of batch_size / grad_accum_steps rows, one update per step
     config.seed = 0  # drafter init and the noise RNG
     config.optim = ConfigDict()

@@ -76,7 +76,13 @@ def validate_config(config: ConfigDict) -> None:
         _require(config[field] in DTYPES, f"config.{field} must be one of {DTYPES}, got {config[field]!r}")
     _require(loss.noise_std >= 0, f"config.loss.noise_std must be >= 0, got {loss.noise_std}")
     _require(optim.name in OPTIMIZERS, f"config.optim.name must be one of {OPTIMIZERS}, got {optim.name!r}")
-    for path in ("data.batch_size", "total_steps", "grad_accum_steps", "loss.vocab_chunk", "loss.row_chunk",
+    _require((config.total_steps is None) != (config.epochs is None),
+             "give exactly one of config.total_steps and config.epochs (the schedule's length; epochs derives the "
+             f"steps from the corpus), got total_steps={config.total_steps} and epochs={config.epochs}")
+    _require(config.total_steps is None or config.total_steps >= 1,
+             f"config.total_steps must be >= 1, got {config.total_steps}")
+    _require(config.epochs is None or config.epochs > 0, f"config.epochs must be > 0, got {config.epochs}")
+    for path in ("data.batch_size", "grad_accum_steps", "loss.vocab_chunk", "loss.row_chunk",
                  "query_chunk_blocks", "log_every", "checkpoint_every", "keep_checkpoints"):
         value = _field(config, path)
         _require(value >= 1, f"config.{path} must be >= 1, got {value}")
