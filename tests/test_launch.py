@@ -149,6 +149,30 @@ def test_slurm_requeues_the_job_exactly_when_the_run_stopped_with_75(tmp_path, e
     assert ("scontrol requeue 1234" in Path(env["CALLS"]).read_text()) == requeued
 
 
+def test_slurm_requeues_when_the_batch_shell_itself_gets_the_stop_signal(tmp_path):
+    """--signal=B:TERM@300 (and a preemption) signal the batch shell: it passes SIGTERM on to srun, waits for
+    the trainers' exit code 75 and requeues, instead of dying before its requeue line."""
+    import signal
+    import time
+
+    assert "#SBATCH --signal=B:TERM@300" in (REPO / "launch" / "slurm.sbatch").read_text()
+    srun = 'trap \'echo "srun got TERM" >> "$CALLS"; exit 75\' TERM\nsleep 60 &\nwait'
+    env = {**SLURM, "SLURM_SUBMIT_DIR": str(REPO), **fake_commands(tmp_path / "bin", {"srun": srun, "scontrol": "true"})}
+    batch = subprocess.Popen(["bash", str(REPO / "launch" / "slurm.sbatch"), *TRAIN], cwd=REPO, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={"PATH": "/usr/bin:/bin", "HOME": os.environ["HOME"], "TMPDIR": "/tmp", **env})
+    calls = Path(env["CALLS"])
+    deadline = time.monotonic() + 60
+    while not (calls.exists() and "srun " in calls.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # srun's trap is set once it runs its `sleep`
+    batch.send_signal(signal.SIGTERM)
+    out, err = batch.communicate(timeout=60)
+    assert batch.returncode == 75, err
+    log = calls.read_text()
+    assert "srun got TERM" in log and "scontrol requeue 1234" in log, log
+
+
 @pytest.mark.slow
 def test_install_script_installs_the_pinned_set_in_a_fresh_venv(tmp_path):
     venv = tmp_path / "venv"
