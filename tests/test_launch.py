@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,28 @@ def test_slurm_requeues_when_the_batch_shell_itself_gets_the_stop_signal(tmp_pat
     assert batch.returncode == 75, err
     log = calls.read_text()
     assert "srun got TERM" in log and "scontrol requeue 1234" in log, log
+
+
+def test_performance_settings_are_defaults_the_environment_overrides_and_xla_knows_them():
+    def settings(function: str, **env: str) -> list[str]:
+        script = f"source launch/performance.sh; {function}; printf '%s\\n' \"$XLA_FLAGS\" \"$NCCL_DEBUG\" \"$LIBTPU_INIT_ARGS\""
+        return subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, check=True,
+                              env={"PATH": "/usr/bin:/bin", **env}).stdout.split("\n")[:3]
+
+    xla_flags, nccl_debug, libtpu = settings("gpu_performance_env")
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in xla_flags and nccl_debug == "WARN" and not libtpu
+    assert settings("gpu_performance_env", XLA_FLAGS="--mine", NCCL_DEBUG="INFO")[:2] == ["--mine", "INFO"]
+    assert settings("gpu_performance_env", XLA_FLAGS="")[0] == ""  # set empty: no defaults
+    libtpu = settings("tpu_performance_env")[2]
+    assert "--xla_tpu_enable_async_collective_fusion=true" in libtpu
+    assert settings("tpu_performance_env", LIBTPU_INIT_ARGS="--mine")[2] == "--mine"
+    for name in ("launch/gpu.sh", "launch/tpu_vm.sh", "launch/slurm.sbatch"):
+        assert "source launch/performance.sh" in (REPO / name).read_text(), name
+    # XLA aborts on a flag it does not know; the pinned jaxlib parses the GPU flags on any backend.
+    check = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.ones(2).block_until_ready()"],
+                           capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"})
+    assert check.returncode == 0, check.stderr[-2000:]
 
 
 @pytest.mark.slow
