@@ -1,5 +1,6 @@
 """config.epochs (train/epochs.py): the step count a hand count of the toy corpus gives, the schedule that follows
-it, the epoch and records logged, and a resume that keeps the count without counting again."""
+it, the epoch and records logged, and a resume that keeps the count without counting again (on a batch given
+as rows per device)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def test_total_steps_and_epochs_are_one_or_the_other(overrides, message):
 
 def test_a_resumed_epochs_run_keeps_its_step_count_and_logs_its_epoch(tmp_path, monkeypatch):
     config = tiny_config(make_target(tmp_path / "target"), write_corpus(tmp_path / "train.jsonl", count=60),
-                         total_steps=None, epochs=0.8, log_every=1, checkpoint_every=2, eval_every=2)
+                         total_steps=None, epochs=0.8, log_every=1, checkpoint_every=2, eval_every=2,
+                         **{"data.batch_size": None, "data.rows_per_device": 4})  # 4 rows on the 1-device mesh
 
     def stop_at_2(step, drafter, target):
         if step == 2:
@@ -69,7 +71,7 @@ def test_a_resumed_epochs_run_keeps_its_step_count_and_logs_its_epoch(tmp_path, 
     first = train(config, tmp_path / "run", evaluate=stop_at_2)
     assert (first["final_step"], first["stopped_by"]) == (2, "SIGTERM")
     total = json.loads((tmp_path / "run" / epochs.CORPUS_TOKENS_FILE).read_text())["tokens"]
-    steps = epochs.steps_for_epochs(0.8, total, epochs.tokens_per_step(config))
+    steps = epochs.steps_for_epochs(0.8, total, 4 * (64 - 7))  # 4 rows of 64 - (8 - 1) content tokens
     assert steps > 3
 
     def no_recount(self):
@@ -84,5 +86,5 @@ def test_a_resumed_epochs_run_keeps_its_step_count_and_logs_its_epoch(tmp_path, 
     assert logged[-1]["learning_rate"] == pytest.approx(float(learning_rate_schedule(
         tiny_config(config.target_dir, config.data.train_files[0], total_steps=steps))(steps - 1)))
     seen = [r["records_seen"] for r in logged]
-    assert seen == sorted(seen) and seen[0] >= config.data.batch_size  # each row has begun a record
+    assert seen == sorted(seen) and seen[0] >= 4  # each of the 4 rows has begun a record
     assert logged[-1]["epoch"] == pytest.approx(seen[-1] / 60)

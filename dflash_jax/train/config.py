@@ -72,6 +72,9 @@ def base_config() -> ConfigDict:
     config.data.seq_len = 4096  # T: tokens per packed row
     config.data.anchor_stride = 16  # S: anchors at j*S, N = T/S blocks per row
     config.data.batch_size = 8  # rows per step (global, split over the data and fsdp mesh axes)
+    # Or rows per device instead (batch_size None): batch_size = rows_per_device x the mesh's data x fsdp size,
+    # so one config runs on a slice of any size.
+    config.data.rows_per_device = placeholder(int)
     config.data.shuffle_seed = 0
     config.data.bad_records = "raise"  # or "skip": log and count bad JSONL records instead of stopping
     config.data.chat_template_kwargs = placeholder(dict)  # e.g. {"enable_thinking": False}

@@ -66,8 +66,11 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
 
 def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None) -> dict[str, Any]:
     main = jax.process_index() == 0  # of several processes (train/distributed.py), one writes the run files
+    given = config  # as the user gave it, for the history; rows per device and epochs resolve below
     mesh = validate.mesh_from_config(config)
-    validate.validate_batch_layout(config, int(np.prod([mesh.shape[axis] for axis in BATCH_AXES])))
+    batch_shards = int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
+    config = validate.resolve_batch_size(config, batch_shards)
+    validate.validate_batch_layout(config, batch_shards)
 
     # The step compiled from abstract arrays first (dflash_jax/plan.py), where there is a budget to hold it to:
     # a run that cannot fit stops before any weight is read.
@@ -110,7 +113,6 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
         batch_size=data.batch_size, rows=rows, seed=data.shuffle_seed, pad_id=tokenizer.pad_token_id or 0,
         max_positions=target_config.max_position_embeddings,
         bad_records=data.bad_records, chat_template_kwargs=data.chat_template_kwargs, state=data_state))
-    given = config  # as the user gave it, for the history
     config = epochs.resolve_total_steps(config, workdir, loader, main)  # before the loader's thread reads
     if main:  # the start is accepted: record it, and forget the metrics of steps the resume repeats
         _write_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)

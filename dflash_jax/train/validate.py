@@ -82,7 +82,13 @@ def validate_config(config: ConfigDict) -> None:
     _require(config.total_steps is None or config.total_steps >= 1,
              f"config.total_steps must be >= 1, got {config.total_steps}")
     _require(config.epochs is None or config.epochs > 0, f"config.epochs must be > 0, got {config.epochs}")
-    for path in ("data.batch_size", "grad_accum_steps", "loss.vocab_chunk", "loss.row_chunk",
+    _require((data.batch_size is None) != (data.rows_per_device is None),
+             "give exactly one of config.data.batch_size (rows per step) and config.data.rows_per_device, got "
+             f"batch_size={data.batch_size} and rows_per_device={data.rows_per_device}")
+    rows = data.batch_size if data.batch_size is not None else data.rows_per_device
+    _require(rows >= 1, f"config.data.{'batch_size' if data.batch_size is not None else 'rows_per_device'} must be "
+                        f">= 1, got {rows}")
+    for path in ("grad_accum_steps", "loss.vocab_chunk", "loss.row_chunk",
                  "query_chunk_blocks", "log_every", "checkpoint_every", "keep_checkpoints"):
         value = _field(config, path)
         _require(value >= 1, f"config.{path} must be >= 1, got {value}")
@@ -90,7 +96,7 @@ def validate_config(config: ConfigDict) -> None:
     profile = config.profile_steps
     _require(profile is None or (len(profile) == 2 and 1 <= profile[0] <= profile[1]),
              f"config.profile_steps must be (first, last) with 1 <= first <= last, got {profile!r}")
-    _require(data.batch_size % config.grad_accum_steps == 0,
+    _require(data.batch_size is None or data.batch_size % config.grad_accum_steps == 0,
              f"config.data.batch_size ({data.batch_size}) must be a multiple of config.grad_accum_steps "
              f"({config.grad_accum_steps})")
     _require(0 <= optim.warmup_ratio < 1, f"config.optim.warmup_ratio must lie in [0, 1), got {optim.warmup_ratio}")
@@ -168,6 +174,17 @@ def validate_eval_files(config: ConfigDict) -> None:
     """The CLI's evaluation during training (config.eval_every > 0) measures τ on config.data.eval_files."""
     _require(not config.eval_every or bool(config.data.eval_files),
              f"config.eval_every = {config.eval_every} needs config.data.eval_files (JSONL records to measure τ on)")
+
+
+def resolve_batch_size(config: ConfigDict, num_batch_shards: int) -> ConfigDict:
+    """`config` itself when it gives data.batch_size; with data.rows_per_device, a copy whose batch_size is that
+    many rows for each of the mesh's `num_batch_shards` (data x fsdp) devices."""
+    if config.data.rows_per_device is None:
+        return config
+    resolved = config.copy_and_resolve_references()
+    resolved.data.batch_size = config.data.rows_per_device * num_batch_shards
+    resolved.data.rows_per_device = None
+    return resolved
 
 
 def validate_batch_layout(config: ConfigDict, num_batch_shards: int) -> None:
