@@ -12,7 +12,7 @@ of D-PACE (bench/RESULTS.md) says otherwise.
         --config.target_dir=/ckpt/Qwen3-8B --config.data.train_files=/data/train.jsonl
 """
 
-from dflash_jax.train.config import base_config
+from dflash_jax.train.config import base_config, placeholder
 
 
 def get_config():
@@ -30,7 +30,7 @@ def get_config():
     config.loss.gamma = 7.0
     config.data.seq_len = 4096
     config.data.anchor_stride = 8  # N = 512 anchors per row
-    config.data.batch_size = None
+    config.data.batch_size = placeholder(int)  # given per device instead (an int field still, for overrides)
     config.data.rows_per_device = 1
     config.epochs = 6  # total_steps follows from the corpus's size (train/epochs.py)
     config.optim.b2 = 0.999

@@ -49,8 +49,7 @@ def config(**overrides):
     ({"data.seq_len": 8, "data.anchor_stride": 8, "drafter.block_size": 16}, "config.data.seq_len (8) must be >= config.drafter.block_size (16)"),
     ({"loss.gamma": 0.0}, "config.loss.gamma must be > 0"),
     ({"loss.gamma": -4.0}, "config.loss.gamma must be > 0"),
-    ({"data.rows_per_device": 2}, "give exactly one of config.data.batch_size (rows per step) and "
-                                   "config.data.rows_per_device, got batch_size=4 and rows_per_device=2"),
+    ({"data.batch_size": None}, "give config.data.batch_size (rows per step) or config.data.rows_per_device"),
     ({"data.batch_size": None, "data.rows_per_device": 0}, "config.data.rows_per_device must be >= 1, got 0"),
     ({"loss.position_weights": "dpac"}, "config.loss.position_weights must be one of"),
     ({"loss.dpace_alpha": 1.5}, "config.loss.dpace_alpha must lie in [0, 1]"),

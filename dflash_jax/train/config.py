@@ -73,7 +73,7 @@ def base_config() -> ConfigDict:
     config.data.anchor_stride = 16  # S: anchors at j*S, N = T/S blocks per row
     config.data.batch_size = 8  # rows per step (global, split over the data and fsdp mesh axes)
     # Or rows per device instead (batch_size None): batch_size = rows_per_device x the mesh's data x fsdp size,
-    # so one config runs on a slice of any size.
+    # so one config runs on a slice of any size. A given batch_size takes precedence (warned).
     config.data.rows_per_device = placeholder(int)
     config.data.shuffle_seed = 0
     config.data.bad_records = "raise"  # or "skip": log and count bad JSONL records instead of stopping
@@ -106,7 +106,8 @@ def base_config() -> ConfigDict:
 
     # Optimisation (design §7).
     # The schedule's length: total_steps, or epochs (passes over the corpus; total_steps is then derived from its
-    # token count and the tokens a step holds, train/epochs.py). Exactly one of the two.
+    # token count and the tokens a step holds, train/epochs.py). A given total_steps takes precedence (warned),
+    # so `--config.total_steps=N` shortens a recipe given in epochs.
     config.total_steps = placeholder(int)
     config.epochs = placeholder(float)
     config.grad_accum_steps = 1  # micro-batches of batch_size / grad_accum_steps rows, one update per step

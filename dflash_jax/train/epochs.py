@@ -39,9 +39,10 @@ def steps_for_epochs(epochs: float, corpus_tokens: int, step_tokens: int) -> int
 
 
 def resolve_total_steps(config: ConfigDict, workdir: epath.Path, loader: BatchLoader, main: bool) -> ConfigDict:
-    """`config` itself when it gives total_steps; with config.epochs, a copy whose total_steps is the derived
-    count (the warmup ratio and the cosine then follow it). Every process calls it (it may gather counts)."""
-    if config.epochs is None:
+    """`config` itself when it gives total_steps (which takes precedence); else, with config.epochs, a copy whose
+    total_steps is the derived count (the warmup ratio and the cosine then follow it). Every process calls it
+    (it may gather counts)."""
+    if config.total_steps is not None:
         return config
     tokens = _corpus_tokens(workdir, loader, main)
     step_tokens = tokens_per_step(config)

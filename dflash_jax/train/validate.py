@@ -76,15 +76,20 @@ def validate_config(config: ConfigDict) -> None:
         _require(config[field] in DTYPES, f"config.{field} must be one of {DTYPES}, got {config[field]!r}")
     _require(loss.noise_std >= 0, f"config.loss.noise_std must be >= 0, got {loss.noise_std}")
     _require(optim.name in OPTIMIZERS, f"config.optim.name must be one of {OPTIMIZERS}, got {optim.name!r}")
-    _require((config.total_steps is None) != (config.epochs is None),
-             "give exactly one of config.total_steps and config.epochs (the schedule's length; epochs derives the "
-             f"steps from the corpus), got total_steps={config.total_steps} and epochs={config.epochs}")
+    _require(config.total_steps is not None or config.epochs is not None,
+             "give config.total_steps or config.epochs (the schedule's length; epochs derives the steps from the "
+             "corpus)")
+    if config.total_steps is not None and config.epochs is not None:  # e.g. a short run of a recipe in epochs
+        log.warning("config.total_steps = %d takes precedence over config.epochs = %g", config.total_steps,
+                    config.epochs)
     _require(config.total_steps is None or config.total_steps >= 1,
              f"config.total_steps must be >= 1, got {config.total_steps}")
     _require(config.epochs is None or config.epochs > 0, f"config.epochs must be > 0, got {config.epochs}")
-    _require((data.batch_size is None) != (data.rows_per_device is None),
-             "give exactly one of config.data.batch_size (rows per step) and config.data.rows_per_device, got "
-             f"batch_size={data.batch_size} and rows_per_device={data.rows_per_device}")
+    _require(data.batch_size is not None or data.rows_per_device is not None,
+             "give config.data.batch_size (rows per step) or config.data.rows_per_device")
+    if data.batch_size is not None and data.rows_per_device is not None:
+        log.warning("config.data.batch_size = %d takes precedence over config.data.rows_per_device = %d",
+                    data.batch_size, data.rows_per_device)
     rows = data.batch_size if data.batch_size is not None else data.rows_per_device
     _require(rows >= 1, f"config.data.{'batch_size' if data.batch_size is not None else 'rows_per_device'} must be "
                         f">= 1, got {rows}")
@@ -177,9 +182,9 @@ def validate_eval_files(config: ConfigDict) -> None:
 
 
 def resolve_batch_size(config: ConfigDict, num_batch_shards: int) -> ConfigDict:
-    """`config` itself when it gives data.batch_size; with data.rows_per_device, a copy whose batch_size is that
-    many rows for each of the mesh's `num_batch_shards` (data x fsdp) devices."""
-    if config.data.rows_per_device is None:
+    """`config` itself when it gives data.batch_size; else, with data.rows_per_device, a copy whose batch_size is
+    that many rows for each of the mesh's `num_batch_shards` (data x fsdp) devices."""
+    if config.data.batch_size is not None:
         return config
     resolved = config.copy_and_resolve_references()
     resolved.data.batch_size = config.data.rows_per_device * num_batch_shards
