@@ -157,7 +157,7 @@ def test_slurm_requeues_when_the_batch_shell_itself_gets_the_stop_signal(tmp_pat
     import time
 
     assert "#SBATCH --signal=B:TERM@300" in (REPO / "launch" / "slurm.sbatch").read_text()
-    srun = 'trap \'echo "srun got TERM" >> "$CALLS"; exit 75\' TERM\nsleep 60 &\nwait'
+    srun = 'trap \'echo "srun got TERM" >> "$CALLS"; kill $!; exit 75\' TERM\nsleep 60 &\nwait'  # $!: the sleep
     env = {**SLURM, "SLURM_SUBMIT_DIR": str(REPO), **fake_commands(tmp_path / "bin", {"srun": srun, "scontrol": "true"})}
     batch = subprocess.Popen(["bash", str(REPO / "launch" / "slurm.sbatch"), *TRAIN], cwd=REPO, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
