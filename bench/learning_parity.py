@@ -1,12 +1,14 @@
 """Learning parity with vLLM's speculators: the same recipe must learn the same in both trainers.
 
     make learning-parity        # = .venv/bin/python -m bench.learning_parity [--optimizers adamw,muon]
+    .venv/bin/python -m bench.learning_parity --position_weights dpace    # both trainers with D-PACE
 
 For each optimizer: train the demo's drafter (configs/toy.py, the optimizer's recipe below) with this project's
 trainer, then speculators' DFlash drafter on exactly the same rows, features, labels, anchors, initial weights
 and recipe (bench/speculators/train_reference.py, in `.venv-speculators`), and measure exact greedy τ of both
 with this project's evaluator on the demo's 64 held-out prompts at a few step counts. Prints a markdown table
-(bench/RESULTS.md, "Learning parity") and writes every figure to OUT/parity.json.
+(bench/RESULTS.md, "Learning parity") and writes every figure to OUT/parity.json
+(OUT/parity-dpace.json with `--position_weights dpace`).
 
 Each training of 480 steps takes about four minutes (project) and about as long (speculators) on 2 idle CPU
 cores.
@@ -40,10 +42,12 @@ REFERENCE_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
 MAX_NEW_TOKENS = 128  # as `make demo` evaluates
 
 
-def recipe(optimizer: str, steps: int):
-    """configs/toy.py with `optimizer`; AdamW's weight decay stays 0 (speculators would decay norm weights)."""
+def recipe(optimizer: str, steps: int, position_weights: str):
+    """configs/toy.py with `optimizer` and `position_weights`; AdamW's weight decay stays 0 (speculators would
+    decay norm weights)."""
     config = toy.get_config()
     config.optim.name = optimizer
+    config.loss.position_weights = position_weights
     config.optim.weight_decay = 0.0
     config.total_steps = steps
     config.log_every = 1  # every step's loss, to compare with the reference's
@@ -82,6 +86,7 @@ def main() -> None:
     parser.add_argument("--optimizers", default="adamw,muon")
     parser.add_argument("--steps", type=int, default=480)
     parser.add_argument("--eval_steps", default="160,320,480")
+    parser.add_argument("--position_weights", default="decay", choices=("decay", "dpace"))
     parser.add_argument("--out", default=str(REPO / "out" / "learning_parity"))
     args = parser.parse_args()
     if not REFERENCE_PYTHON.exists():
@@ -89,10 +94,13 @@ def main() -> None:
     eval_steps = [int(s) for s in args.eval_steps.split(",")]
     out = Path(args.out)
     optimizers = args.optimizers.split(",")
+    # Each weighting's runs and figures under names of their own (the decay's keep their old names).
+    suffix = "" if args.position_weights == "decay" else f"-{args.position_weights}"
+    runs = {optimizer: out / f"{optimizer}{suffix}" for optimizer in optimizers}
     for optimizer in optimizers:
-        train_both(recipe(optimizer, args.steps), out / optimizer, eval_steps)
+        train_both(recipe(optimizer, args.steps, args.position_weights), runs[optimizer], eval_steps)
 
-    config = recipe(optimizers[0], args.steps)
+    config = recipe(optimizers[0], args.steps, args.position_weights)
     target, _ = load_target(config.target_dir, attention_impl="xla", param_dtype=jnp.float32)
     tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
     examples = read_examples(config.data.eval_files, tokenizer, config.eval_prompts, max_continuation=MAX_NEW_TOKENS)
@@ -102,7 +110,7 @@ def main() -> None:
 
     results = {}
     for optimizer in optimizers:
-        run = out / optimizer
+        run = runs[optimizer]
         ours, theirs = losses(run / "project" / "metrics.jsonl"), losses(run / "speculators" / "losses.jsonl")
         figures = {"loss_step_1": [ours[1], theirs[1]],
                    "loss_last_20": [float(np.mean([ours[s] for s in range(args.steps - 19, args.steps + 1)])),
@@ -114,7 +122,7 @@ def main() -> None:
             print(f"{optimizer} step {step}: exact τ {figures[f'tau_{step}'][0]:.3f} (dflash_jax) "
                   f"{figures[f'tau_{step}'][1]:.3f} (speculators)", flush=True)
         results[optimizer] = figures
-    (out / "parity.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"parity{suffix}.json").write_text(json.dumps(results, indent=2) + "\n")
 
     print("\n| optimizer | trainer | loss, step 1 | mean loss, last 20 steps | "
           + " | ".join(f"exact τ, step {s}" for s in eval_steps) + " |")

@@ -7,7 +7,7 @@ of each head, untied LM head. 26,895,998,464 text parameters.
 """
 
 from dflash_jax.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5Config
-from dflash_jax.train.config import base_config
+from dflash_jax.train.config import base_config, placeholder
 
 
 def target_config() -> Qwen3_5Config:
@@ -23,9 +23,17 @@ def target_config() -> Qwen3_5Config:
 
 def get_config():
     """design §11 drafter for Qwen3.6-27B: 5 layers ([sliding W=2048] x 4, full), 32/8 heads x 128, I=17408,
-    feature ids [1,16,31,46,61], mask token 248070, B=16, γ=7, rope θ 1e7; T=4096 rows with 256 anchors.
+    feature ids [1,16,31,46,61], mask token 248070, B=16, γ=7, rope θ 1e7.
 
-        python -m dflash_jax.train --config configs/qwen27b.py --workdir /ckpt/dflash-qwen27b \\
+    The recipe is SpecForge's Qwen3.6-27B online DFlash recipe: rows of 4096 tokens with 512 anchors (here a
+    static grid of stride 8, design §4, where SpecForge samples 512 anchor positions), 6 epochs, AdamW at lr
+    6e-4 with 4% warmup then cosine, clipping 1.0, γ = 7, on target-regenerated data (README, step 0).
+    Departures and their reasons: AdamW's b2 is 0.999, as speculators trains (torch's default); the batch is
+    one row per device (data.rows_per_device), so the config runs on any slice size, its global batch growing
+    with the slice; the position weights stay the fixed decay until the toy measurement of D-PACE
+    (bench/RESULTS.md) says otherwise.
+
+        dflash-jax train --config qwen27b --workdir /ckpt/dflash-qwen27b \\
             --config.target_dir=/ckpt/Qwen3.6-27B --config.data.train_files=/data/train.jsonl
     """
     config = base_config()
@@ -43,5 +51,9 @@ def get_config():
     config.drafter.block_size = 16
     config.loss.gamma = 7.0
     config.data.seq_len = 4096
-    config.data.anchor_stride = 16  # N = 256 anchors per row
+    config.data.anchor_stride = 8  # N = 512 anchors per row
+    config.data.batch_size = placeholder(int)  # given per device instead (an int field still, for overrides)
+    config.data.rows_per_device = 1
+    config.epochs = 6  # total_steps follows from the corpus's size (train/epochs.py)
+    config.optim.b2 = 0.999
     return config

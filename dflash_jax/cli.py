@@ -5,7 +5,8 @@ commands never clashes) and a `main()`; `dflash-jax train ...` and `python -m df
 command. `run` gives every command the same conventions:
 
 - `--help` prints the command's usage, where its config fields are listed, and its flags (exit 0);
-- a command with a training config takes `--config FILE` plus `--config.<field>=<value>` overrides
+- a command with a training config takes `--config FILE` (or the name of a packaged recipe, `--config qwen27b`
+  for configs/qwen27b.py, installed as dflash_jax.configs) plus `--config.<field>=<value>` overrides
   (`define_config_flag`), an unknown field is named with the one to use, and `--print_config` prints the
   resolved config as JSON and exits;
 - an error the user can fix (a bad flag, config, file or checkpoint: `errors.UserError`) is one line
@@ -17,7 +18,10 @@ Adding a command is one line in COMMANDS.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import os
+import pkgutil
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -44,14 +48,41 @@ _HELP_FLAGS = ("-h", "--help", "--helpshort", "-help")
 
 
 def define_config_flag(flag_values: flags.FlagValues) -> flags.FlagHolder:
-    """`--config FILE` (a file under configs/ returning a training config; `file.py:arg` passes arg to its
-    get_config) with `--config.<field>=<value>` overrides, and `--print_config`."""
+    """`--config FILE` (a file returning a training config, or a packaged recipe's name; `file.py:arg` passes arg
+    to its get_config) with `--config.<field>=<value>` overrides, and `--print_config`."""
     holder = config_flags.DEFINE_config_file(
-        "config", None, f"A config file (e.g. configs/tiny.py); fields and defaults: {CONFIG_FIELDS}.",
+        "config", None, f"A config file (e.g. configs/tiny.py) or a packaged recipe's name (e.g. qwen27b); fields "
+        f"and defaults: {CONFIG_FIELDS}.",
         flag_values=flag_values, lock_config=True)
     flags.DEFINE_bool("print_config", False, "Print the resolved config (file and overrides) as JSON and exit.",
                       flag_values=flag_values)
     return holder
+
+
+def packaged_config_path(value: str) -> str:
+    """`--config`'s value with a packaged recipe's name (`qwen27b`, `toy:arg`) replaced by its file; a path is
+    kept as given. A bare name that is neither a file nor a packaged recipe is a UserError listing the recipes."""
+    name, colon, argument = value.partition(":")
+    if os.path.exists(name) or "/" in name or name.endswith(".py"):
+        return value
+    spec = importlib.util.find_spec(f"dflash_jax.configs.{name}") if name.isidentifier() else None
+    if spec is None:
+        import dflash_jax.configs
+
+        names = sorted(module.name for module in pkgutil.iter_modules(dflash_jax.configs.__path__))
+        raise UserError(f"--config {name}: no such file, nor a packaged config (those are: {', '.join(names)})")
+    return spec.origin + colon + argument
+
+
+def _with_packaged_configs(args: list[str]) -> list[str]:
+    """`--config NAME` / `--config=NAME` in args with NAME resolved by `packaged_config_path`."""
+    resolved = list(args)
+    for i, arg in enumerate(resolved):
+        if arg == "--config" and i + 1 < len(resolved):
+            resolved[i + 1] = packaged_config_path(resolved[i + 1])
+        elif arg.startswith("--config="):
+            resolved[i] = "--config=" + packaged_config_path(arg[len("--config="):])
+    return resolved
 
 
 def fail(message: str) -> None:
@@ -81,6 +112,7 @@ def run(main: Callable[[], None], command_flags: flags.FlagValues, argv: Sequenc
         try:
             if has_config:
                 check_overrides(args[1:])  # an unknown field names the one to use (absl would raise a traceback)
+                args = args[:1] + _with_packaged_configs(args[1:])
             rest = command_flags(args)
             flags.FLAGS(args[:1])  # absl's own flags (logging) keep their defaults
             if has_config and command_flags.config is not None:  # None: optional and not given

@@ -45,7 +45,7 @@ def export(workdir: str, out: str, *, step: int | None = None, overwrite: bool =
     facts = training_facts(workdir, step)
     write_model_card(out, config, facts, drafter=push_to_hub_repo or str(out.absolute()))
     print(f"exported step {step} of {workdir} to {out} (model card: {out / CARD_FILE})")
-    print("serve it with:\n  " + serve_command(facts.target, out.absolute(), config.block_size))
+    print("serve it with:\n  " + serve_command(facts.target, out.absolute(), config))
     if push_to_hub_repo:
         print(f"uploaded to {push_to_hub(out, push_to_hub_repo)}")
 

@@ -15,4 +15,6 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || launch/install.sh gpu
 # Let XLA use most of each GPU's memory for the frozen target, the drafter and the step's temporaries.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+source launch/performance.sh  # XLA and NCCL settings, each overridable from the environment
+gpu_performance_env
 exec .venv/bin/python -m dflash_jax.train --config "$config" --workdir "$workdir" "$@"

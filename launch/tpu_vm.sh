@@ -18,4 +18,6 @@ workdir=${2:?usage: launch/tpu_vm.sh CONFIG WORKDIR [--config.key=value ...]}
 shift 2
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || launch/install.sh tpu
+source launch/performance.sh  # libtpu's collective settings, overridable from the environment
+tpu_performance_env
 exec .venv/bin/python -m dflash_jax.train --config "$config" --workdir "$workdir" --config.distributed=on "$@"

@@ -48,6 +48,26 @@ def test_print_config_shows_the_file_with_its_overrides():
         4, 3, 128)
 
 
+def test_a_packaged_recipe_is_named_without_its_path(tmp_path):
+    """`--config qwen27b` is the installed package's copy of configs/qwen27b.py (dflash_jax.configs), so an
+    installed dflash-jax has the recipes; run from elsewhere than the repository, as a pip user would."""
+    import subprocess
+
+    from configs import qwen27b
+    from dflash_jax.cli import packaged_config_path
+    from dflash_jax.errors import UserError
+    from tests.command import SCRIPT
+
+    by_name = subprocess.run([str(SCRIPT), "train", "--config", "qwen27b", "--workdir", "x", "--print_config"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert by_name.returncode == 0, by_name.stderr[-3000:]
+    assert json.loads(by_name.stdout) == json.loads(qwen27b.get_config().to_json_best_effort())
+    assert packaged_config_path("configs/qwen27b.py") == "configs/qwen27b.py"  # a path stays a path
+    with pytest.raises(UserError, match=r"^--config qwen28b: no such file, nor a packaged config \(those are: "
+                                        r"qwen27b, qwen3_8b, tiny, toy\)$"):
+        packaged_config_path("qwen28b")
+
+
 def test_user_errors_are_one_line_with_exit_code_2(tmp_path):
     assert "--workdir" in user_error(dflash_jax("train", "--config", TINY))
     assert "stray" in user_error(dflash_jax("export", "--workdir", str(tmp_path), "--out", "x", "stray"))

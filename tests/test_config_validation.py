@@ -49,6 +49,10 @@ def config(**overrides):
     ({"data.seq_len": 8, "data.anchor_stride": 8, "drafter.block_size": 16}, "config.data.seq_len (8) must be >= config.drafter.block_size (16)"),
     ({"loss.gamma": 0.0}, "config.loss.gamma must be > 0"),
     ({"loss.gamma": -4.0}, "config.loss.gamma must be > 0"),
+    ({"data.batch_size": None}, "give config.data.batch_size (rows per step) or config.data.rows_per_device"),
+    ({"data.batch_size": None, "data.rows_per_device": 0}, "config.data.rows_per_device must be >= 1, got 0"),
+    ({"loss.position_weights": "dpac"}, "config.loss.position_weights must be one of"),
+    ({"loss.dpace_alpha": 1.5}, "config.loss.dpace_alpha must lie in [0, 1]"),
     ({"drafter.layer_types": ("full_attention",) * 3}, "config.drafter.layer_types has 3 entries but "
                                                        "config.drafter.num_hidden_layers is 2"),
     ({"drafter.layer_types": ("full_attention", "local")}, "config.drafter.layer_types has unknown types ['local']"),
@@ -152,6 +156,23 @@ def test_shipped_configs_validate():
         c = module.get_config()
         c.target_dir, c.data.train_files = "/ckpt/target", ("train.jsonl",)
         validate_config(c)
+
+
+@pytest.mark.parametrize("devices", [8, 32, 64])
+def test_the_qwen_recipes_run_on_any_slice_without_a_batch_override(devices):
+    """One row per device: the README's commands need no --config.data.batch_size on a slice of any size."""
+    from dflash_jax.train.validate import resolve_batch_size, validate_batch_layout
+
+    for module in (qwen3_8b, qwen27b):
+        c = module.get_config()
+        c.target_dir, c.data.train_files = "/ckpt/target", ("train.jsonl",)
+        validate_config(c)
+        # the recipes' mesh: fsdp over every device (-1)
+        assert dict(c.mesh) == {"data": 1, "fsdp": -1, "tensor": 1}
+        resolved = resolve_batch_size(c, devices)
+        assert resolved.data.batch_size == devices and c.data.batch_size is None
+        validate_batch_layout(resolved, devices)
+        assert (c.data.seq_len // c.data.anchor_stride, c.epochs, c.optim.b2) == (512, 6, 0.999)
 
 
 def test_qwen27b_drafter_is_the_spec_one():

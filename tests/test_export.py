@@ -18,7 +18,7 @@ from dflash_jax.errors import CheckpointError, OutputDirError
 from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.train.workdir import append_config_history
 from dflash_jax.weights.drafter_files import (drafter_config_from_zlab, drafter_from_torch_layout, drafter_to_torch_layout,
-                                             export_drafter, load_drafter_dir, zlab_config)
+                                             export_drafter, load_drafter_dir, serve_command, zlab_config)
 from tests.command import dflash_jax, user_error
 from tests.test_drafter import (BLOCK, FULL, HIDDEN, MASK_ID, SEQ_LEN, SLIDING, VOCAB, forward, make_config,
                                 packed_rows, random_weights, relative_error)
@@ -244,6 +244,17 @@ def test_export_cli_restores_the_latest_or_a_given_step(tmp_path):
             np.testing.assert_array_equal(tensor, rounded, err_msg=name)
 
 
+@pytest.mark.parametrize("layers, runner", [("sliding_full", ["VLLM_USE_V2_MODEL_RUNNER=1"]), ("all_full", [])])
+def test_serve_command_selects_vllms_v2_runner_for_a_mixed_drafter(layers, runner):
+    import shlex
+
+    config = make_config(*CONFIGS[layers])
+    words = shlex.split(serve_command("Qwen/Qwen3.6-27B", "/ckpt/drafter", config))
+    assert words[:-1] == runner + ["vllm", "serve", "Qwen/Qwen3.6-27B", "--speculative-config"]
+    assert json.loads(words[-1]) == {"method": "dflash", "model": "/ckpt/drafter",
+                                     "num_speculative_tokens": config.block_size - 1}
+
+
 def test_export_cli_errors(tmp_path):
     workdir, _, _ = training_workdir(tmp_path)
 
@@ -298,8 +309,10 @@ def test_export_writes_a_model_card_whose_commands_parse(tmp_path):
         assert fact in card, fact
     commands = [block.split("```")[0].strip() for block in card.split("```bash\n")[1:]]
     vllm, sglang = (shlex.split(command) for command in commands)
-    assert vllm[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"] and vllm[3] == "--speculative-config"
-    assert json.loads(vllm[4]) == {"method": "dflash", "model": "my-org/qwen3-8b-dflash",
+    # The drafter mixes sliding and full layers: vLLM serves it with its V2 model runner only.
+    assert vllm[:4] == ["VLLM_USE_V2_MODEL_RUNNER=1", "vllm", "serve", "Qwen/Qwen3-8B"]
+    assert vllm[4] == "--speculative-config"
+    assert json.loads(vllm[5]) == {"method": "dflash", "model": "my-org/qwen3-8b-dflash",
                                    "num_speculative_tokens": BLOCK - 1}
     assert sglang[:3] == ["python", "-m", "sglang.launch_server"]
     parser = argparse.ArgumentParser()

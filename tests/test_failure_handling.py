@@ -134,10 +134,33 @@ def test_export_falls_back_past_an_unreadable_latest_step_but_not_past_a_given_o
     assert (workdir / CHECKPOINTS_DIR / "4").is_dir()  # the export only reads: it moves nothing
 
 
-def write_lock(workdir, host: str, pid: int, heartbeat_age: float = 0.0) -> None:
+def write_lock(workdir, host: str, pid: int, heartbeat_age: float = 0.0, job: dict | None = None) -> None:
     now = time.time()
-    (workdir / LOCK_FILE).write_text(json.dumps({"host": host, "pid": pid, "token": "other",
+    (workdir / LOCK_FILE).write_text(json.dumps({"host": host, "pid": pid, "token": "other", "job": job,
                                                  "started": now - 3600, "heartbeat": now - heartbeat_age}))
+
+
+def test_a_requeued_slurm_job_takes_the_lock_over_from_its_earlier_run(tmp_path, monkeypatch, caplog):
+    """Requeued onto another host, the job finds its earlier run's lock with a fresh heartbeat (it was killed
+    a moment ago): an earlier run of the same job is gone, so the lock is taken over, never refused. The same
+    run of the job (two trainers in one allocation) and another job are still refused."""
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    for job in ({"id": "1234", "run": 1}, {"id": "999", "run": 0}, None):
+        write_lock(tmp_path, "host-b", 4242, job=job)
+        with pytest.raises(WorkdirLockedError, match=r"\(host host-b, pid 4242, started "):
+            WorkdirLock(tmp_path).acquire()
+    write_lock(tmp_path, "host-b", 4242, job={"id": "1234", "run": 0})
+    lock = WorkdirLock(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        lock.acquire()
+    assert "host host-b, pid 4242: run 0 of Slurm job 1234, which is now in run 1" in caplog.text
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["job"] == {"id": "1234", "run": 1}
+    lock.release()
+    monkeypatch.delenv("SLURM_RESTART_COUNT")  # the job's first run has no count: run 0
+    write_lock(tmp_path, "host-b", 4242, job={"id": "1234", "run": 0})
+    with pytest.raises(WorkdirLockedError):
+        WorkdirLock(tmp_path).acquire()
 
 
 def test_the_workdir_lock_refuses_a_live_holder_and_takes_over_from_a_dead_one(tmp_path, caplog):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,52 @@ def test_slurm_requeues_the_job_exactly_when_the_run_stopped_with_75(tmp_path, e
     result = run("slurm.sbatch", *TRAIN, env=env)
     assert result.returncode == exit_code
     assert ("scontrol requeue 1234" in Path(env["CALLS"]).read_text()) == requeued
+
+
+def test_slurm_requeues_when_the_batch_shell_itself_gets_the_stop_signal(tmp_path):
+    """--signal=B:TERM@300 (and a preemption) signal the batch shell: it passes SIGTERM on to srun, waits for
+    the trainers' exit code 75 and requeues, instead of dying before its requeue line."""
+    import signal
+    import time
+
+    assert "#SBATCH --signal=B:TERM@300" in (REPO / "launch" / "slurm.sbatch").read_text()
+    srun = 'trap \'echo "srun got TERM" >> "$CALLS"; kill $!; exit 75\' TERM\nsleep 60 &\nwait'  # $!: the sleep
+    env = {**SLURM, "SLURM_SUBMIT_DIR": str(REPO), **fake_commands(tmp_path / "bin", {"srun": srun, "scontrol": "true"})}
+    batch = subprocess.Popen(["bash", str(REPO / "launch" / "slurm.sbatch"), *TRAIN], cwd=REPO, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={"PATH": "/usr/bin:/bin", "HOME": os.environ["HOME"], "TMPDIR": "/tmp", **env})
+    calls = Path(env["CALLS"])
+    deadline = time.monotonic() + 60
+    while not (calls.exists() and "srun " in calls.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # srun's trap is set once it runs its `sleep`
+    batch.send_signal(signal.SIGTERM)
+    out, err = batch.communicate(timeout=60)
+    assert batch.returncode == 75, err
+    log = calls.read_text()
+    assert "srun got TERM" in log and "scontrol requeue 1234" in log, log
+
+
+def test_performance_settings_are_defaults_the_environment_overrides_and_xla_knows_them():
+    def settings(function: str, **env: str) -> list[str]:
+        script = f"source launch/performance.sh; {function}; printf '%s\\n' \"$XLA_FLAGS\" \"$NCCL_DEBUG\" \"$LIBTPU_INIT_ARGS\""
+        return subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, check=True,
+                              env={"PATH": "/usr/bin:/bin", **env}).stdout.split("\n")[:3]
+
+    xla_flags, nccl_debug, libtpu = settings("gpu_performance_env")
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in xla_flags and nccl_debug == "WARN" and not libtpu
+    assert settings("gpu_performance_env", XLA_FLAGS="--mine", NCCL_DEBUG="INFO")[:2] == ["--mine", "INFO"]
+    assert settings("gpu_performance_env", XLA_FLAGS="")[0] == ""  # set empty: no defaults
+    libtpu = settings("tpu_performance_env")[2]
+    assert "--xla_tpu_enable_async_collective_fusion=true" in libtpu
+    assert settings("tpu_performance_env", LIBTPU_INIT_ARGS="--mine")[2] == "--mine"
+    for name in ("launch/gpu.sh", "launch/tpu_vm.sh", "launch/slurm.sbatch"):
+        assert "source launch/performance.sh" in (REPO / name).read_text(), name
+    # XLA aborts on a flag it does not know; the pinned jaxlib parses the GPU flags on any backend.
+    check = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.ones(2).block_until_ready()"],
+                           capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"})
+    assert check.returncode == 0, check.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from dflash_jax.ops.mask import position_mask
 from dflash_jax.train import flops
 from dflash_jax.train.optimizer import learning_rate_schedule
 from dflash_jax.train.step import put_batch
+from tests.test_dpace import loop_dpace
 from tests.train_fixtures import build, make_qwen3_5_target, make_target, mesh_of, tiny_config, write_corpus
 
 
@@ -52,7 +53,8 @@ def reference_loss(setup, params, batch):
                         target.embed(jnp.asarray(block_ids.reshape(rows, -1))), inputs)
     logits = np.asarray(target.logits(hidden), np.float64).reshape(rows, grid.num_anchors, block, -1)
 
-    total, count = 0.0, 0
+    ce = np.zeros((rows, grid.num_anchors, block))
+    trained = np.zeros((rows, grid.num_anchors, block), bool)
     slot_correct, slot_count = np.zeros(block), np.zeros(block)
     for r in range(rows):
         for j, a in enumerate(grid.anchors):
@@ -63,18 +65,25 @@ def reference_loss(setup, params, batch):
                     continue
                 label = np.argmax(target_logits[r, p - 1]) if config.loss.labels == "target" else ids[r, p]
                 z = logits[r, j, k]
-                ce = np.log(np.sum(np.exp(z - z.max()))) + z.max() - z[label]
-                total += np.exp(-(k - 1) / config.loss.gamma) * ce
-                count += 1
+                ce[r, j, k] = np.log(np.sum(np.exp(z - z.max()))) + z.max() - z[label]
+                trained[r, j, k] = True
                 slot_correct[k] += np.argmax(z) == label
                 slot_count[k] += 1
-    return total / count, slot_correct, slot_count
+    if config.loss.position_weights == "dpace":  # tests/test_dpace.py checks the weights themselves
+        weights = loop_dpace(ce, trained, config.loss.dpace_alpha)
+    else:
+        weights = np.where(np.arange(block) >= 1, np.exp(-(np.arange(block) - 1) / config.loss.gamma), 0.0)
+    return np.sum(weights * ce * trained) / trained.sum(), slot_correct, slot_count
 
 
-@pytest.mark.parametrize("target_kind, labels", [("qwen3", "target"), ("qwen3", "data"), ("qwen3_5", "target")])
-def test_step_loss_equals_dense_numpy_loss(files, hybrid_target, target_kind, labels):
+@pytest.mark.parametrize("target_kind, labels, position_weights",
+                         [("qwen3", "target", "decay"), ("qwen3", "data", "decay"), ("qwen3_5", "target", "decay"),
+                          ("qwen3", "target", "dpace")])
+def test_step_loss_equals_dense_numpy_loss(files, hybrid_target, target_kind, labels, position_weights):
     target_dir = hybrid_target if target_kind == "qwen3_5" else files[0]
-    setup = build(tiny_config(target_dir, files[1], **{"loss.labels": labels}), mesh_of())
+    setup = build(tiny_config(target_dir, files[1], **{"loss.labels": labels,
+                                                       "loss.position_weights": position_weights,
+                                                       "loss.dpace_alpha": 0.3}), mesh_of())
     batch = next(setup.loader)
     params = jax.tree.map(jnp.copy, setup.state.params)  # the step donates the state it is given
     _, metrics = setup.step.train_step(setup.state, setup.target_state, put_batch(batch, setup.mesh))

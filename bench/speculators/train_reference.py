@@ -163,6 +163,10 @@ def main() -> None:
     model = speculators_drafter(config, drafter_config, initial)
     optimizers, schedulers = optimizers_for(model, config)
     loss_config = resolve_loss_config("ce", "eager")
+    # The run's position weights under speculators' names (a run from before D-PACE used the decay).
+    position_weighting = ({"per_position_loss_weight": "dpace", "dpace_alpha": config.loss.dpace_alpha}
+                          if config.loss.get("position_weights") == "dpace"
+                          else {"per_position_loss_weight": "fixed-exp-decay"})
     chosen = {}
     dflash_core.select_anchors = lambda loss_mask, num_anchors, block_size: (  # the project's grid, all valid
         chosen["anchors"], torch.ones(num_anchors, dtype=torch.bool))
@@ -176,7 +180,7 @@ def main() -> None:
             for optimizer in optimizers:
                 optimizer.zero_grad()
             _, loss, _ = model(**inputs, loss_config=loss_config, gamma=config.loss.gamma,
-                               max_anchors=len(chosen["anchors"]), per_position_loss_weight="fixed-exp-decay")
+                               max_anchors=len(chosen["anchors"]), **position_weighting)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.clip_grad_norm)
             for optimizer in optimizers:

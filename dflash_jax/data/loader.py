@@ -122,6 +122,11 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
         """Records in the shares of this loader's rows."""
         return sum(len(stream.corpus) for stream in self.streams)
 
+    def corpus_tokens(self) -> int:
+        """Tokens of one epoch over this loader's rows' shares (the whole corpus for a loader of every row):
+        tokenizes each record once. Call it before iterating (it reads the same files)."""
+        return sum(stream.token_count() for stream in self.streams)
+
     # -- resume ---------------------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:

@@ -72,6 +72,9 @@ def base_config() -> ConfigDict:
     config.data.seq_len = 4096  # T: tokens per packed row
     config.data.anchor_stride = 16  # S: anchors at j*S, N = T/S blocks per row
     config.data.batch_size = 8  # rows per step (global, split over the data and fsdp mesh axes)
+    # Or rows per device instead (batch_size None): batch_size = rows_per_device x the mesh's data x fsdp size,
+    # so one config runs on a slice of any size. A given batch_size takes precedence (warned).
+    config.data.rows_per_device = placeholder(int)
     config.data.shuffle_seed = 0
     config.data.bad_records = "raise"  # or "skip": log and count bad JSONL records instead of stopping
     # Arguments of the chat template (e.g. {"enable_thinking": False}): a dict in a config file; on the command line
@@ -80,7 +83,12 @@ def base_config() -> ConfigDict:
 
     # Labels and loss (design §6).
     config.loss = ConfigDict()
-    config.loss.gamma = 7.0  # position-weight decay; 7 for B=16, 4 for B=8
+    # Position weights of the drafted slots: "decay" = exp(-(k-1)/gamma); "dpace" = D-PACE, the expected number
+    # of accepted slots each slot gates, from the drafter's detached confidence smoothed by dpace_alpha (vLLM
+    # speculators' `--per-position-loss-weight dpace`).
+    config.loss.position_weights = "decay"
+    config.loss.gamma = 7.0  # decay rate; 7 for B=16, 4 for B=8
+    config.loss.dpace_alpha = 0.5  # D-PACE smoothing: s = (1 - alpha) exp(-CE) + alpha
     config.loss.labels = "target"  # "target": argmax of the target's logits; "data": the row's next tokens
     config.loss.noise_std = 0.0  # uniform noise U(-std, std) on the raw features fed to fc (never on labels)
     config.loss.vocab_chunk = 8192  # vocabulary chunk for the target's greedy labels
@@ -99,7 +107,11 @@ def base_config() -> ConfigDict:
     config.query_chunk_blocks = 16  # blocks per query chunk in the XLA drafter attention
 
     # Optimisation (design §7).
-    config.total_steps = 10_000
+    # The schedule's length: total_steps, or epochs (passes over the corpus; total_steps is then derived from its
+    # token count and the tokens a step holds, train/epochs.py). A given total_steps takes precedence (warned),
+    # so `--config.total_steps=N` shortens a recipe given in epochs.
+    config.total_steps = placeholder(int)
+    config.epochs = placeholder(float)
     config.grad_accum_steps = 1  # micro-batches of batch_size / grad_accum_steps rows, one update per step
     config.seed = 0  # drafter init and the noise RNG
     config.optim = ConfigDict()

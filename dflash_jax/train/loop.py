@@ -29,7 +29,7 @@ from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import BATCH_AXES, state_shardings
-from dflash_jax.train import distributed, flops, validate
+from dflash_jax.train import distributed, epochs, flops, validate
 from dflash_jax.train.checkpoint import Checkpointer, StopRequest
 from dflash_jax.train.loss import acceptance_metrics
 from dflash_jax.train.state import init_train_state, state_spec
@@ -66,8 +66,11 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
 
 def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None) -> dict[str, Any]:
     main = jax.process_index() == 0  # of several processes (train/distributed.py), one writes the run files
+    given = config  # as the user gave it, for the history; rows per device and epochs resolve below
     mesh = validate.mesh_from_config(config)
-    validate.validate_batch_layout(config, int(np.prod([mesh.shape[axis] for axis in BATCH_AXES])))
+    batch_shards = int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
+    config = validate.resolve_batch_size(config, batch_shards)
+    validate.validate_batch_layout(config, batch_shards)
 
     # The step compiled from abstract arrays first (dflash_jax/plan.py), where there is a budget to hold it to:
     # a run that cannot fit stops before any weight is read.
@@ -105,15 +108,17 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
     # This process's rows of every batch, built in a background thread (data/loader.py, data/prefetch.py).
     data = config.data
     rows = process_rows(mesh, data.batch_size)
-    batches = Prefetcher(_agreed(lambda: BatchLoader(
+    loader = _agreed(lambda: BatchLoader(
         data.train_files, tokenizer, seq_len=data.seq_len, anchor_stride=data.anchor_stride,
         batch_size=data.batch_size, rows=rows, seed=data.shuffle_seed, pad_id=tokenizer.pad_token_id or 0,
         max_positions=target_config.max_position_embeddings,
-        bad_records=data.bad_records, chat_template_kwargs=data.chat_template_kwargs, state=data_state)))
+        bad_records=data.bad_records, chat_template_kwargs=data.chat_template_kwargs, state=data_state))
+    config = epochs.resolve_total_steps(config, workdir, loader, main)  # before the loader's thread reads
     if main:  # the start is accepted: record it, and forget the metrics of steps the resume repeats
         _write_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)
-        append_config_history(workdir, config, start_step)
+        append_config_history(workdir, given, start_step)
         drop_metrics_after(workdir, start_step)
+    batches = Prefetcher(loader)
 
     target_graphdef, target_state = nnx.split(target)
     target_shardings = state_shardings(target_state, mesh, config.target_layout)
@@ -160,6 +165,7 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
                 if step % config.log_every == 0 or step == config.total_steps:
                     record = _log_record(step, pending, interval_start, interval_steps, tokens_per_step,
                                          step_flops, peak, mesh.size)
+                    record.update(epochs.data_progress(distributed.gather_json(data_position)))
                     write_metrics(record)
                     history.append(record)
                     progress.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau_est']:.2f}")
@@ -289,6 +295,6 @@ def _log_line(record: dict[str, Any]) -> str:
 
     return (f"step {record['step']}: loss {record['loss']:.4f}  tau_est {record['tau_est']:.3f}  "
             f"acc_1 {record['acc_1']:.3f}  util {record['anchor_utilisation']:.3f}  "
-            f"grad_norm {record['grad_norm']:.3f}  lr {record['learning_rate']:.2e}  "
+            f"grad_norm {record['grad_norm']:.3f}  lr {record['learning_rate']:.2e}  epoch {record['epoch']:.3f}  "
             f"step {fmt(record['step_time'], '.3f')} s  {fmt(record['tokens_per_second'], ',.0f')} tok/s  "
             f"mfu {fmt(record['mfu'], '.1%')}")

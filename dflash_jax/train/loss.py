@@ -26,6 +26,23 @@ def position_weights(block_size: int, gamma: float) -> np.ndarray:
     return np.where(k >= 1, np.exp(-(k - 1) / gamma), 0.0).astype(np.float32)
 
 
+def dpace_weights(ce: jax.Array, slot_mask: jax.Array, alpha: float) -> jax.Array:
+    """D-PACE position weights (design §6): per block, the expected number of accepted slots each slot gates.
+
+    ce, slot_mask: [..., B] (the last axis is one block's slots). The drafter's confidence in slot i is
+    q_i = exp(-CE_i), smoothed to s_i = (1 - alpha) q_i + alpha; an untrained slot has s_i = 1 (it never
+    breaks the chain) and adds nothing to a sum. The weight of trained slot j is Σ_{m >= j, trained} Π_{i <= m} s_i
+    (0 for an untrained slot). This is `dpace_loss_decay` of vLLM's speculators (speculators/losses/utils.py,
+    `--per-position-loss-weight dpace`), here from the CE the fused LM-head pass already computed, so it
+    costs no pass over the vocabulary. The weights are constants of the loss: no gradient flows through them.
+    """
+    ce = jax.lax.stop_gradient(ce).astype(jnp.float32)
+    trained = slot_mask.astype(jnp.float32)
+    smoothed = jnp.where(trained > 0, (1.0 - alpha) * jnp.exp(-ce) + alpha, 1.0)
+    prefix = jnp.cumprod(smoothed, axis=-1)
+    return jax.lax.cumsum(prefix * trained, axis=ce.ndim - 1, reverse=True) * trained
+
+
 def map_row_chunks(fn: Callable, row_chunk: int, axis: int, *arrays: jax.Array):
     """fn applied to successive chunks of `row_chunk` rows of `arrays` along `axis`, outputs joined along it.
 
@@ -126,14 +143,15 @@ _lm_head_cross_entropy.defvjp(_lm_head_cross_entropy_forward, _lm_head_cross_ent
 
 
 class LossOutput(NamedTuple):
-    loss: jax.Array  # scalar: Σ w_k·CE·m / Σ m
+    loss: jax.Array  # scalar: Σ w·CE·m / Σ m
     slot_correct: jax.Array  # [B] number of trained slots at position k whose argmax equals the label
     slot_count: jax.Array  # [B] number of trained slots at position k
 
 
 def dflash_loss(ce: jax.Array, correct: jax.Array, slot_mask: jax.Array, weights: jax.Array,
                 normaliser: jax.Array | None = None) -> LossOutput:
-    """design §6 loss over trained slots. ce, correct, slot_mask: [batch, N, B]; weights: [B] with w_0 = 0.
+    """design §6 loss over trained slots. ce, correct, slot_mask: [batch, N, B]; weights: [B] with w_0 = 0 (the
+    fixed decay) or [batch, N, B] (D-PACE, `dpace_weights`).
 
     The normaliser is the number of trained slots (speculators' convention), not the weight sum. Pass the
     whole batch's count as `normaliser` when this is one micro-batch of it: the micro-batch losses then

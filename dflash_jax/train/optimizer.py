@@ -44,9 +44,12 @@ LAYERS_AXIS = "layers"  # logical axis of weights stacked over layers: one matri
 def learning_rate_schedule(config: ConfigDict, peak: float | None = None) -> optax.Schedule:
     """Linear warmup over `warmup_ratio` of the steps from 0 to the peak (default optim.learning_rate), then
     cosine to 0 at total_steps."""
-    warmup_steps = int(round(config.optim.warmup_ratio * config.total_steps))
+    # total_steps is None only while config.epochs awaits the corpus count (train/epochs.py), when nothing but an
+    # ahead-of-time plan compiles the step: the schedule's length changes none of its shapes.
+    total_steps = 1 if config.total_steps is None else config.total_steps
+    warmup_steps = int(round(config.optim.warmup_ratio * total_steps))
     peak = config.optim.learning_rate if peak is None else peak
-    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup_steps=warmup_steps, decay_steps=config.total_steps,
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup_steps=warmup_steps, decay_steps=total_steps,
                                               end_value=0.0)
 
 

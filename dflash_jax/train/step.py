@@ -10,7 +10,8 @@ count, so accumulation gives exactly the full-batch gradient). Per micro-batch:
    models/dflash.py).
 2. `drafter_loss`: optional uniform noise on the raw features (never on the labels' path), the drafter
    forward, the borrowed (frozen) LM head + cross-entropy in row chunks with the gradient fused into its
-   forward (train/loss.py), the slot mask and position weights.
+   forward (train/loss.py), the slot mask and position weights (the fixed decay, or D-PACE's from the
+   detached CE of the same pass).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from dflash_jax.models.dflash import TargetContext, target_context
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, anchor_utilisation, anchor_validity, slot_mask
 from dflash_jax.sharding import BATCH_AXES, batch_sharding, layout_rules, replicated
-from dflash_jax.train.loss import dflash_loss, lm_head_cross_entropy, position_weights, trained_slot_count
+from dflash_jax.train.loss import (dflash_loss, dpace_weights, lm_head_cross_entropy, position_weights,
+                                   trained_slot_count)
 from dflash_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from dflash_jax.train.state import StateSpec, TrainState
 
@@ -58,6 +60,7 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
     grid = anchor_grid(config)
     anchors, block = grid.anchors, grid.block_size
     weights = jnp.asarray(position_weights(block, config.loss.gamma))
+    dpace = config.loss.position_weights == "dpace"  # weights from the drafter's own confidence (design §6)
 
     def teacher(target_state: nnx.State, batch: dict[str, jax.Array]) -> TargetContext:
         # Traced under the rules of the target's layout, which decide its embedding lookup (models/layers.py).
@@ -83,7 +86,8 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
         anchor_slot = ((0, 0), (0, 0), (1, 0))  # slot 0: ce 0, not correct (its mask is 0)
         ce = jnp.pad(ce.reshape(teacher.labels.shape), anchor_slot)
         correct = jnp.pad(correct.reshape(teacher.labels.shape), anchor_slot)
-        out = dflash_loss(ce, correct, mask, weights, normaliser)
+        slot_weights = dpace_weights(ce, mask, config.loss.dpace_alpha) if dpace else weights
+        out = dflash_loss(ce, correct, mask, slot_weights, normaliser)
         return out.loss, LossAux(teacher.labels, out.slot_correct, out.slot_count)
 
     tx = make_optimizer(config)

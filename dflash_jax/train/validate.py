@@ -31,6 +31,7 @@ from dflash_jax.train.config import RENAMED, base_config, field_paths
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("adamw", "muon")
+POSITION_WEIGHTS = ("decay", "dpace")
 BAD_RECORDS = ("raise", "skip")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -87,6 +88,10 @@ def validate_config(config: ConfigDict) -> None:
     _require(data.seq_len >= block_size,
              f"config.data.seq_len ({data.seq_len}) must be >= config.drafter.block_size ({block_size})")
     _require(loss.gamma > 0, f"config.loss.gamma must be > 0 (w_k = exp(-(k-1)/gamma), design §6), got {loss.gamma}")
+    _require(loss.position_weights in POSITION_WEIGHTS,
+             f"config.loss.position_weights must be one of {POSITION_WEIGHTS}, got {loss.position_weights!r}")
+    _require(0 <= loss.dpace_alpha <= 1,
+             f"config.loss.dpace_alpha must lie in [0, 1] (D-PACE smoothing, design §6), got {loss.dpace_alpha}")
     _require(loss.labels in LABEL_SOURCES, f"config.loss.labels must be one of {LABEL_SOURCES}, got {loss.labels!r}")
     _require(config.attention_impl in ATTENTION_CHOICES,
              f"config.attention_impl must be one of {ATTENTION_CHOICES}, got {config.attention_impl!r}")
@@ -96,7 +101,24 @@ def validate_config(config: ConfigDict) -> None:
         _require(config[field] in DTYPES, f"config.{field} must be one of {DTYPES}, got {config[field]!r}")
     _require(loss.noise_std >= 0, f"config.loss.noise_std must be >= 0, got {loss.noise_std}")
     _require(optim.name in OPTIMIZERS, f"config.optim.name must be one of {OPTIMIZERS}, got {optim.name!r}")
-    for path in ("data.batch_size", "total_steps", "grad_accum_steps", "loss.vocab_chunk", "loss.row_chunk",
+    _require(config.total_steps is not None or config.epochs is not None,
+             "give config.total_steps or config.epochs (the schedule's length; epochs derives the steps from the "
+             "corpus)")
+    if config.total_steps is not None and config.epochs is not None:  # e.g. a short run of a recipe in epochs
+        log.warning("config.total_steps = %d takes precedence over config.epochs = %g", config.total_steps,
+                    config.epochs)
+    _require(config.total_steps is None or config.total_steps >= 1,
+             f"config.total_steps must be >= 1, got {config.total_steps}")
+    _require(config.epochs is None or config.epochs > 0, f"config.epochs must be > 0, got {config.epochs}")
+    _require(data.batch_size is not None or data.rows_per_device is not None,
+             "give config.data.batch_size (rows per step) or config.data.rows_per_device")
+    if data.batch_size is not None and data.rows_per_device is not None:
+        log.warning("config.data.batch_size = %d takes precedence over config.data.rows_per_device = %d",
+                    data.batch_size, data.rows_per_device)
+    rows = data.batch_size if data.batch_size is not None else data.rows_per_device
+    _require(rows >= 1, f"config.data.{'batch_size' if data.batch_size is not None else 'rows_per_device'} must be "
+                        f">= 1, got {rows}")
+    for path in ("grad_accum_steps", "loss.vocab_chunk", "loss.row_chunk",
                  "query_chunk_blocks", "log_every", "checkpoint_every", "keep_checkpoints"):
         value = _field(config, path)
         _require(value >= 1, f"config.{path} must be >= 1, got {value}")
@@ -104,7 +126,7 @@ def validate_config(config: ConfigDict) -> None:
     profile = config.profile_steps
     _require(profile is None or (len(profile) == 2 and 1 <= profile[0] <= profile[1]),
              f"config.profile_steps must be (first, last) with 1 <= first <= last, got {profile!r}")
-    _require(data.batch_size % config.grad_accum_steps == 0,
+    _require(data.batch_size is None or data.batch_size % config.grad_accum_steps == 0,
              f"config.data.batch_size ({data.batch_size}) must be a multiple of config.grad_accum_steps "
              f"({config.grad_accum_steps})")
     _require(0 <= optim.warmup_ratio < 1, f"config.optim.warmup_ratio must lie in [0, 1), got {optim.warmup_ratio}")
@@ -182,6 +204,17 @@ def validate_eval_files(config: ConfigDict) -> None:
     """The CLI's evaluation during training (config.eval_every > 0) measures τ on config.data.eval_files."""
     _require(not config.eval_every or bool(config.data.eval_files),
              f"config.eval_every = {config.eval_every} needs config.data.eval_files (JSONL records to measure τ on)")
+
+
+def resolve_batch_size(config: ConfigDict, num_batch_shards: int) -> ConfigDict:
+    """`config` itself when it gives data.batch_size; else, with data.rows_per_device, a copy whose batch_size is
+    that many rows for each of the mesh's `num_batch_shards` (data x fsdp) devices."""
+    if config.data.batch_size is not None:
+        return config
+    resolved = config.copy_and_resolve_references()
+    resolved.data.batch_size = config.data.rows_per_device * num_batch_shards
+    resolved.data.rows_per_device = None
+    return resolved
 
 
 def validate_batch_layout(config: ConfigDict, num_batch_shards: int) -> None:

@@ -121,15 +121,26 @@ def record_error(workdir: epath.Path, what: str, error: BaseException, library_l
     return f"; full trace in {path}"
 
 
+def scheduler_job() -> dict[str, Any] | None:
+    """The Slurm job this process runs in, {"id", "run"} (run: how often the job was requeued before), or None.
+    A requeued job keeps its id and counts up its runs, and Slurm runs one run of a job at a time: a lock
+    held by an earlier run of our job belongs to a run that is gone, on whichever host it ran."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    return {"id": job, "run": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
+
+
 class WorkdirLock:
     """Exclusive use of a workdir by one training run: <workdir>/lock.json names the holder (host, pid, start,
-    heartbeat). `acquire` refuses a live holder with one line and takes over a stale lock (warning); `release`
-    removes the file. A background thread refreshes the heartbeat while held."""
+    heartbeat, scheduler job). `acquire` refuses a live holder with one line and takes over a stale lock or
+    one of an earlier run of this scheduler job (warning); `release` removes the file. A background thread
+    refreshes the heartbeat while held."""
 
     def __init__(self, workdir: epath.Path):
         self.path = workdir / LOCK_FILE
         self._holder = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex,
-                        "started": time.time()}
+                        "started": time.time(), "job": scheduler_job()}
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -201,6 +212,10 @@ def _why_gone(holder: dict[str, Any]) -> str | None:
     age = time.time() - float(holder.get("heartbeat", 0))
     if age > STALE_AFTER_SECONDS:
         return f"host {holder.get('host')}, pid {holder.get('pid')}: no heartbeat for {age:.0f} s"
+    job, theirs = scheduler_job(), holder.get("job") or {}
+    if job is not None and theirs.get("id") == job["id"] and theirs.get("run", 0) < job["run"]:
+        return (f"host {holder.get('host')}, pid {holder.get('pid')}: run {theirs.get('run', 0)} of Slurm job "
+                f"{job['id']}, which is now in run {job['run']}")
     if holder.get("host") == socket.gethostname():
         pid = int(holder.get("pid", -1))
         if pid == os.getpid() or not _process_alive(pid):  # our own pid: a previous life of this container

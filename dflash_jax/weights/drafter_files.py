@@ -81,11 +81,13 @@ def zlab_config(config: DrafterConfig) -> dict:
     }
 
 
-def serve_command(target: str, export_dir: str | Path, block_size: int) -> str:
-    """The `vllm serve` line of design §10 for this export."""
-    spec = json.dumps({"method": "dflash", "model": str(export_dir), "num_speculative_tokens": block_size - 1},
+def serve_command(target: str, export_dir: str | Path, config: DrafterConfig) -> str:
+    """The `vllm serve` line of design §10 for this export. vLLM (0.32) serves a drafter that mixes sliding and
+    full attention layers only with its V2 model runner, which an environment variable selects."""
+    spec = json.dumps({"method": "dflash", "model": str(export_dir), "num_speculative_tokens": config.block_size - 1},
                       separators=(",", ":"))
-    return f"vllm serve {target} --speculative-config '{spec}'"
+    runner = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(set(config.layer_types)) > 1 else ""
+    return f"{runner}vllm serve {target} --speculative-config '{spec}'"
 
 
 def check_servable_layer_ids(ids, where: str) -> None:

@@ -89,7 +89,7 @@ target's are shared).
 ## Serve with vLLM
 
 ```bash
-{serve_command(facts.target, drafter, config.block_size)}
+{serve_command(facts.target, drafter, config)}
 ```
 
 ## Serve with SGLang
