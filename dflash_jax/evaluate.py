@@ -1,5 +1,5 @@
 r"""Evaluate a drafter (design §9): exact greedy τ, its histogram, per-slot acceptance, DDTree τ, against an
-untrained baseline; optionally the KV-cached speculative generator's τ and speed against plain greedy.
+untrained baseline; optionally the decode-cached speculative generator's τ and speed against plain greedy.
 
     dflash-jax evaluate --config configs/qwen3_8b.py --workdir /ckpt/run1 \
         [--prompts eval.jsonl] [--json out.json] [--drafter EXPORT_DIR] [--step N] [--num_prompts 32] \
@@ -7,8 +7,8 @@ untrained baseline; optionally the KV-cached speculative generator's τ and spee
 
 `python -m dflash_jax.evaluate` is the same command. The drafter is the latest (or --step) checkpoint of the
 training workdir, or an exported z-lab directory (--drafter). Prompts: JSONL records as for training (default
-config.data.eval_files); `generate` continues each prompt with the target's own KV-cached greedy decoding (Qwen3
-dense targets), `data` uses the record's completion / last assistant turn.
+config.data.eval_files); `generate` continues each prompt with the target's own decode-cached greedy decoding
+(either target family), `data` uses the record's completion / last assistant turn.
 """
 
 from __future__ import annotations
@@ -82,17 +82,18 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
                              chat_template_kwargs=config.data.chat_template_kwargs,
                              max_positions=target_config.max_position_embeddings,
                              generated=max_new_tokens if continuation == "generate" or speed else 0)
-    mesh = mesh_from_config(config)
-    # config.attention_impl picks the backend of the target's full forward (exact τ); the KV-cached generator
-    # and the drafters here run in XLA.
-    target, target_config = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh,
-                                        attention_impl=config.attention_impl)
+    # The drafter is small: it loads, and is checked against the target's config, before the target does.
     drafter, drafter_config, source = load_drafter(workdir, drafter_dir, step)
     expected = (target_config.num_hidden_layers, target_config.vocab_size, target_config.hidden_size)
     if (drafter_config.num_target_layers, drafter_config.vocab_size, drafter_config.hidden_size) != expected:
         raise ConfigError(f"the drafter ({source}) was made for a target with (layers, vocab, hidden) = "
                           f"{(drafter_config.num_target_layers, drafter_config.vocab_size, drafter_config.hidden_size)}"
                           f", but {config.target_dir} has {expected}")
+    mesh = mesh_from_config(config)
+    # config.attention_impl picks the backend of the target's full forward (exact τ); the decode-cached
+    # generator and the drafters here run in XLA.
+    target, _ = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh,
+                            attention_impl=config.attention_impl)
     compute = dtype_of(config.compute_dtype)
     drafter = placed(drafter, drafter_config, compute, replicated(mesh))
     baseline = placed(Drafter(drafter_config, rngs=nnx.Rngs(0)), drafter_config, compute, replicated(mesh))
@@ -100,9 +101,6 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
     stops = stop_token_ids(config.target_dir, tokenizer)
     plain = None
     if continuation == "generate" or speed:
-        if not target.croppable_cache:
-            raise ConfigError(f"--continuation=generate and --speed need the KV-cached generator, which "
-                              f"{config.target_dir} does not support (use --continuation=data)")
         shapes = generator_shapes([len(e.prompt_ids) for e in examples], max_new_tokens, drafter_config.block_size)
         plain = SpeculativeGenerator(target, None, **shapes)
     if continuation == "generate":

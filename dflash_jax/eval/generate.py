@@ -1,4 +1,4 @@
-"""Greedy speculative decoding with a KV-cached Qwen3 target and a DFlash drafter (design §9.3).
+"""Greedy speculative decoding with a decode-cached target (either family) and a DFlash drafter (design §9.3).
 
 One loop serves both modes, so their speeds are comparable: with a drafter each step verifies a drafted block
 [bonus, d1..d_{B-1}] in one target forward and drafts the next; without one the block is just [bonus] (plain
@@ -6,7 +6,9 @@ greedy decoding, block size 1). The prefill runs the target over the prompt, tak
 first bonus and drafts the first block. Per step, at start = the bonus token's position:
   1. the target extends its KV cache by the block; posterior = its greedy token after each block position;
   2. accepted = the leading drafts equal to the posterior; commit them plus posterior[accepted] (the new
-     bonus); crop the target cache to start + accepted + 1;
+     bonus); cut the target cache back to start + accepted + 1 (`keep_prefix`: K/V columns are simply
+     dropped; the hybrid target's verification kept its recurrent state after every block position, and the
+     accepted one is picked);
   3. the drafter caches the context K/V of the verified positions (its block K/V are never kept) and drafts
      slots 1..B-1 of the block [new bonus, mask...] at the new start, from the context before it (the new
      bonus's own target features do not exist yet); greedy argmax per slot.
@@ -29,6 +31,7 @@ from flax import nnx
 
 from dflash_jax.models.dflash import drafter_features
 from dflash_jax.models.drafter import DecodeStep, Drafter
+from dflash_jax.models.target import NO_SEGMENT
 from dflash_jax.ops.anchors import block_token_ids
 from dflash_jax.ops.lm_head import greedy_tokens
 
@@ -40,10 +43,13 @@ class Generation:
     decode_seconds: float  # wall time of the verification loop (prefill excluded, as z-lab's TPOT)
 
 
-def continue_text(target, ids: jax.Array, cache, feature_layer_ids: tuple[int, ...]):
-    """The target's cached forward over ids [b, t] continuing each row's one document at cache.length."""
+def continue_text(target, ids: jax.Array, cache, feature_layer_ids: tuple[int, ...],
+                  keep_every_state: bool = False):
+    """The target's cached forward over ids [b, t] continuing each row's one document at cache.length;
+    keep_every_state: its cache may be cut back to any prefix of ids (`target.keep_prefix`)."""
     positions = jnp.broadcast_to(cache.length + jnp.arange(ids.shape[1]), ids.shape)
-    return target(ids, positions, jnp.zeros_like(ids), feature_layer_ids, cache=cache)
+    return target(ids, positions, jnp.zeros_like(ids), feature_layer_ids, cache=cache,
+                  keep_every_state=keep_every_state)
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -56,9 +62,6 @@ class SpeculativeGenerator:
     per generator, whatever the prompt."""
 
     def __init__(self, target, drafter: Drafter | None, *, prefill_len: int, capacity: int):
-        if not target.croppable_cache:
-            raise TypeError(f"the speculative generator crops the target's decode cache after each verification, "
-                            f"which a {type(target).__name__} cache does not allow")
         self.block_size = drafter.config.block_size if drafter is not None else 1
         if capacity < prefill_len:
             raise ValueError(f"capacity ({capacity}) must be >= prefill_len ({prefill_len})")
@@ -92,8 +95,12 @@ class SpeculativeGenerator:
         """prompt: [1, prefill_len] padded; length: its real length. Returns the caches, the first token (the
         first bonus) and the first drafts."""
         target, drafter = self._models(target_state, drafter_state)
-        out = continue_text(target, prompt, target.init_cache(1, self.capacity), self._feature_ids(drafter))
-        cache = out.cache._replace(length=length)  # drop the padding
+        columns = jnp.arange(self.prefill_len)[None]
+        # The padding after the prompt is a segment nothing sees, and leaves the hybrid target's recurrent
+        # state as the prompt left it; the cache then ends at the prompt.
+        segments = jnp.where(columns < length, 0, NO_SEGMENT)
+        out = target(prompt, columns, segments, self._feature_ids(drafter), cache=target.init_cache(1, self.capacity))
+        cache = out.cache._replace(length=length)
         last = jax.lax.dynamic_index_in_dim(out.hidden, length - 1, axis=1, keepdims=False)
         first = greedy_tokens(last, target.lm_head_kernel())  # [1]
         # The padding's context lands at columns >= length, invisible until the next step overwrites it.
@@ -108,11 +115,11 @@ class SpeculativeGenerator:
         target, drafter = self._models(target_state, drafter_state)
         start = cache.length
         block = jnp.concatenate([bonus[:, None], drafts], axis=1)
-        out = continue_text(target, block, cache, self._feature_ids(drafter))
-        cache, posterior = out.cache, greedy_tokens(out.hidden, target.lm_head_kernel())
+        out = continue_text(target, block, cache, self._feature_ids(drafter), keep_every_state=True)
+        posterior = greedy_tokens(out.hidden, target.lm_head_kernel())
         matches = (block[0, 1:] == posterior[0, :-1]).astype(jnp.int32)
         accepted = jnp.minimum(jnp.sum(jnp.cumprod(matches)), limit)
-        cache = cache._replace(length=start + accepted + 1)
+        cache = target.keep_prefix(out.cache, start + accepted + 1)
         # Positions past the accepted ones carry a rejected draft's context, at columns >= the next anchor.
         next_bonus = jax.lax.dynamic_index_in_dim(posterior, accepted, axis=1, keepdims=False)
         next_drafts, drafter_cache = self._draft(target, drafter, drafter_cache, out, start, next_bonus,

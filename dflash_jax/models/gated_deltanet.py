@@ -7,7 +7,9 @@ parallelism over heads never reshuffles channels between q, k and v); q, k L2-no
 q scaled by dk^-0.5, key heads repeat-interleaved onto value heads; β = sigmoid(in_proj_b x);
 g = −exp(A_log)·softplus(in_proj_a x + dt_bias) in fp32; gated delta rule (fp32); per-head RMSNorm (plain w)
 gated by silu(in_proj_z x); out_proj. Conv and recurrent state restart at every packed-segment boundary.
-Decoding carries the conv's last K−1 inputs and the recurrent state from call to call (`RecurrentCache`).
+Decoding carries the conv's last K−1 inputs and the recurrent state from call to call (`RecurrentCache`);
+a verification call can keep them after every one of its tokens, so that a rejected tail is dropped by
+picking the accepted prefix's entry (design §9.3).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.models.layers import Linear, param
+from dflash_jax.models.target import NO_SEGMENT
 from dflash_jax.ops.gated_delta import chunked_gated_delta_rule, segment_starts
 from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, constrain
 
@@ -32,6 +35,25 @@ class RecurrentCache(NamedTuple):
     conv_inputs: jax.Array  # [b, K−1, C]: the conv's inputs at the K−1 tokens before this call
     state: jax.Array  # [b, value heads, dk, dv] fp32: the recurrent state after them
     history_segments: jax.Array  # [b, K−1]: those tokens' segments (NO_SEGMENT where there was none)
+
+
+def states_after_each_token(q, k, v, g, beta, resets, initial_state) -> tuple[jax.Array, jax.Array]:
+    """(out [B, T, H, dv], the recurrent state after each token [B, T, H, dk, dv]) of a short call.
+
+    The state after token n is the gated delta rule over tokens 0..n with the later ones made identity steps
+    (g = β = 0 leaves S unchanged, the padding of `chunked_gated_delta_rule`), so all T prefixes run as one
+    batched call of the same chunked form the other calls use: T times a verification block's recurrent work,
+    which is small beside its projections."""
+    length = q.shape[1]
+    keep = jnp.arange(length)[None, :] <= jnp.arange(length)[:, None]  # [prefix n, token t]: t <= n
+
+    def prefix(kept):
+        return chunked_gated_delta_rule(q, k, v, jnp.where(kept[None, :, None], g, 0.0),
+                                        jnp.where(kept[None, :, None], beta, 0.0), resets & kept[None],
+                                        initial_state)
+
+    outs, states = jax.vmap(prefix)(keep)
+    return outs[-1], jnp.moveaxis(states, 0, 1)
 
 
 class CausalDepthwiseConv(nnx.Module):
@@ -117,10 +139,12 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(value_head_dim, eps=rms_norm_eps, param_dtype=param_dtype)
         self.out_proj = linear(value_dim, hidden_size, ("linear_value", "embed"))
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array, cache: RecurrentCache | None = None
-                 ) -> tuple[jax.Array, RecurrentCache | None]:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, cache: RecurrentCache | None = None,
+                 keep_every_state: bool = False) -> tuple[jax.Array, RecurrentCache | None]:
         """x: [B, T, hidden] (already input-normed); segment_ids: [B, T]. Returns ([B, T, hidden], the cache
-        after these tokens, or None without one)."""
+        after these tokens, or None without one). keep_every_state (with a cache): the returned cache holds
+        the conv inputs of the K−1 tokens before the call and of all T ([B, K−1+T, C]) and the state after
+        each token ([B, T, H, dk, dv]), for `Qwen3_5.keep_prefix`."""
         batch, length, _ = x.shape
         key_dim = self.num_key_heads * self.key_head_dim
         convs = (self.conv1d_q, self.conv1d_k, self.conv1d_v)
@@ -134,7 +158,10 @@ class GatedDeltaNet(nnx.Module):
                      for conv, inputs, history in zip(convs, conv_inputs, histories)]
             # The first token continues the cached state iff it continues the last cached token's segment.
             previous = jnp.concatenate([cache.history_segments[:, -1:], segment_ids[:, :-1]], axis=1)
-            resets, initial_state = segment_ids != previous, cache.state
+            # Right padding of a fixed-width call (segment NO_SEGMENT) must leave the state as the text left
+            # it: g = β = 0 there make identity steps, and it neither resets nor enters the conv history.
+            padding = segment_ids == NO_SEGMENT
+            resets, initial_state = (segment_ids != previous) & ~padding, cache.state
         q, k, v = (jax.nn.silu(m).reshape(batch, length, -1, dim) for m, dim in
                    zip(mixed, (self.key_head_dim, self.key_head_dim, self.value_head_dim)))
         # Value head j reads key head j // r (repeat_interleave, not tile).
@@ -145,14 +172,22 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(self.in_proj_b(x))  # in the model dtype, as HF
         a = self.in_proj_a(x).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # log-decay ≤ 0, fp32
+        if cache is not None:
+            g, beta = jnp.where(padding[..., None], 0.0, g), jnp.where(padding[..., None], 0.0, beta)
 
         q, k, v = (constrain(t, ROWS_HEADS) for t in (q, k, v))
-        out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state)
+        if keep_every_state:
+            out, state = states_after_each_token(q, k, v, g, beta, resets, initial_state)
+        else:
+            out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state)
         if cache is not None:
             kept = cache.conv_inputs.shape[1]
             fused = jnp.concatenate(conv_inputs, axis=-1).astype(cache.conv_inputs.dtype)
             history = jnp.concatenate([cache.conv_inputs, fused], axis=1)
-            cache = cache._replace(conv_inputs=history[:, history.shape[1] - kept:], state=state)
+            if not keep_every_state:  # the K−1 inputs up to the last text token of each row
+                text_end = jnp.sum(~padding, axis=1)[:, None, None] + jnp.arange(kept)[None, :, None]
+                history = jnp.take_along_axis(history, text_end, axis=1)
+            cache = cache._replace(conv_inputs=history, state=state)
         z = constrain(self.in_proj_z(x).reshape(batch, length, self.num_value_heads, self.value_head_dim), ROWS_HEADS)
         out = self.norm(constrain(out.astype(x.dtype), ROWS_HEADS), z)
         out = self.out_proj(out.reshape(batch, length, self.num_value_heads * self.value_head_dim))

@@ -178,8 +178,6 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
     the activations are sharded on, where splash runs per shard (None: one device).
     """
 
-    croppable_cache = True  # every layer's cache is keys/values by column
-
     def __init__(self, config: Qwen3Config, *, param_dtype=jnp.float32, rngs: nnx.Rngs, attention_impl: str = "xla",
                  mesh: Mesh | None = None):
         self.config = config
@@ -199,7 +197,8 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
                                   param_dtype=param_dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 feature_layer_ids: tuple[int, ...] = (), cache: KVCache | None = None) -> TargetOutput:
+                 feature_layer_ids: tuple[int, ...] = (), cache: KVCache | None = None,
+                 keep_every_state: bool = False) -> TargetOutput:
         """input_ids, positions, segment_ids: [B, T] (positions restart in each packed document).
 
         features[:, :, i] is the residual stream right after decoder layer feature_layer_ids[i]
@@ -209,8 +208,10 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         columns cache.length.. and attend to the earlier columns of their segment, and `.cache` of the
         output is the grown cache. The same layers compute both, so a cached call gives what the uncached
         call over all tokens fed so far gives for these ones. The caller keeps cache.length + T <= capacity
-        (XLA clamps a write past the end onto earlier columns).
+        (XLA clamps a write past the end onto earlier columns). keep_every_state: accepted for the targets'
+        common interface (`Qwen3_5`); a K/V cache can always be cut back with `keep_prefix`.
         """
+        del keep_every_state
         wanted, slot, order = feature_slots(feature_layer_ids, self.config.num_hidden_layers)
         x = constrain(self.embed(input_ids), ROWS_EMBED)
         inv_freq = rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
@@ -235,6 +236,11 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         if cache is not None:
             cache = KVCache(*layer_kv, cache.segment_ids, start + input_ids.shape[1])
         return TargetOutput(hidden=self.norm(x), features=jnp.moveaxis(buffer[order], 0, 2), cache=cache)
+
+    def keep_prefix(self, cache: KVCache, length: jax.Array) -> KVCache:
+        """The cache cut back to its first `length` columns; the columns after stay as stale entries that no
+        later token sees and the next call overwrites."""
+        return cache._replace(length=jnp.asarray(length, jnp.int32))
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
         """An empty decode cache of `capacity` columns per row (dtype: the weights' dtype unless given)."""

@@ -34,7 +34,9 @@ class HybridCache(NamedTuple):
     """The decode cache of `Qwen3_5.__call__`. layers[k] belongs to the k-th layer of the period, stacked over
     the period's repetitions: (keys, values) [R, b, capacity, kv_heads, head_dim] for gated attention (see
     `target.AttentionCache`), (conv_inputs [R, b, K−1, C], state [R, b, value heads, dk, dv] fp32) for Gated
-    DeltaNet (`RecurrentCache`). The recurrent state cannot be cropped: decoding only appends."""
+    DeltaNet (`RecurrentCache`). A recurrent state cannot be cut back, so a call that may be partly rejected
+    (`keep_every_state`) returns conv inputs [R, b, K−1+T, C] and states [R, b, T, ...] instead, and
+    `Qwen3_5.keep_prefix` picks the accepted prefix's entries (design §9.3)."""
 
     layers: tuple[tuple[jax.Array, jax.Array], ...]
     segment_ids: jax.Array  # [b, capacity] int32, NO_SEGMENT where nothing was written
@@ -95,10 +97,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, zero_centered=True, param_dtype=param_dtype)
         self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | RecurrentCache | None = None):
+    def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | RecurrentCache | None = None,
+                 keep_every_state: bool = False):
         normed = self.input_layernorm(x)
         if self.layer_type == LINEAR_ATTENTION:
-            mixed, cache = self.linear_attn(normed, segment_ids, cache)
+            mixed, cache = self.linear_attn(normed, segment_ids, cache, keep_every_state)
         else:
             mixed, cache = self.self_attn(normed, positions, segment_ids, inv_freq, cache)
         x = x + mixed
@@ -142,7 +145,8 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
                                   param_dtype=param_dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 feature_layer_ids: tuple[int, ...] = (), cache: HybridCache | None = None) -> TargetOutput:
+                 feature_layer_ids: tuple[int, ...] = (), cache: HybridCache | None = None,
+                 keep_every_state: bool = False) -> TargetOutput:
         """input_ids, positions, segment_ids: [B, T] (positions restart in each packed document; attention,
         convolution and recurrent state never cross a segment boundary).
 
@@ -151,6 +155,8 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
 
         With a decode cache (`init_cache`) the tokens continue what it holds, as in `Qwen3.__call__`; a
         token whose segment differs from the last cached token's starts fresh conv and recurrent state.
+        keep_every_state: the returned cache may then be cut back to any prefix of these tokens with
+        `keep_prefix` (and must be, before the next call), as a speculative verification needs.
         """
         config = self.config
         num_layers, period = config.num_hidden_layers, len(config.layer_period())
@@ -182,7 +188,8 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
             new_arrays = []
             for position, layer in enumerate(layer_period.layers):
                 arrays = None if period_arrays is None else period_arrays[position]
-                hidden, updated = layer(hidden, positions, segment_ids, inv_freq, layer_cache(layer, arrays))
+                hidden, updated = layer(hidden, positions, segment_ids, inv_freq, layer_cache(layer, arrays),
+                                        keep_every_state)
                 hidden = constrain(hidden, ROWS_EMBED)
                 new_arrays.append(None if updated is None else tuple(updated[:2]))
                 features = jax.lax.dynamic_update_index_in_dim(features, hidden, period_slots[position], axis=0)
@@ -194,6 +201,23 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
             cache = HybridCache(layer_arrays, cache.segment_ids, start + input_ids.shape[1])
         features = jnp.moveaxis(buffer[order], 0, 2)  # [B, T, n, H], in request order
         return TargetOutput(hidden=self.norm(x), features=features, cache=cache)
+
+    def keep_prefix(self, cache: HybridCache, length: jax.Array) -> HybridCache:
+        """The cache of a `keep_every_state` call of T tokens cut back to its first `length` columns
+        (1 to T of them from that call): each Gated DeltaNet layer keeps the state after the last kept token
+        and the conv inputs of the K−1 tokens up to it; attention columns past `length` stay as stale
+        entries that no later token sees (design §9.3)."""
+        kept = self.config.linear_conv_kernel_dim - 1
+        layers = []
+        for layer_type, arrays in zip(self.config.layer_period(), cache.layers):
+            if layer_type == LINEAR_ATTENTION:
+                conv_inputs, states = arrays
+                tokens_kept = length - (cache.length - states.shape[2])  # of this call's T tokens
+                layers.append((jax.lax.dynamic_slice_in_dim(conv_inputs, tokens_kept, kept, axis=2),
+                               jax.lax.dynamic_index_in_dim(states, tokens_kept - 1, axis=2, keepdims=False)))
+            else:
+                layers.append(arrays)
+        return HybridCache(tuple(layers), cache.segment_ids, jnp.asarray(length, jnp.int32))
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> HybridCache:
         """An empty decode cache of `capacity` columns per row (dtype: the weights' dtype unless given; the

@@ -100,10 +100,6 @@ class EmbeddingAndHead:
     `lm_head` (a `Linear`) when untied.
     """
 
-    # Whether a decode cache may be cut back (`cache._replace(length=n)`) to drop a rejected verification
-    # block, as the speculative generator does; a recurrent state cannot be.
-    croppable_cache: bool = False
-
     def embed(self, ids: jax.Array) -> jax.Array:
         return self.embed_tokens(ids)
 
