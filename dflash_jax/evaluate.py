@@ -3,7 +3,7 @@ untrained baseline; optionally the decode-cached speculative generator's τ and 
 
     dflash-jax evaluate --config configs/qwen3_8b.py --workdir /ckpt/run1 \
         [--prompts eval.jsonl] [--json out.json] [--drafter EXPORT_DIR] [--step N] [--num_prompts 32] \
-        [--continuation generate|data] [--max_new_tokens 256] [--budgets 8,22] [--speed] [--config.<key>=...]
+        [--continuation generate|data] [--max_new_tokens N] [--budgets 8,22] [--speed] [--config.<key>=...]
 
 `python -m dflash_jax.evaluate` is the same command. The drafter is the latest (or --step) checkpoint of the
 training workdir, or an exported z-lab directory (--drafter). Prompts: JSONL records as for training (default
@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from dflash_jax import cli
 from dflash_jax.errors import ConfigError
 from dflash_jax.eval.examples import read_examples, stop_token_ids, with_greedy_continuations
-from dflash_jax.eval.exact_tau import evaluate_drafter
+from dflash_jax.eval.exact_tau import DEFAULT_BUDGETS, evaluate_drafter
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, generator_shapes
 from dflash_jax.eval.report import format_result, format_speed
 from dflash_jax.models.drafter import Drafter, DrafterConfig
@@ -46,11 +46,11 @@ _PROMPTS = flags.DEFINE_list("prompts", None, "JSONL prompt files (default: conf
                              flag_values=FLAGS)
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Records to evaluate (default: config.eval_prompts).",
                                     flag_values=FLAGS)
-_CONTINUATION = flags.DEFINE_enum("continuation", "generate", ["generate", "data"],
-                                  "generate: the target's greedy continuation; data: the record's own.",
-                                  flag_values=FLAGS)
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Generated (or kept data) continuation tokens per prompt.",
-                                flag_values=FLAGS)
+_CONTINUATION = flags.DEFINE_enum("continuation", None, ["generate", "data"],
+                                  "generate: the target's greedy continuation; data: the record's own (default: "
+                                  "config.eval_continuation, as the train-time evaluation).", flag_values=FLAGS)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Generated (or kept data) continuation tokens per prompt "
+                                "(default: config.eval_max_new_tokens).", flag_values=FLAGS)
 _BUDGETS = flags.DEFINE_list("budgets", ["8", "22"], "DDTree node budgets.", flag_values=FLAGS)
 flags.register_validator("budgets", lambda values: bool(values) and all(v.isdigit() and int(v) > 0 for v in values),
                          "--budgets must be one or more positive integers, e.g. --budgets=8,22", flag_values=FLAGS)
@@ -67,9 +67,16 @@ def placed(drafter: Drafter, config: DrafterConfig, dtype, sharding) -> Drafter:
 
 
 def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = None, step: int | None = None,
-        prompts: list[str] | None = None, num_prompts: int | None = None, continuation: str = "generate",
-        max_new_tokens: int = 256, budgets: tuple[int, ...] = (8, 22), speed: bool = False, log=print) -> dict:
-    """Everything the CLI prints, as a dict (see the module docstring)."""
+        prompts: list[str] | None = None, num_prompts: int | None = None, continuation: str | None = None,
+        max_new_tokens: int | None = None, budgets: tuple[int, ...] = DEFAULT_BUDGETS, speed: bool = False,
+        log=print) -> dict:
+    """Everything the CLI prints, as a dict (see the module docstring). Prompts, continuations and budgets
+    default to the train-time evaluation's (config.data.eval_files, eval_prompts, eval_continuation,
+    eval_max_new_tokens; `train_hook`), so both measure the same τ."""
+    continuation = config.eval_continuation if continuation is None else continuation
+    max_new_tokens = config.eval_max_new_tokens if max_new_tokens is None else max_new_tokens
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
     if not config.target_dir:
         raise ConfigError("config.target_dir is required: the target the drafter was trained against")
     if not (workdir or drafter_dir):

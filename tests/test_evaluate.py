@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,11 +16,12 @@ from transformers import AutoTokenizer
 from dflash_jax import evaluate
 from dflash_jax.errors import ConfigError
 from dflash_jax.eval.examples import read_examples
+from dflash_jax.eval.report import flat_metrics
 from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.weights.targets import load_target
 from dflash_jax.train import validate
-from dflash_jax.weights.drafter_files import export_drafter
+from dflash_jax.weights.drafter_files import export_drafter, load_drafter_dir
 from tests.train_fixtures import make_target, tiny_config, write_corpus
 
 
@@ -28,7 +31,7 @@ def setup(tmp_path_factory):
     base = tmp_path_factory.mktemp("evaluate")
     target_dir = make_target(base / "target")
     corpus = write_corpus(base / "eval.jsonl", count=5)
-    config = tiny_config(target_dir, corpus, eval_prompts=3,
+    config = tiny_config(target_dir, corpus, eval_prompts=3, eval_max_new_tokens=12,
                          **{"data.eval_files": (str(corpus),), "drafter.target_layer_ids": (1, 3)})
     _, target_config = load_target(target_dir)
     drafter_config = validate.resolve_drafter_config(config, target_config, AutoTokenizer.from_pretrained(target_dir))
@@ -68,15 +71,18 @@ def test_cli_reports_trained_and_untrained_figures_and_speed(setup, tmp_path):
     assert data["continuation"] == "data" and "speed" not in data
 
 
-def test_train_hook_gives_flat_scalars(setup):
-    config, _, _ = setup
-    target, target_config = load_target(config.target_dir)
-    tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
-    drafter = Drafter(validate.resolve_drafter_config(config, target_config, tokenizer), rngs=nnx.Rngs(0))
-    metrics = make_train_evaluator(config, budgets=(8,))(100, drafter, target)
-    assert {"tau", "tau_pooled", "greedy_agreement", "acc_1", "acc_given_prev_1", "accepted_share_0",
-            "ddtree_tau_8"} <= set(metrics)
+def test_train_hook_measures_what_evaluate_measures(setup):
+    """By default both score generated greedy continuations of the same prompts: the same figures."""
+    config, export, _ = setup
+    target, _ = load_target(config.target_dir)
+    drafter, _ = load_drafter_dir(export)
+    metrics = make_train_evaluator(config, budgets=(4, 8))(100, drafter, target)
+    assert {"tau", "tau_per_response", "greedy_agreement", "acc_1", "acc_given_prev_1", "accepted_share_0",
+            "ddtree_tau_8", "ddtree_tau_per_response_8"} <= set(metrics)
     assert all(isinstance(value, float) for value in metrics.values())
+    assert metrics["greedy_agreement"] == 1.0  # generated, not the records' own continuations
+    expected = evaluate.run(config, workdir=None, drafter_dir=str(export), budgets=(4, 8), log=lambda _: None)
+    assert metrics == pytest.approx(flat_metrics(expected["trained"]), abs=1e-9)
 
 
 def test_setup_errors_are_sentences(setup):
@@ -87,3 +93,13 @@ def test_setup_errors_are_sentences(setup):
     mismatched = export_drafter(Drafter(other, rngs=nnx.Rngs(0)), other, export.parent / "other")
     with pytest.raises(ConfigError, match=r"made for a target with \(layers, vocab, hidden\) = \(3,"):
         evaluate.run(config, workdir=None, drafter_dir=str(mismatched), max_new_tokens=12)
+    # Before the target's weights load: a target directory without them gives the drafter's error.
+    weightless = export.parent / "weightless_target"
+    weightless.mkdir()
+    for path in Path(config.target_dir).iterdir():
+        if path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
+            shutil.copy(path, weightless / path.name)
+    config = config.copy_and_resolve_references()
+    config.target_dir = str(weightless)
+    with pytest.raises(ConfigError, match=r"made for a target with"):
+        evaluate.run(config, workdir=None, drafter_dir=str(mismatched))
