@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax.eval.exact_tau import DraftScorer, score_response, Example
+from dflash_jax.eval.exact_tau import DraftScorer, Example, score_response
 from dflash_jax.eval.generate import SpeculativeGenerator, continue_text
 from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5, Qwen3_5Config
+from dflash_jax.models.target import NO_SEGMENT
 
 VOCAB, BLOCK, NEW_TOKENS = 96, 4, 23
 PROMPT_LENGTHS = (3, 7, 12)
@@ -55,15 +56,22 @@ def prompts():
 
 def test_cache_cut_back_after_a_partial_acceptance_equals_a_fresh_prefill(target):
     """Prefill 7 tokens, verify a 5-token block keeping every state, keep 1, 3 or all 5 of its tokens: every
-    recurrent state, conv input and attention column equals the cache of one prefill over the kept text."""
+    recurrent state, conv input and attention column equals the cache of one prefill over the kept text
+    (12 columns, the rest right padding in segment NO_SEGMENT, as the generator prefills)."""
     text = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (1, 12)), jnp.int32)
-    forward = nnx.jit(lambda model, ids, cache, keep: continue_text(model, ids, cache, (), keep_every_state=keep),
-                      static_argnums=3)
-    prefilled = forward(target, text[:, :7], target.init_cache(1, 16), False).cache
-    verified = forward(target, text[:, 7:], prefilled, True).cache
+
+    @nnx.jit
+    def prefill(model, length):
+        segments = jnp.where(jnp.arange(12)[None] < length, 0, NO_SEGMENT)
+        out = model(text, jnp.arange(12)[None], segments, cache=model.init_cache(1, 16))
+        return out.cache._replace(length=length)
+
+    prefilled = prefill(target, jnp.int32(7))
+    verified = nnx.jit(lambda model, cache: continue_text(model, text[:, 7:], cache, (), keep_every_state=True)
+                       )(target, prefilled).cache
     for kept in (1, 3, 5):
         cut = target.keep_prefix(verified, jnp.int32(7 + kept))
-        fresh = forward(target, text[:, :7 + kept], target.init_cache(1, 16), False).cache
+        fresh = prefill(target, jnp.int32(7 + kept))
         assert int(cut.length) == int(fresh.length) == 7 + kept
         for layer_type, got, expected in zip(target.config.layer_period(), cut.layers, fresh.layers):
             for got_array, expected_array in zip(got, expected):
@@ -107,12 +115,11 @@ def forced_generation(generator: SpeculativeGenerator, prompt: np.ndarray, refer
         upcoming = np.resize(reference[len(tokens):], BLOCK - 1)  # past the reference: any tokens
         drafts = np.where(np.arange(BLOCK - 1) < right, upcoming, (upcoming + 1) % VOCAB).astype(np.int32)
         limit = min(BLOCK - 1, len(reference) - len(tokens) - 1)
-        cache, drafter_cache, block, posterior, accepted, bonus, _ = generator._step(
-            generator._target_state, generator._drafter_state, cache, drafter_cache, bonus, drafts[None],
-            np.int32(limit))
+        cache, drafter_cache, committed, accepted, bonus, _ = generator._verify(cache, drafter_cache, bonus,
+                                                                               drafts[None], limit)
         accepted = int(accepted)
         assert accepted == min(right, limit)
-        tokens += [int(t) for t in np.asarray(block[0, 1:accepted + 1])] + [int(posterior[0, accepted])]
+        tokens += [int(t) for t in np.asarray(committed[0, :accepted + 1])]
         accepted_per_step.append(accepted)
     return tokens, accepted_per_step
 

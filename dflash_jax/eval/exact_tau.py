@@ -84,7 +84,7 @@ def _score(target_def, drafter_def, top_k, row_chunk, vocab_chunk, target_state,
     greedy = context.labels[0, :, 0]  # drafted slot 1 of the block at anchor p: the target's greedy token after p
     hidden, _ = drafter(context.features, context.block_embeds, DrafterInputs.from_rows(grid, positions, segments))
     drafted = hidden.reshape(length, config.block_size, -1)[:, 1:].reshape(-1, hidden.shape[-1])
-    tokens, log_probs = _top_k_log_probs(drafted, context.lm_head, top_k, row_chunk)
+    tokens, log_probs = top_k_log_probs(drafted, context.lm_head, top_k, row_chunk)
     shape = (length, config.block_size - 1, top_k)
     return greedy, tokens.reshape(shape), log_probs.reshape(shape)
 
@@ -97,7 +97,7 @@ def _rechunked(drafter: Drafter, query_chunk_blocks: int) -> Drafter:
     return nnx.merge(graphdef, nnx.state(drafter))
 
 
-def _top_k_log_probs(hidden: jax.Array, lm_head: jax.Array, k: int, row_chunk: int):
+def top_k_log_probs(hidden: jax.Array, lm_head: jax.Array, k: int, row_chunk: int):
     """Top-k (token, log-softmax) of hidden @ lm_head per row, row_chunk rows at a time ([rows, V] logits
     would not fit for long texts and large vocabularies). Ties keep the lower token id first."""
     rows = hidden.shape[0]

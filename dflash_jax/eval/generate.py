@@ -64,6 +64,7 @@ class SpeculativeGenerator:
 
     def __init__(self, target, drafter: Drafter | None, *, prefill_len: int, capacity: int):
         self.block_size = drafter.config.block_size if drafter is not None else 1
+        self.verify_width = self.block_size  # tokens of one verification pass
         if capacity < prefill_len:
             raise ValueError(f"capacity ({capacity}) must be >= prefill_len ({prefill_len})")
         self.prefill_len, self.capacity = prefill_len, capacity
@@ -87,10 +88,14 @@ class SpeculativeGenerator:
         drafts the block after `bonus` [1] at `anchor`: (drafts [1, B-1], drafter cache). No drafter: none."""
         if drafter is None:
             return jnp.zeros((1, 0), jnp.int32), None
-        block_ids = block_token_ids(bonus[:, None], np.zeros(1, np.int32), self.block_size, drafter.config.mask_token_id)
-        hidden, drafter_cache = drafter(drafter_features(out), target.embed(block_ids),
-                                        DecodeStep(context_start, anchor), drafter_cache)
+        hidden, drafter_cache = self._draft_hidden(target, drafter, drafter_cache, out, context_start, bonus, anchor)
         return greedy_tokens(hidden[:, 1:], target.lm_head_kernel()), drafter_cache
+
+    def _draft_hidden(self, target, drafter, drafter_cache, out, context_start, bonus, anchor):
+        """The drafter's final hidden states [1, B, H] of the block after `bonus` at `anchor`, and its cache."""
+        block_ids = block_token_ids(bonus[:, None], np.zeros(1, np.int32), self.block_size, drafter.config.mask_token_id)
+        return drafter(drafter_features(out), target.embed(block_ids), DecodeStep(context_start, anchor),
+                       drafter_cache)
 
     def _prefill_fn(self, target_state, drafter_state, prompt, length):
         """prompt: [1, prefill_len] padded; length: its real length. Returns the caches, the first token (the
@@ -111,8 +116,9 @@ class SpeculativeGenerator:
 
     def _step_fn(self, target_state, drafter_state, cache, drafter_cache, bonus, drafts, limit):
         """One verification step of [bonus, drafts] from the bonus token [1] at position cache.length; at most
-        `limit` drafts are accepted. Returns (cache, drafter_cache, block [1, B], posterior [1, B], accepted,
-        the next step's bonus and drafts)."""
+        `limit` drafts are accepted. Returns (cache, drafter_cache, posterior [1, B], accepted, the next step's
+        bonus and drafts): the step commits posterior[0, :accepted + 1], the accepted drafts (equal to the
+        target's tokens) and the new bonus."""
         target, drafter = self._models(target_state, drafter_state)
         start = cache.length
         block = jnp.concatenate([bonus[:, None], drafts], axis=1)
@@ -125,9 +131,14 @@ class SpeculativeGenerator:
         next_bonus = jax.lax.dynamic_index_in_dim(posterior, accepted, axis=1, keepdims=False)
         next_drafts, drafter_cache = self._draft(target, drafter, drafter_cache, out, start, next_bonus,
                                                  start + accepted + 1)
-        return cache, drafter_cache, block, posterior, accepted, next_bonus, next_drafts
+        return cache, drafter_cache, posterior, accepted, next_bonus, next_drafts
 
     # ---- the host loop ----------------------------------------------------------------------------------
+
+    def _verify(self, cache, drafter_cache, bonus, drafts, limit: int):
+        """One verification step (see `_step_fn`); the DDTree generator builds its tree here first."""
+        return self._step(self._target_state, self._drafter_state, cache, drafter_cache, bonus, drafts,
+                          np.int32(limit))
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = ()
                  ) -> Generation:
@@ -137,10 +148,10 @@ class SpeculativeGenerator:
         length = len(prompt)
         if not 1 <= length <= self.prefill_len:
             raise ValueError(f"the prompt has {length} tokens; this generator takes 1 to {self.prefill_len}")
-        if max_new_tokens < 1 or length + max_new_tokens + self.block_size > self.capacity:
-            raise ValueError(f"max_new_tokens={max_new_tokens} with a {length}-token prompt and block size "
-                             f"{self.block_size} needs capacity >= {length + max_new_tokens + self.block_size}, "
-                             f"this generator has {self.capacity}")
+        if max_new_tokens < 1 or length + max_new_tokens + self.verify_width > self.capacity:
+            raise ValueError(f"max_new_tokens={max_new_tokens} with a {length}-token prompt and {self.verify_width} "
+                             f"tokens per verification needs capacity >= "
+                             f"{length + max_new_tokens + self.verify_width}, this generator has {self.capacity}")
         padded = np.zeros((1, self.prefill_len), np.int32)
         padded[0, :length] = prompt
         cache, drafter_cache, bonus, drafts = self._prefill(self._target_state, self._drafter_state, padded,
@@ -151,15 +162,14 @@ class SpeculativeGenerator:
         while len(tokens) < max_new_tokens and tokens[-1] not in stop_token_ids:
             # The accepted drafts and the new bonus must fit in max_new_tokens.
             limit = min(self.block_size - 1, max_new_tokens - len(tokens) - 1)
-            cache, drafter_cache, block, posterior, accepted, bonus, drafts = self._step(
-                self._target_state, self._drafter_state, cache, drafter_cache, bonus, drafts, np.int32(limit))
+            cache, drafter_cache, committed, accepted, bonus, drafts = self._verify(cache, drafter_cache, bonus,
+                                                                                    drafts, limit)
             accepted = int(accepted)  # waits for the step, so the timing is honest
-            block, posterior = np.asarray(block[0]), np.asarray(posterior[0])
-            stop = next((k for k in range(1, accepted + 1) if block[k] in stop_token_ids), None)
+            committed = np.asarray(committed[0])
+            stop = next((k for k in range(accepted) if committed[k] in stop_token_ids), None)
             if stop is not None:  # the response ends there: the stop token is this step's bonus, as in exact_tau
-                accepted = stop - 1
-            tokens.extend(int(t) for t in block[1:accepted + 1])
-            tokens.append(int(posterior[accepted]))  # the step's bonus: `bonus` unless a stop token ends here
+                accepted = stop
+            tokens.extend(int(t) for t in committed[:accepted + 1])  # ends with the step's bonus
             acceptance_lengths.append(accepted + 1)
         decode_seconds = time.perf_counter() - began
         return Generation(np.asarray(tokens, np.int32), acceptance_lengths, decode_seconds)

@@ -198,7 +198,7 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                  feature_layer_ids: tuple[int, ...] = (), cache: KVCache | None = None,
-                 keep_every_state: bool = False) -> TargetOutput:
+                 keep_every_state: bool = False, tree: jax.Array | None = None) -> TargetOutput:
         """input_ids, positions, segment_ids: [B, T] (positions restart in each packed document).
 
         features[:, :, i] is the residual stream right after decoder layer feature_layer_ids[i]
@@ -209,7 +209,9 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         output is the grown cache. The same layers compute both, so a cached call gives what the uncached
         call over all tokens fed so far gives for these ones. The caller keeps cache.length + T <= capacity
         (XLA clamps a write past the end onto earlier columns). keep_every_state: accepted for the targets'
-        common interface (`Qwen3_5`); a K/V cache can always be cut back with `keep_prefix`.
+        common interface (`Qwen3_5`); a K/V cache can always be cut back with `keep_prefix`. tree [B, T, T]
+        (with a cache): the tokens are a draft tree, each seeing the cached columns and its own ancestors
+        (`target.AttentionCache.tree`; positions are the caller's, by depth); `keep_path` then keeps one path.
         """
         del keep_every_state
         wanted, slot, order = feature_slots(feature_layer_ids, self.config.num_hidden_layers)
@@ -226,7 +228,7 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0), graph=False)
         def run_layer(carry, layer, layer_slot, kv):
             hidden, features = carry
-            layer_cache = None if kv is None else AttentionCache(*kv, cache.segment_ids, start)
+            layer_cache = None if kv is None else AttentionCache(*kv, cache.segment_ids, start, tree)
             hidden, layer_cache = layer(hidden, positions, segment_ids, inv_freq, layer_cache)
             hidden = constrain(hidden, ROWS_EMBED)
             features = jax.lax.dynamic_update_index_in_dim(features, hidden, layer_slot, axis=0)
@@ -241,6 +243,17 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         """The cache cut back to its first `length` columns; the columns after stay as stale entries that no
         later token sees and the next call overwrites."""
         return cache._replace(length=jnp.asarray(length, jnp.int32))
+
+    def keep_path(self, cache: KVCache, start: jax.Array, path: jax.Array, length: jax.Array) -> KVCache:
+        """After a tree call of T tokens at columns start..: its tokens path[0], path[1], ... ([T] indices into
+        the call, a root-to-node path first) moved to columns start, start+1, ..., and the cache cut back to
+        `length`. Their keys were rotated by depth, which is now their column's position (design §9.4)."""
+        def moved(buffer):
+            block = jax.lax.dynamic_slice_in_dim(buffer, start, path.shape[0], axis=2)
+            return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.take(block, path, axis=2), start, axis=2)
+
+        return cache._replace(keys=moved(cache.keys), values=moved(cache.values),
+                              length=jnp.asarray(length, jnp.int32))
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
         """An empty decode cache of `capacity` columns per row (dtype: the weights' dtype unless given)."""
