@@ -22,7 +22,7 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.weights.targets import load_target
 from dflash_jax.train import validate
 from dflash_jax.weights.drafter_files import export_drafter, load_drafter_dir
-from tests.train_fixtures import make_target, tiny_config, write_corpus
+from tests.train_fixtures import make_qwen3_5_target, make_target, tiny_config, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,14 @@ def test_cli_reports_trained_and_untrained_figures_and_speed(setup, tmp_path):
         assert result["responses"] == 3 and result["greedy_agreement"] == 1.0  # generated continuations
         assert len(result["accepted_histogram"]) == drafter_config.block_size
         assert set(result["ddtree_tau"]) == {4, 8} and 1.0 <= result["tau"] <= drafter_config.block_size
-    assert results["speed"]["outputs_differing_from_plain"] == 0
-    assert results["speed"]["tau"] == pytest.approx(results["trained"]["tau"])  # exact τ is the generator's
+    speed = results["speed"]
+    assert speed["outputs_differing_from_plain"] == 0 and speed["ddtree"]["outputs_differing_from_plain"] == 0
+    assert speed["tau"] == pytest.approx(results["trained"]["tau"])  # exact τ is the generator's
+    assert speed["tau_per_response"] == pytest.approx(results["trained"]["tau_per_response"])
+    assert speed["ddtree"]["budget"] == 8  # the largest budget; its τ is the offline DDTree τ
+    assert speed["ddtree"]["tau"] == pytest.approx(results["trained"]["ddtree_tau"][8])
+    assert set(speed["tokens_per_second"]) == {"plain", "speculative", "ddtree"}
+    assert any(line.startswith("decode tokens/s: plain ") for line in lines)
     assert any(line.startswith("untrained drafter: τ = ") for line in lines)
     json.dumps(results)  # the --json output
 
@@ -103,3 +109,21 @@ def test_setup_errors_are_sentences(setup):
     config.target_dir = str(weightless)
     with pytest.raises(ConfigError, match=r"made for a target with"):
         evaluate.run(config, workdir=None, drafter_dir=str(mismatched))
+
+
+@pytest.mark.slow
+def test_hybrid_target_generates_and_times_speculative_decoding(tmp_path):
+    """Qwen3.5/3.6: generated continuations and --speed work; DDTree is reported as not run, with why."""
+    target_dir = make_qwen3_5_target(tmp_path / "target")
+    corpus = write_corpus(tmp_path / "eval.jsonl", count=2)
+    config = tiny_config(target_dir, corpus, eval_prompts=2, eval_max_new_tokens=10,
+                         **{"data.eval_files": (str(corpus),), "drafter.target_layer_ids": (1, 5)})
+    _, target_config = load_target(target_dir)
+    drafter_config = validate.resolve_drafter_config(config, target_config, AutoTokenizer.from_pretrained(target_dir))
+    export = export_drafter(Drafter(drafter_config, rngs=nnx.Rngs(1)), drafter_config, tmp_path / "export")
+    results = evaluate.run(config, workdir=None, drafter_dir=str(export), budgets=(4,), speed=True,
+                           log=lambda _: None)
+    assert results["trained"]["greedy_agreement"] == 1.0
+    assert results["speed"]["outputs_differing_from_plain"] == 0
+    assert results["speed"]["tau"] == pytest.approx(results["trained"]["tau"])
+    assert "recurrent state cannot follow a tree" in results["speed"]["ddtree_skipped"]

@@ -183,19 +183,22 @@ def generator_shapes(prompt_lengths: Sequence[int], max_new_tokens: int, block_s
 
 
 def benchmark(plain: SpeculativeGenerator, speculative: SpeculativeGenerator, prompts: Sequence[Sequence[int]],
-              max_new_tokens: int, stop_token_ids: Sequence[int] = ()
+              max_new_tokens: int, stop_token_ids: Sequence[int] = (), ddtree: SpeculativeGenerator | None = None
               ) -> tuple[dict, list[Generation], list[Generation]]:
-    """Plain greedy vs speculative decoding on the same prompts with the same code (design §9.3).
+    """Plain greedy vs speculative (and, given `ddtree`, DDTree) decoding on the same prompts with the same
+    host loop (design §9.3, §9.4).
 
     Returns (report, plain generations, speculative generations). Report: τ (pooled: committed tokens over
-    verification steps, as exact τ's headline) and τ per response (the mean of per-response means), decode tokens/s of each mode (prefill excluded), speedup = mean plain TPOT /
-    mean speculative TPOT (z-lab), and how many outputs differ from plain greedy (must be 0). Each generator
-    is compiled on a short untimed run first.
+    verification steps, as exact τ's headline) and τ per response (the mean of per-response means), decode
+    tokens/s of each decoder (prefill excluded), speedup = mean plain TPOT / mean speculative TPOT (z-lab), how
+    many outputs differ from plain greedy (must be 0), and under "ddtree" the same for DDTree decoding. Each
+    generator is compiled on a short untimed run first.
     """
     if not prompts:
         raise ValueError("benchmark needs at least one prompt")
+    decoders = {"plain": plain, "speculative": speculative, **({"ddtree": ddtree} if ddtree is not None else {})}
     runs = {}
-    for name, generator in (("plain", plain), ("speculative", speculative)):
+    for name, generator in decoders.items():
         generator.generate(prompts[0], min(max_new_tokens, 2 * speculative.block_size))  # compile, untimed
         runs[name] = [generator.generate(prompt, max_new_tokens, stop_token_ids) for prompt in prompts]
 
@@ -205,15 +208,17 @@ def benchmark(plain: SpeculativeGenerator, speculative: SpeculativeGenerator, pr
         tpot = [s / n for s, n in zip(seconds, decoded) if n > 0]
         return sum(decoded) / max(sum(seconds), 1e-12), float(np.mean(tpot)) if tpot else float("nan")
 
-    (plain_rate, plain_tpot), (spec_rate, spec_tpot) = speed(runs["plain"]), speed(runs["speculative"])
-    steps = [[length - 1 for length in g.acceptance_lengths] for g in runs["speculative"]]
-    report = {
-        "responses": len(prompts),
-        "tau": pooled_tau(steps),
-        "tau_per_response": per_response_tau(steps),
-        "tokens_per_second": {"plain": plain_rate, "speculative": spec_rate},
-        "speedup": plain_tpot / spec_tpot,
-        "outputs_differing_from_plain": sum(not np.array_equal(a.tokens, b.tokens)
-                                            for a, b in zip(runs["plain"], runs["speculative"])),
-    }
+    speeds = {name: speed(generations) for name, generations in runs.items()}
+
+    def figures(name: str) -> dict:
+        steps = [[length - 1 for length in g.acceptance_lengths] for g in runs[name]]
+        return {"tau": pooled_tau(steps), "tau_per_response": per_response_tau(steps),
+                "speedup": speeds["plain"][1] / speeds[name][1],
+                "outputs_differing_from_plain": sum(not np.array_equal(a.tokens, b.tokens)
+                                                    for a, b in zip(runs["plain"], runs[name]))}
+
+    report = {"responses": len(prompts), **figures("speculative"),
+              "tokens_per_second": {name: rate for name, (rate, _) in speeds.items()}}
+    if ddtree is not None:
+        report["ddtree"] = {"budget": ddtree.budget, **figures("ddtree")}
     return report, runs["plain"], runs["speculative"]

@@ -38,7 +38,14 @@ def format_result(title: str, result: dict) -> str:
 
 
 def format_speed(report: dict) -> str:
+    """The `generate.benchmark` report: decode tokens/s of each decoder side by side, then τ and speed-up."""
     rates = report["tokens_per_second"]
-    return (f"generator: τ = {report['tau']:.3f} (pooled), decode {rates['speculative']:.1f} tokens/s speculative vs "
-            f"{rates['plain']:.1f} plain greedy, speedup {report['speedup']:.2f}x, "
-            f"{report['outputs_differing_from_plain']} outputs differing from plain greedy")
+    lines = ["decode tokens/s: " + ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items())]
+    for title, figures in (("speculative", report), ("DDTree", report.get("ddtree"))):
+        if figures is not None:
+            budget = f" (budget {figures['budget']})" if "budget" in figures else ""
+            lines.append(f"  {title}{budget}: τ = {figures['tau']:.3f} (pooled), speedup {figures['speedup']:.2f}x "
+                         f"over plain greedy, {figures['outputs_differing_from_plain']} outputs differing from it")
+    if "ddtree_skipped" in report:
+        lines.append(f"  DDTree: not run, {report['ddtree_skipped']}")
+    return "\n".join(lines)
