@@ -184,10 +184,10 @@ def per_response_tau(step_lists: Sequence[Sequence[int]]) -> float:
 
 
 def summarize(responses: Sequence[ResponseScores], block_size: int) -> dict:
-    """τ (pooled) and τ per response (mean of per-response means), the histogram of accepted drafts per step (index a =
-    share of steps accepting exactly a drafts), per-slot acceptance over every anchor of the continuations
-    (marginal: slot k right; conditional: slot k right given slots 1..k-1 right), DDTree τ per budget (pooled,
-    and per response)."""
+    """τ (pooled) and τ per response (mean of per-response means), the histogram of accepted drafts per step
+    (index a = share of steps accepting exactly a drafts), per-slot acceptance over every anchor of the
+    continuations (marginal: slot k right; conditional: slot k right given slots 1..k-1 right), DDTree τ per
+    budget (pooled, and per response)."""
     steps = np.concatenate([np.asarray(r.block_steps, np.int64) for r in responses])
     matches, counts, runs, runs_before = (np.sum([getattr(r, f) for r in responses], axis=0)
                                           for f in ("slot_matches", "slot_count", "slot_run", "slot_run_before"))

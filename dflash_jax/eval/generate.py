@@ -93,7 +93,8 @@ class SpeculativeGenerator:
 
     def _draft_hidden(self, target, drafter, drafter_cache, out, context_start, bonus, anchor):
         """The drafter's final hidden states [1, B, H] of the block after `bonus` at `anchor`, and its cache."""
-        block_ids = block_token_ids(bonus[:, None], np.zeros(1, np.int32), self.block_size, drafter.config.mask_token_id)
+        block_ids = block_token_ids(bonus[:, None], np.zeros(1, np.int32), self.block_size,
+                                    drafter.config.mask_token_id)
         return drafter(drafter_features(out), target.embed(block_ids), DecodeStep(context_start, anchor),
                        drafter_cache)
 

@@ -79,7 +79,8 @@ def validate_config(config: ConfigDict) -> None:
     _require(config.eval_every >= 0, f"config.eval_every must be >= 0 (0 = never), got {config.eval_every}")
     _require(config.eval_continuation in EVAL_CONTINUATIONS,
              f"config.eval_continuation must be one of {EVAL_CONTINUATIONS}, got {config.eval_continuation!r}")
-    _require(config.eval_max_new_tokens >= 1, f"config.eval_max_new_tokens must be >= 1, got {config.eval_max_new_tokens}")
+    _require(config.eval_max_new_tokens >= 1,
+             f"config.eval_max_new_tokens must be >= 1, got {config.eval_max_new_tokens}")
     profile = config.profile_steps
     _require(profile is None or (len(profile) == 2 and 1 <= profile[0] <= profile[1]),
              f"config.profile_steps must be (first, last) with 1 <= first <= last, got {profile!r}")
