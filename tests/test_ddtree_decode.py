@@ -6,7 +6,6 @@ CPU, fp32, a tiny random Qwen3 target and drafter built in NNX.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -2,12 +2,11 @@
 partly rejected verification equals a fresh prefill of the accepted prefix, and speculative generation is
 plain greedy decoding token for token, with blocks accepted fully, partly and not at all.
 
-CPU, fp32, a tiny random hybrid target (two periods of [GDN, GDN, GDN, gated attention]) built in NNX.
+CPU, fp32, a tiny random hybrid target (two periods of [Gated DeltaNet, gated attention]) built in NNX.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,11 +24,11 @@ PROMPT_LENGTHS = (3, 7, 12)
 
 @pytest.fixture(scope="module")
 def target():
-    config = Qwen3_5Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
+    config = Qwen3_5Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           layer_types=(LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,) + (LINEAR_ATTENTION,) * 3
-                           + (FULL_ATTENTION,), linear_num_key_heads=2, linear_num_value_heads=4,
-                           linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=256)
+                           layer_types=(LINEAR_ATTENTION, FULL_ATTENTION) * 2, linear_num_key_heads=2,
+                           linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                           max_position_embeddings=256)
     return Qwen3_5(config, rngs=nnx.Rngs(3))
 
 
@@ -37,8 +36,8 @@ def target():
 def drafter():
     return Drafter(DrafterConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                                 layer_types=("full_attention",), block_size=BLOCK, target_layer_ids=(1, 6),
-                                 num_target_layers=8, mask_token_id=VOCAB - 1, vocab_size=VOCAB,
+                                 layer_types=("full_attention",), block_size=BLOCK, target_layer_ids=(0, 3),
+                                 num_target_layers=4, mask_token_id=VOCAB - 1, vocab_size=VOCAB,
                                  max_position_embeddings=256), rngs=nnx.Rngs(0))
 
 
@@ -82,24 +81,6 @@ def test_cache_cut_back_after_a_partial_acceptance_equals_a_fresh_prefill(target
                                            err_msg=f"{layer_type}, {kept} kept")
 
 
-def test_plain_cached_greedy_is_the_full_forward_greedy(target, generators, prompts):
-    """Block size 1: token for token the argmax of an uncached forward over the text so far."""
-    length = 40
-
-    @jax.jit
-    def next_token(ids, last):  # padding after the text changes nothing before it (causal)
-        hidden = target(ids, jnp.arange(length)[None], jnp.ones((1, length), jnp.int32)).hidden
-        return jnp.argmax(target.logits(hidden[0, last]))
-
-    generated = generators["plain"].generate(prompts[1], 12).tokens
-    text = list(prompts[1])
-    for _ in range(12):
-        padded = np.zeros((1, length), np.int32)
-        padded[0, :len(text)] = text
-        text.append(int(next_token(padded, len(text) - 1)))
-    np.testing.assert_array_equal(generated, text[len(prompts[1]):])
-
-
 def forced_generation(generator: SpeculativeGenerator, prompt: np.ndarray, reference: np.ndarray,
                       right_drafts: list[int]) -> tuple[list[int], list[int]]:
     """The generator's own prefill and verification steps, each step verifying drafts of which the first
@@ -137,7 +118,8 @@ def test_speculative_steps_commit_plain_greedy_whatever_is_accepted(generators, 
 
 def test_speculative_generation_is_plain_greedy_and_its_tau_is_exact_tau(target, drafter, generators, prompts):
     """A random drafter through generate(): the plain greedy output, and the acceptance lengths exact τ
-    walks on the same continuation."""
+    walks on the same continuation; that continuation is the uncached forward's greedy one token for token
+    (greedy_agreement), so the padded prefill and the cached steps decode as the full forward does."""
     scorer = DraftScorer(target, drafter, top_k=2, length_bucket=64)
     for prompt in prompts:
         plain = generators["plain"].generate(prompt, NEW_TOKENS)

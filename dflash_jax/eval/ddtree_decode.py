@@ -18,7 +18,6 @@ would have to follow each tree path (design §9.4).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
