@@ -31,7 +31,6 @@ from dflash_jax.eval.exact_tau import DEFAULT_BUDGETS, evaluate_drafter
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, generator_shapes
 from dflash_jax.eval.report import format_result, format_speed
 from dflash_jax.models.drafter import Drafter, DrafterConfig
-from dflash_jax.models.qwen3 import Qwen3Config
 from dflash_jax.sharding import replicated
 from dflash_jax.train.validate import dtype_of, mesh_from_config
 from dflash_jax.weights.drafter_files import load_drafter
@@ -57,7 +56,7 @@ _BUDGETS = flags.DEFINE_list("budgets", ["8", "22"], "DDTree node budgets.", fla
 flags.register_validator("budgets", lambda values: bool(values) and all(v.isdigit() and int(v) > 0 for v in values),
                          "--budgets must be one or more positive integers, e.g. --budgets=8,22", flag_values=FLAGS)
 _SPEED = flags.DEFINE_bool("speed", False, "Also time plain greedy, speculative and DDTree decoding (the largest "
-                           "--budgets; Qwen3 dense targets).",
+                           "--budgets).",
                            flag_values=FLAGS)
 _JSON = flags.DEFINE_string("json", None, "Write every figure to this JSON file.", flag_values=FLAGS)
 flags.mark_flags_as_required(["config"], flag_values=FLAGS)
@@ -99,9 +98,6 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
         raise ConfigError(f"the drafter ({source}) was made for a target with (layers, vocab, hidden) = "
                           f"{(drafter_config.num_target_layers, drafter_config.vocab_size, drafter_config.hidden_size)}"
                           f", but {config.target_dir} has {expected}")
-    # Decided before the target loads: DDTree decoding needs a K/V-only decode cache (design §9.4).
-    ddtree_skipped = None if isinstance(target_config, Qwen3Config) else \
-        f"the {type(target_config).__name__} target's recurrent state cannot follow a tree yet (design §9.4)"
     mesh = mesh_from_config(config)
     # config.attention_impl picks the backend of the target's full forward (exact τ); the decode-cached
     # generator and the drafters here run in XLA.
@@ -129,11 +125,9 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
         log(format_result(f"{name} drafter", results[name]))
     if speed:
         speculative = SpeculativeGenerator(target, drafter, **shapes)
-        tree = DDTreeGenerator(target, drafter, budget=max(budgets), **shapes) if ddtree_skipped is None else None
+        tree = DDTreeGenerator(target, drafter, budget=max(budgets), **shapes)
         results["speed"], _, _ = benchmark(plain, speculative, [e.prompt_ids for e in examples], max_new_tokens,
                                            stops, ddtree=tree)
-        if ddtree_skipped is not None:
-            results["speed"]["ddtree_skipped"] = ddtree_skipped
         log(format_speed(results["speed"]))
     return results
 

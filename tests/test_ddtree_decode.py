@@ -1,7 +1,8 @@
 """The DDTree decoder (design §9.4): the tree attention mask, one tree pass against plain forwards over each
-node's path, and decoding that equals plain greedy decoding with the offline DDTree τ's accepted depths.
+node's path and the kept path's cache against a fresh prefill, and decoding that equals plain greedy decoding
+with the offline DDTree τ's accepted depths.
 
-CPU, fp32, a tiny random Qwen3 target and drafter built in NNX.
+CPU, fp32, tiny random targets of both families (Qwen3; Qwen3.5 with Gated DeltaNet) and a drafter, in NNX.
 """
 
 from __future__ import annotations
@@ -16,32 +17,35 @@ from dflash_jax.eval.ddtree_decode import DDTreeGenerator
 from dflash_jax.eval.exact_tau import DraftScorer, Example, score_response
 from dflash_jax.eval.generate import SpeculativeGenerator, continue_text
 from dflash_jax.models.drafter import Drafter, DrafterConfig
-from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
+from dflash_jax.models.qwen3 import KVCache, Qwen3, Qwen3Config
+from tests.decode_check import tiny_hybrid_target
 
 VOCAB, BLOCK, BUDGET, NEW_TOKENS = 96, 4, 6, 23
 PROMPT_LENGTHS = (3, 7, 12)
 
 
 @pytest.fixture(scope="module")
-def target():
-    return Qwen3(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
-                 rngs=nnx.Rngs(5))
+def targets():
+    dense = Qwen3(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
+                  rngs=nnx.Rngs(5))
+    return {"dense": dense, "hybrid": tiny_hybrid_target(VOCAB)}
 
 
 @pytest.fixture(scope="module")
 def drafter():
     return Drafter(DrafterConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                                 layer_types=("full_attention",), block_size=BLOCK, target_layer_ids=(0, 2),
-                                 num_target_layers=3, mask_token_id=VOCAB - 1, vocab_size=VOCAB,
+                                 layer_types=("full_attention",), block_size=BLOCK, target_layer_ids=(0, 3),
+                                 num_target_layers=4, mask_token_id=VOCAB - 1, vocab_size=VOCAB,
                                  max_position_embeddings=256), rngs=nnx.Rngs(0))
 
 
 @pytest.fixture(scope="module")
-def generators(target, drafter):
-    return {"plain": SpeculativeGenerator(target, None, prefill_len=16, capacity=48),
-            "ddtree": DDTreeGenerator(target, drafter, budget=BUDGET, prefill_len=16, capacity=48)}
+def generators(targets, drafter):
+    return {family: {"plain": SpeculativeGenerator(target, None, prefill_len=16, capacity=48),
+                     "ddtree": DDTreeGenerator(target, drafter, budget=BUDGET, prefill_len=16, capacity=48)}
+            for family, target in targets.items()}
 
 
 @pytest.fixture(scope="module")
@@ -74,27 +78,52 @@ def test_tree_mask_is_the_transitive_closure_of_the_parent_relation():
         assert tree.visible[budget + 1:].sum() == 2 and tree.parents[budget + 1:].tolist() == [-2, -2]  # padding
 
 
-def test_one_tree_pass_gives_each_node_what_a_forward_over_its_path_gives(target):
+def cache_arrays(cache, length: int) -> list[np.ndarray]:
+    """Every array of a decode cache that the next call reads: K/V columns before `length`, Gated DeltaNet
+    conv inputs and states whole."""
+    if isinstance(cache, KVCache):
+        return [np.asarray(cache.keys[:, :, :length]), np.asarray(cache.values[:, :, :length])]
+    return [np.asarray(array[:, :, :length] if array.ndim == 5 and array.shape[2] == cache.segment_ids.shape[1]
+                       else array) for arrays in cache.layers for array in arrays]
+
+
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_one_tree_pass_gives_each_node_what_a_forward_over_its_path_gives(targets, family):
     """After a cached prefix, a tree verified in one pass: every node's hidden state equals the uncached
-    forward's over prefix + that node's root path (the tree mask and depth positions at work)."""
-    rng = np.random.default_rng(4)
+    forward's over prefix + that node's root path (the tree mask, depth positions, and for the hybrid target
+    each Gated DeltaNet token following its own path); keeping one path leaves the cache a fresh prefill of
+    prefix + path leaves."""
+    target, rng = targets[family], np.random.default_rng(4)
     prefix = rng.integers(0, VOCAB, 6).astype(np.int32)
     tree = verification_tree(random_tree(rng, 7), bonus=11, size=9)
     forward = nnx.jit(lambda model, ids, cache: continue_text(model, ids, cache, ()))
     cache = forward(target, jnp.asarray(prefix[None]), target.init_cache(1, 32)).cache
     tree_pass = nnx.jit(lambda model, cache: model(jnp.asarray(tree.tokens[None]), 6 + jnp.asarray(tree.depths[None]),
                                                    jnp.zeros((1, 9), jnp.int32), cache=cache,
-                                                   tree=jnp.asarray(tree.visible[None])).hidden)(target, cache)
+                                                   tree=jnp.asarray(tree.visible[None])))
+    out = tree_pass(target, cache)
     full = nnx.jit(lambda model, ids: model(ids, jnp.arange(16)[None], jnp.ones((1, 16), jnp.int32)).hidden)
+    paths = []
     for node in range(8):  # the padding node is no tree node
         path = [node]
         while tree.parents[path[-1]] >= 0:
             path.append(tree.parents[path[-1]])
+        paths.append(path[::-1])
         text = np.zeros((1, 16), np.int32)  # padded after the text: causal, so it changes nothing before
         text[0, :6 + len(path)] = np.concatenate([prefix, tree.tokens[path[::-1]]])
         hidden = full(target, jnp.asarray(text))
-        np.testing.assert_allclose(tree_pass[0, node], hidden[0, 5 + len(path)], rtol=1e-5, atol=1e-5,
+        np.testing.assert_allclose(out.hidden[0, node], hidden[0, 5 + len(path)], rtol=1e-5, atol=1e-5,
                                    err_msg=f"node {node}")
+    deepest = max(paths, key=len)
+    order = np.zeros(9, np.int32)
+    order[:len(deepest)] = deepest
+    kept = target.keep_path(out.cache, jnp.int32(6), jnp.asarray(order), jnp.int32(6 + len(deepest)))
+    fresh = forward(target, jnp.asarray(np.concatenate([prefix, tree.tokens[deepest]])[None]),
+                    target.init_cache(1, 32)).cache
+    assert int(kept.length) == int(fresh.length) == 6 + len(deepest)
+    for got, expected in zip(cache_arrays(kept, 6 + len(deepest)), cache_arrays(fresh, 6 + len(deepest)),
+                             strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def forced_drafts(rng: np.random.Generator, upcoming: np.ndarray, ranks: np.ndarray):
@@ -116,9 +145,9 @@ def test_tree_steps_commit_plain_greedy_and_accept_the_offline_depth(generators,
     """The decoder's own steps on drafts holding the target's next tokens at chosen ranks (all first: a
     trained-like drafter; mixed; absent): it commits plain greedy decoding, and each step accepts what
     `accepted_depth` finds in the same tree offline."""
-    generator, rng, seen = generators["ddtree"], np.random.default_rng(5), set()
+    generator, rng, seen = generators["dense"]["ddtree"], np.random.default_rng(5), set()
     for prompt, ranks_choices in zip(prompts, ([0, 0, 0], [0, 1, 3], [BUDGET, 0, 0])):
-        reference = generators["plain"].generate(prompt, NEW_TOKENS).tokens
+        reference = generators["dense"]["plain"].generate(prompt, NEW_TOKENS).tokens
         padded = np.zeros((1, generator.prefill_len), np.int32)
         padded[0, :len(prompt)] = prompt
         cache, drafter_cache, bonus, _ = generator._prefill(generator._target_state, generator._drafter_state,
@@ -142,23 +171,15 @@ def test_tree_steps_commit_plain_greedy_and_accept_the_offline_depth(generators,
     assert {0, BLOCK - 1} < seen  # trees accepted fully, partly and not at all
 
 
-def test_ddtree_generation_is_plain_greedy_with_the_offline_ddtree_steps(target, drafter, generators, prompts):
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_ddtree_generation_is_plain_greedy_with_the_offline_ddtree_steps(targets, drafter, generators, prompts,
+                                                                         family):
     """A random drafter through generate(): plain greedy output, and per step the accepted depths the
     offline DDTree τ walks on the same continuation with the same budget."""
-    scorer = DraftScorer(target, drafter, top_k=BUDGET, length_bucket=64)
+    scorer = DraftScorer(targets[family], drafter, top_k=BUDGET, length_bucket=64)
     for prompt in prompts:
-        plain = generators["plain"].generate(prompt, NEW_TOKENS)
-        tree_run = generators["ddtree"].generate(prompt, NEW_TOKENS)
+        plain = generators[family]["plain"].generate(prompt, NEW_TOKENS)
+        tree_run = generators[family]["ddtree"].generate(prompt, NEW_TOKENS)
         np.testing.assert_array_equal(tree_run.tokens, plain.tokens)
         response = score_response(scorer, Example(prompt, plain.tokens), budgets=(BUDGET,))
         assert response.tree_steps[BUDGET] == [length - 1 for length in tree_run.acceptance_lengths]
-
-
-def test_the_hybrid_target_is_refused(drafter):
-    from dflash_jax.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5, Qwen3_5Config
-
-    hybrid = nnx.eval_shape(lambda: Qwen3_5(Qwen3_5Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        layer_types=(LINEAR_ATTENTION, FULL_ATTENTION), num_key_value_heads=2, head_dim=16), rngs=nnx.Rngs(0)))
-    with pytest.raises(TypeError, match="cannot follow a tree yet"):
-        DDTreeGenerator(hybrid, drafter, budget=4, prefill_len=16, capacity=48)

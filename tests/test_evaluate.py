@@ -113,7 +113,7 @@ def test_setup_errors_are_sentences(setup):
 
 @pytest.mark.slow
 def test_hybrid_target_generates_and_times_speculative_decoding(tmp_path):
-    """Qwen3.5/3.6: generated continuations and --speed work; DDTree is reported as not run, with why."""
+    """Qwen3.5/3.6: generated continuations and --speed (speculative and DDTree decoding) work."""
     target_dir = make_qwen3_5_target(tmp_path / "target")
     corpus = write_corpus(tmp_path / "eval.jsonl", count=2)
     config = tiny_config(target_dir, corpus, eval_prompts=2, eval_max_new_tokens=10,
@@ -126,4 +126,5 @@ def test_hybrid_target_generates_and_times_speculative_decoding(tmp_path):
     assert results["trained"]["greedy_agreement"] == 1.0
     assert results["speed"]["outputs_differing_from_plain"] == 0
     assert results["speed"]["tau"] == pytest.approx(results["trained"]["tau"])
-    assert "recurrent state cannot follow a tree" in results["speed"]["ddtree_skipped"]
+    assert results["speed"]["ddtree"]["outputs_differing_from_plain"] == 0
+    assert results["speed"]["ddtree"]["tau"] == pytest.approx(results["trained"]["ddtree_tau"][4])

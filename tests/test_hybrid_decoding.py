@@ -15,8 +15,9 @@ from flax import nnx
 from dflash_jax.eval.exact_tau import DraftScorer, Example, score_response
 from dflash_jax.eval.generate import SpeculativeGenerator, continue_text
 from dflash_jax.models.drafter import Drafter, DrafterConfig
-from dflash_jax.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5, Qwen3_5Config
+from dflash_jax.models.qwen3_5 import FULL_ATTENTION
 from dflash_jax.models.target import NO_SEGMENT
+from tests.decode_check import tiny_hybrid_target
 
 VOCAB, BLOCK, NEW_TOKENS = 96, 4, 23
 PROMPT_LENGTHS = (3, 7, 12)
@@ -24,12 +25,7 @@ PROMPT_LENGTHS = (3, 7, 12)
 
 @pytest.fixture(scope="module")
 def target():
-    config = Qwen3_5Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           layer_types=(LINEAR_ATTENTION, FULL_ATTENTION) * 2, linear_num_key_heads=2,
-                           linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                           max_position_embeddings=256)
-    return Qwen3_5(config, rngs=nnx.Rngs(3))
+    return tiny_hybrid_target(VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ Each step, from one drafter pass (the block after the bonus token, as in `genera
   3. the walk follows the target's greedy token down the tree from the root: accepted = the depth reached;
      the step commits the target's token at each node of that path, so every committed token is the target's
      greedy token after the committed text before it (lossless: the output is plain greedy decoding);
-  4. the path's K/V move to the columns after the bonus (`Qwen3.keep_path`), the drafter caches the context
-     features of the path, and drafts the next block.
+  4. the path's K/V move to the columns after the bonus (`keep_path`; the hybrid target's Gated DeltaNet
+     layers, whose every tree token followed its own root path, keep the accepted node's state and conv
+     window), the drafter caches the context features of the path, and drafts the next block.
 The accepted depths are those of the offline DDTree τ (`exact_tau`) on the same continuation, which this
-decoder therefore proves. The dense Qwen3 target only: the hybrid target's recurrent state and convolution
-would have to follow each tree path (design §9.4).
+decoder therefore proves. Both target families.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from dflash_jax.eval.ddtree import build_tree, verification_tree
 from dflash_jax.eval.exact_tau import top_k_log_probs
 from dflash_jax.eval.generate import SpeculativeGenerator
 from dflash_jax.models.drafter import Drafter
-from dflash_jax.models.qwen3 import Qwen3
 from dflash_jax.ops.lm_head import greedy_tokens
 
 
@@ -34,10 +33,6 @@ class DDTreeGenerator(SpeculativeGenerator):
     (capacity >= prompt + max_new_tokens + 1 + budget)."""
 
     def __init__(self, target, drafter: Drafter, *, budget: int, prefill_len: int, capacity: int):
-        if not isinstance(target, Qwen3):
-            raise TypeError(f"DDTree decoding verifies a tree in one pass, which needs a target whose decode cache "
-                            f"is K/V only (Qwen3); a {type(target).__name__} target's recurrent state cannot "
-                            f"follow a tree yet (design §9.4)")
         if budget < 1:
             raise ValueError(f"the DDTree node budget must be >= 1, got {budget}")
         self.budget = budget

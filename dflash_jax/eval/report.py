@@ -46,6 +46,4 @@ def format_speed(report: dict) -> str:
             budget = f" (budget {figures['budget']})" if "budget" in figures else ""
             lines.append(f"  {title}{budget}: τ = {figures['tau']:.3f} (pooled), speedup {figures['speedup']:.2f}x "
                          f"over plain greedy, {figures['outputs_differing_from_plain']} outputs differing from it")
-    if "ddtree_skipped" in report:
-        lines.append(f"  DDTree: not run, {report['ddtree_skipped']}")
     return "\n".join(lines)

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from dflash_jax.models.layers import (MLP, Embed, Linear, RMSNorm, apply_rope, decoder_layer_params,
                                       rope_inverse_frequencies)
 from dflash_jax.models.target import (NO_SEGMENT, AttentionCache, EmbeddingAndHead, TargetOutput,
-                                      causal_self_attention, feature_slots, write_columns)
+                                      causal_self_attention, feature_slots, move_columns, write_columns)
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, constrain
 
@@ -248,11 +248,8 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         """After a tree call of T tokens at columns start..: its tokens path[0], path[1], ... ([T] indices into
         the call, a root-to-node path first) moved to columns start, start+1, ..., and the cache cut back to
         `length`. Their keys were rotated by depth, which is now their column's position (design §9.4)."""
-        def moved(buffer):
-            block = jax.lax.dynamic_slice_in_dim(buffer, start, path.shape[0], axis=2)
-            return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.take(block, path, axis=2), start, axis=2)
-
-        return cache._replace(keys=moved(cache.keys), values=moved(cache.values),
+        return cache._replace(keys=move_columns(cache.keys, start, path, axis=2),
+                              values=move_columns(cache.values, start, path, axis=2),
                               length=jnp.asarray(length, jnp.int32))
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:

@@ -80,6 +80,13 @@ def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids:
     return jnp.concatenate(outputs, axis=1), cache._replace(keys=keys, values=values)
 
 
+def move_columns(buffer: jax.Array, start: jax.Array, order: jax.Array, axis: int) -> jax.Array:
+    """buffer with its columns start+order[0], start+order[1], ... (along `axis`) moved to start, start+1, ...:
+    a verified tree's accepted path made contiguous (design §9.4)."""
+    block = jax.lax.dynamic_slice_in_dim(buffer, start, order.shape[0], axis=axis)
+    return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.take(block, order, axis=axis), start, axis=axis)
+
+
 def _through_tree(visible: jax.Array, tree: jax.Array, start: jax.Array) -> jax.Array:
     """visible [b, q, capacity] with columns start..start+t-1 (the call's t tokens) replaced by tree [b, q, t]."""
     own = jnp.zeros(visible.shape, bool)
