@@ -171,7 +171,8 @@ def test_tree_steps_commit_plain_greedy_and_accept_the_offline_depth(generators,
     assert {0, BLOCK - 1} < seen  # trees accepted fully, partly and not at all
 
 
-@pytest.mark.parametrize("family", ["dense", "hybrid"])
+# The hybrid run is also in test_evaluate.py's slow hybrid test (--speed); here it would add its compiles.
+@pytest.mark.parametrize("family", ["dense", pytest.param("hybrid", marks=pytest.mark.slow)])
 def test_ddtree_generation_is_plain_greedy_with_the_offline_ddtree_steps(targets, drafter, generators, prompts,
                                                                          family):
     """A random drafter through generate(): plain greedy output, and per step the accepted depths the
