@@ -1,14 +1,14 @@
 r"""Evaluate a drafter (design §9): exact greedy τ, its histogram, per-slot acceptance, DDTree τ, against an
-untrained baseline; optionally the KV-cached speculative generator's τ and speed against plain greedy.
+untrained baseline; optionally (--speed) the decode tokens/s of plain greedy, speculative and DDTree decoding.
 
     dflash-jax evaluate --config configs/qwen3_8b.py --workdir /ckpt/run1 \
         [--prompts eval.jsonl] [--json out.json] [--drafter EXPORT_DIR] [--step N] [--num_prompts 32] \
-        [--continuation generate|data] [--max_new_tokens 256] [--budgets 8,22] [--speed] [--config.<key>=...]
+        [--continuation generate|data] [--max_new_tokens N] [--budgets 8,22] [--speed] [--config.<key>=...]
 
 `python -m dflash_jax.evaluate` is the same command. The drafter is the latest (or --step) checkpoint of the
 training workdir, or an exported z-lab directory (--drafter). Prompts: JSONL records as for training (default
-config.data.eval_files); `generate` continues each prompt with the target's own KV-cached greedy decoding (Qwen3
-dense targets), `data` uses the record's completion / last assistant turn.
+config.data.eval_files); `generate` continues each prompt with the target's own decode-cached greedy decoding
+(either target family), `data` uses the record's completion / last assistant turn.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from transformers import AutoTokenizer
 from dflash_jax import cli
 from dflash_jax.errors import ConfigError
 from dflash_jax.eval.examples import read_examples, stop_token_ids, with_greedy_continuations
-from dflash_jax.eval.exact_tau import evaluate_drafter
+from dflash_jax.eval.ddtree_decode import DDTreeGenerator
+from dflash_jax.eval.exact_tau import DEFAULT_BUDGETS, evaluate_drafter
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, generator_shapes
 from dflash_jax.eval.report import format_result, format_speed
 from dflash_jax.models.drafter import Drafter, DrafterConfig
@@ -46,15 +47,16 @@ _PROMPTS = flags.DEFINE_list("prompts", None, "JSONL prompt files (default: conf
                              flag_values=FLAGS)
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Records to evaluate (default: config.eval_prompts).",
                                     flag_values=FLAGS)
-_CONTINUATION = flags.DEFINE_enum("continuation", "generate", ["generate", "data"],
-                                  "generate: the target's greedy continuation; data: the record's own.",
-                                  flag_values=FLAGS)
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Generated (or kept data) continuation tokens per prompt.",
-                                flag_values=FLAGS)
+_CONTINUATION = flags.DEFINE_enum("continuation", None, ["generate", "data"],
+                                  "generate: the target's greedy continuation; data: the record's own (default: "
+                                  "config.eval_continuation, as the train-time evaluation).", flag_values=FLAGS)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Generated (or kept data) continuation tokens per prompt "
+                                "(default: config.eval_max_new_tokens).", flag_values=FLAGS)
 _BUDGETS = flags.DEFINE_list("budgets", ["8", "22"], "DDTree node budgets.", flag_values=FLAGS)
 flags.register_validator("budgets", lambda values: bool(values) and all(v.isdigit() and int(v) > 0 for v in values),
                          "--budgets must be one or more positive integers, e.g. --budgets=8,22", flag_values=FLAGS)
-_SPEED = flags.DEFINE_bool("speed", False, "Also time the speculative generator against plain greedy decoding.",
+_SPEED = flags.DEFINE_bool("speed", False, "Also time plain greedy, speculative and DDTree decoding (the largest "
+                           "--budgets).",
                            flag_values=FLAGS)
 _JSON = flags.DEFINE_string("json", None, "Write every figure to this JSON file.", flag_values=FLAGS)
 flags.mark_flags_as_required(["config"], flag_values=FLAGS)
@@ -67,9 +69,16 @@ def placed(drafter: Drafter, config: DrafterConfig, dtype, sharding) -> Drafter:
 
 
 def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = None, step: int | None = None,
-        prompts: list[str] | None = None, num_prompts: int | None = None, continuation: str = "generate",
-        max_new_tokens: int = 256, budgets: tuple[int, ...] = (8, 22), speed: bool = False, log=print) -> dict:
-    """Everything the CLI prints, as a dict (see the module docstring)."""
+        prompts: list[str] | None = None, num_prompts: int | None = None, continuation: str | None = None,
+        max_new_tokens: int | None = None, budgets: tuple[int, ...] = DEFAULT_BUDGETS, speed: bool = False,
+        log=print) -> dict:
+    """Everything the CLI prints, as a dict (see the module docstring). Prompts, continuations and budgets
+    default to the train-time evaluation's (config.data.eval_files, eval_prompts, eval_continuation,
+    eval_max_new_tokens; `train_hook`), so both measure the same τ."""
+    continuation = config.eval_continuation if continuation is None else continuation
+    max_new_tokens = config.eval_max_new_tokens if max_new_tokens is None else max_new_tokens
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
     if not config.target_dir:
         raise ConfigError("config.target_dir is required: the target the drafter was trained against")
     if not (workdir or drafter_dir):
@@ -82,17 +91,18 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
                              chat_template_kwargs=config.data.chat_template_kwargs,
                              max_positions=target_config.max_position_embeddings,
                              generated=max_new_tokens if continuation == "generate" or speed else 0)
-    mesh = mesh_from_config(config)
-    # config.attention_impl picks the backend of the target's full forward (exact τ); the KV-cached generator
-    # and the drafters here run in XLA.
-    target, target_config = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh,
-                                        attention_impl=config.attention_impl)
+    # The drafter is small: it loads, and is checked against the target's config, before the target does.
     drafter, drafter_config, source = load_drafter(workdir, drafter_dir, step)
     expected = (target_config.num_hidden_layers, target_config.vocab_size, target_config.hidden_size)
     if (drafter_config.num_target_layers, drafter_config.vocab_size, drafter_config.hidden_size) != expected:
         raise ConfigError(f"the drafter ({source}) was made for a target with (layers, vocab, hidden) = "
                           f"{(drafter_config.num_target_layers, drafter_config.vocab_size, drafter_config.hidden_size)}"
                           f", but {config.target_dir} has {expected}")
+    mesh = mesh_from_config(config)
+    # config.attention_impl picks the backend of the target's full forward (exact τ); the decode-cached
+    # generator and the drafters here run in XLA.
+    target, _ = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh,
+                            attention_impl=config.attention_impl)
     compute = dtype_of(config.compute_dtype)
     drafter = placed(drafter, drafter_config, compute, replicated(mesh))
     baseline = placed(Drafter(drafter_config, rngs=nnx.Rngs(0)), drafter_config, compute, replicated(mesh))
@@ -100,10 +110,9 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
     stops = stop_token_ids(config.target_dir, tokenizer)
     plain = None
     if continuation == "generate" or speed:
-        if not target.croppable_cache:
-            raise ConfigError(f"--continuation=generate and --speed need the KV-cached generator, which "
-                              f"{config.target_dir} does not support (use --continuation=data)")
-        shapes = generator_shapes([len(e.prompt_ids) for e in examples], max_new_tokens, drafter_config.block_size)
+        # Room for a verification pass of the block or of the largest DDTree, whichever is wider.
+        shapes = generator_shapes([len(e.prompt_ids) for e in examples], max_new_tokens,
+                                  max(drafter_config.block_size, 1 + max(budgets)))
         plain = SpeculativeGenerator(target, None, **shapes)
     if continuation == "generate":
         log(f"generating greedy continuations of {len(examples)} prompts (up to {max_new_tokens} tokens)")
@@ -116,8 +125,9 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
         log(format_result(f"{name} drafter", results[name]))
     if speed:
         speculative = SpeculativeGenerator(target, drafter, **shapes)
+        tree = DDTreeGenerator(target, drafter, budget=max(budgets), **shapes)
         results["speed"], _, _ = benchmark(plain, speculative, [e.prompt_ids for e in examples], max_new_tokens,
-                                           stops)
+                                           stops, ddtree=tree)
         log(format_speed(results["speed"]))
     return results
 

@@ -1,11 +1,16 @@
 """A target's decode cache against its uncached forward: batched prompts of different lengths, left-padded
-into one prefill, then calls of 1 and 3 tokens; every call's logits must equal the full forward's."""
+into one prefill, then calls of 1 and 3 tokens; every call's logits must equal the full forward's. Also the
+tiny random hybrid target the speculative and DDTree decoding tests share."""
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from dflash_jax.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5, Qwen3_5Config
 
 CALLS = (1, 3, 1, 1, 2, 1)  # tokens per decode call: single tokens and short blocks
 
@@ -64,3 +69,17 @@ def max_relative_error_of_cached_logits(model, vocab: int, prompt_lengths: tuple
 
 def _error(expected: np.ndarray, actual: np.ndarray) -> float:
     return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+@functools.cache  # built once per test process (its random init is slow eagerly); no test changes it
+def tiny_hybrid_target(vocab: int, seed: int = 3) -> Qwen3_5:
+    """A random fp32 Qwen3.5 target of two periods of [Gated DeltaNet, gated attention], built in NNX."""
+    return nnx.jit(lambda: _hybrid(vocab, seed))()
+
+
+def _hybrid(vocab: int, seed: int) -> Qwen3_5:
+    return Qwen3_5(Qwen3_5Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 layer_types=(LINEAR_ATTENTION, FULL_ATTENTION) * 2, linear_num_key_heads=2,
+                                 linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                 max_position_embeddings=256), rngs=nnx.Rngs(seed))

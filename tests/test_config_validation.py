@@ -67,6 +67,8 @@ def config(**overrides):
     ({"loss.noise_std": -0.1}, "config.loss.noise_std must be >= 0"),
     ({"optim.warmup_ratio": 1.0}, "config.optim.warmup_ratio must lie in [0, 1)"),
     ({"profile_steps": (5, 3)}, "config.profile_steps must be (first, last) with 1 <= first <= last, got (5, 3)"),
+    ({"eval_continuation": "greedy"}, "config.eval_continuation must be one of ('generate', 'data'), got 'greedy'"),
+    ({"eval_max_new_tokens": 0}, "config.eval_max_new_tokens must be >= 1, got 0"),
     ({"optim.name": "lion"}, "config.optim.name must be one of ('adamw', 'muon'), got 'lion'"),
     ({"optim.name": "muon", "optim.muon_momentum": 1.0}, "config.optim.muon_momentum must lie in [0, 1)"),
     ({"optim.name": "muon", "optim.muon_ns_dtype": "float16"}, "config.optim.muon_ns_dtype must be 'float32' or"),

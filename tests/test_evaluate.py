@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,12 +16,13 @@ from transformers import AutoTokenizer
 from dflash_jax import evaluate
 from dflash_jax.errors import ConfigError
 from dflash_jax.eval.examples import read_examples
+from dflash_jax.eval.report import flat_metrics
 from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.weights.targets import load_target
 from dflash_jax.train import validate
-from dflash_jax.weights.drafter_files import export_drafter
-from tests.train_fixtures import make_target, tiny_config, write_corpus
+from dflash_jax.weights.drafter_files import export_drafter, load_drafter_dir
+from tests.train_fixtures import make_qwen3_5_target, make_target, tiny_config, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def setup(tmp_path_factory):
     base = tmp_path_factory.mktemp("evaluate")
     target_dir = make_target(base / "target")
     corpus = write_corpus(base / "eval.jsonl", count=5)
-    config = tiny_config(target_dir, corpus, eval_prompts=3,
+    config = tiny_config(target_dir, corpus, eval_prompts=3, eval_max_new_tokens=12,
                          **{"data.eval_files": (str(corpus),), "drafter.target_layer_ids": (1, 3)})
     _, target_config = load_target(target_dir)
     drafter_config = validate.resolve_drafter_config(config, target_config, AutoTokenizer.from_pretrained(target_dir))
@@ -58,8 +61,14 @@ def test_cli_reports_trained_and_untrained_figures_and_speed(setup, tmp_path):
         assert result["responses"] == 3 and result["greedy_agreement"] == 1.0  # generated continuations
         assert len(result["accepted_histogram"]) == drafter_config.block_size
         assert set(result["ddtree_tau"]) == {4, 8} and 1.0 <= result["tau"] <= drafter_config.block_size
-    assert results["speed"]["outputs_differing_from_plain"] == 0
-    assert results["speed"]["tau"] == pytest.approx(results["trained"]["tau"])  # exact τ is the generator's
+    speed = results["speed"]
+    assert speed["outputs_differing_from_plain"] == 0 and speed["ddtree"]["outputs_differing_from_plain"] == 0
+    assert speed["tau"] == pytest.approx(results["trained"]["tau"])  # exact τ is the generator's
+    assert speed["tau_per_response"] == pytest.approx(results["trained"]["tau_per_response"])
+    assert speed["ddtree"]["budget"] == 8  # the largest budget; its τ is the offline DDTree τ
+    assert speed["ddtree"]["tau"] == pytest.approx(results["trained"]["ddtree_tau"][8])
+    assert set(speed["tokens_per_second"]) == {"plain", "speculative", "ddtree"}
+    assert any(line.startswith("decode tokens/s: plain ") for line in lines)
     assert any(line.startswith("untrained drafter: τ = ") for line in lines)
     json.dumps(results)  # the --json output
 
@@ -68,15 +77,18 @@ def test_cli_reports_trained_and_untrained_figures_and_speed(setup, tmp_path):
     assert data["continuation"] == "data" and "speed" not in data
 
 
-def test_train_hook_gives_flat_scalars(setup):
-    config, _, _ = setup
-    target, target_config = load_target(config.target_dir)
-    tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
-    drafter = Drafter(validate.resolve_drafter_config(config, target_config, tokenizer), rngs=nnx.Rngs(0))
-    metrics = make_train_evaluator(config, budgets=(8,))(100, drafter, target)
-    assert {"tau", "tau_pooled", "greedy_agreement", "acc_1", "acc_given_prev_1", "accepted_share_0",
-            "ddtree_tau_8"} <= set(metrics)
+def test_train_hook_measures_what_evaluate_measures(setup):
+    """By default both score generated greedy continuations of the same prompts: the same figures."""
+    config, export, _ = setup
+    target, _ = load_target(config.target_dir)
+    drafter, _ = load_drafter_dir(export)
+    metrics = make_train_evaluator(config, budgets=(4, 8))(100, drafter, target)
+    assert {"tau", "tau_per_response", "greedy_agreement", "acc_1", "acc_given_prev_1", "accepted_share_0",
+            "ddtree_tau_8", "ddtree_tau_per_response_8"} <= set(metrics)
     assert all(isinstance(value, float) for value in metrics.values())
+    assert metrics["greedy_agreement"] == 1.0  # generated, not the records' own continuations
+    expected = evaluate.run(config, workdir=None, drafter_dir=str(export), budgets=(4, 8), log=lambda _: None)
+    assert metrics == pytest.approx(flat_metrics(expected["trained"]), abs=1e-9)
 
 
 def test_setup_errors_are_sentences(setup):
@@ -87,3 +99,32 @@ def test_setup_errors_are_sentences(setup):
     mismatched = export_drafter(Drafter(other, rngs=nnx.Rngs(0)), other, export.parent / "other")
     with pytest.raises(ConfigError, match=r"made for a target with \(layers, vocab, hidden\) = \(3,"):
         evaluate.run(config, workdir=None, drafter_dir=str(mismatched), max_new_tokens=12)
+    # Before the target's weights load: a target directory without them gives the drafter's error.
+    weightless = export.parent / "weightless_target"
+    weightless.mkdir()
+    for path in Path(config.target_dir).iterdir():
+        if path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
+            shutil.copy(path, weightless / path.name)
+    config = config.copy_and_resolve_references()
+    config.target_dir = str(weightless)
+    with pytest.raises(ConfigError, match=r"made for a target with"):
+        evaluate.run(config, workdir=None, drafter_dir=str(mismatched))
+
+
+@pytest.mark.slow
+def test_hybrid_target_generates_and_times_speculative_decoding(tmp_path):
+    """Qwen3.5/3.6: generated continuations and --speed (speculative and DDTree decoding) work."""
+    target_dir = make_qwen3_5_target(tmp_path / "target")
+    corpus = write_corpus(tmp_path / "eval.jsonl", count=2)
+    config = tiny_config(target_dir, corpus, eval_prompts=2, eval_max_new_tokens=10,
+                         **{"data.eval_files": (str(corpus),), "drafter.target_layer_ids": (1, 5)})
+    _, target_config = load_target(target_dir)
+    drafter_config = validate.resolve_drafter_config(config, target_config, AutoTokenizer.from_pretrained(target_dir))
+    export = export_drafter(Drafter(drafter_config, rngs=nnx.Rngs(1)), drafter_config, tmp_path / "export")
+    results = evaluate.run(config, workdir=None, drafter_dir=str(export), budgets=(4,), speed=True,
+                           log=lambda _: None)
+    assert results["trained"]["greedy_agreement"] == 1.0
+    assert results["speed"]["outputs_differing_from_plain"] == 0
+    assert results["speed"]["tau"] == pytest.approx(results["trained"]["tau"])
+    assert results["speed"]["ddtree"]["outputs_differing_from_plain"] == 0
+    assert results["speed"]["ddtree"]["tau"] == pytest.approx(results["trained"]["ddtree_tau"][4])

@@ -64,12 +64,13 @@ def test_walk_statistics_on_hand_built_drafts():
     # token (position 9). B: one step, nothing accepted.
     assert responses[0].block_steps == [3, 2] and responses[1].block_steps == [0]
     summary = summarize(responses, BLOCK)
-    assert summary["tau"] == pytest.approx(((4 + 3) / 2 + 1) / 2)  # mean of per-response means
-    assert summary["tau_pooled"] == pytest.approx(8 / 3)
+    assert summary["tau"] == pytest.approx((4 + 3 + 1) / 3)  # pooled: committed tokens over steps
+    assert summary["tau_per_response"] == pytest.approx(((4 + 3) / 2 + 1) / 2)  # mean of per-response means
     assert summary["accepted_histogram"] == pytest.approx([1 / 3, 0, 1 / 3, 1 / 3])
     assert summary["slot_acceptance"] == pytest.approx([6 / 8, 5 / 6, 2 / 5])
     assert summary["slot_acceptance_conditional"] == pytest.approx([6 / 8, 4 / 5, 2 / 3])
     assert summary["ddtree_tau"] == {BLOCK - 1: pytest.approx(summary["tau"])}  # one candidate: a chain
+    assert summary["ddtree_tau_per_response"] == {BLOCK - 1: pytest.approx(summary["tau_per_response"])}
     assert summary["greedy_agreement"] == pytest.approx(9 / 10)
     assert (summary["responses"], summary["verify_steps"]) == (2, 3)
 
@@ -144,6 +145,7 @@ def test_exact_tau_equals_the_generators_tau(tmp_path):
         assert response.block_steps == [length - 1 for length in speculative_run.acceptance_lengths]
     summary = summarize(responses, BLOCK)
     assert summary["tau"] == pytest.approx(report["tau"], abs=1e-12)
+    assert summary["tau_per_response"] == pytest.approx(report["tau_per_response"], abs=1e-12)
     # Mixed outcomes, so the equality above exercises partial acceptance and both caches' cropping.
     histogram = np.asarray(summary["accepted_histogram"])
     assert 1.5 < summary["tau"] < BLOCK - 0.2 and np.all(histogram > 0.02), histogram
@@ -153,8 +155,9 @@ def test_exact_tau_equals_the_generators_tau(tmp_path):
     check_one_candidate_trees_are_block_drafts(scorer, examples, responses)
     check_stop_tokens_end_responses_as_bonuses(scorer, speculative, examples, speculative_runs)
     result = evaluate_drafter(target, drafter, examples[:3], budgets=(2, 8))  # top-k 8: the compiled forward
-    assert set(result) == {"responses", "verify_steps", "tau", "tau_pooled", "accepted_histogram",
-                           "slot_acceptance", "slot_acceptance_conditional", "ddtree_tau", "greedy_agreement"}
+    assert set(result) == {"responses", "verify_steps", "tau", "tau_per_response", "accepted_histogram",
+                           "slot_acceptance", "slot_acceptance_conditional", "ddtree_tau", "ddtree_tau_per_response",
+                           "greedy_agreement"}
     assert result["tau"] == pytest.approx(summarize(responses[:3], BLOCK)["tau"])
 
 

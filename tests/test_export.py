@@ -288,10 +288,12 @@ def test_export_writes_a_model_card_whose_commands_parse(tmp_path):
     from pathlib import Path
 
     workdir, config, _ = training_workdir(tmp_path)
-    append_config_history(workdir, ConfigDict({"target_dir": "Qwen/Qwen3-8B",
+    append_config_history(workdir, ConfigDict({"target_dir": "Qwen/Qwen3-8B", "eval_continuation": "generate",
+                                               "eval_max_new_tokens": 256,
                                                "data": {"train_files": ["/data/train.jsonl"]}}), step=0)
     (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
-        {"step": 2, "eval/tau": 1.5, "eval/ddtree_tau_8": 1.7, "eval/ddtree_tau_22": 1.9},
+        {"step": 2, "eval/tau": 1.5, "eval/tau_per_response": 1.6, "eval/ddtree_tau_8": 1.7,
+         "eval/ddtree_tau_22": 1.9, "eval/ddtree_tau_per_response_8": 1.8},
         {"step": 4, "loss": 3.0}, {"step": 6, "eval/tau": 9.9})))  # step 6 is after the exported step 4
     out = tmp_path / "export"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"HF_HUB_OFFLINE": "1"}
@@ -305,7 +307,8 @@ def test_export_writes_a_model_card_whose_commands_parse(tmp_path):
     card = (out / "README.md").read_text()
     assert card.startswith("---\nbase_model: Qwen/Qwen3-8B\n")
     for fact in ("`Qwen/Qwen3-8B`", "`/data/train.jsonl`", "| training steps | 4 |", f"| block size | {BLOCK} |",
-                 f"{list(config.target_layer_ids)}", "exact τ 1.500; DDTree τ 1.700 at 8 nodes, 1.900 at 22 nodes (step 2"):
+                 f"{list(config.target_layer_ids)}", "exact τ 1.500 (per-response mean 1.600); DDTree τ 1.700 at 8 nodes, 1.900 at 22 nodes (step 2",
+                 "on the target's greedy continuations of up to 256 tokens)"):
         assert fact in card, fact
     commands = [block.split("```")[0].strip() for block in card.split("```bash\n")[1:]]
     vllm, sglang = (shlex.split(command) for command in commands)

@@ -9,6 +9,8 @@ lattice, a prefix-closed set.
 
 Verification with a greedy target follows the target's own continuation down the tree: the accepted length
 is the depth of the longest root path whose tokens equal it (the committed step is that plus the bonus).
+`accepted_depth` does it offline; `ddtree_decode.DDTreeGenerator` verifies the tree in one target pass with a
+tree attention mask (`verification_tree`, design §9.4).
 """
 
 from __future__ import annotations
@@ -79,3 +81,35 @@ def accepted_depth(tree: DraftTree, continuation: np.ndarray) -> int:
             break
         depth += 1
     return depth
+
+
+@dataclasses.dataclass(frozen=True)
+class VerificationTree:
+    """A draft tree laid out for one target pass of `size` tokens: index 0 is the root (the bonus token),
+    node i of the DraftTree is index i + 1, and indices past the tree are padding that nothing sees."""
+
+    tokens: np.ndarray  # [size] int32
+    parents: np.ndarray  # [size] int32: the parent's index; -1 for the root, -2 for padding
+    depths: np.ndarray  # [size] int32: 0 for the root (and padding), the node's depth otherwise
+    visible: np.ndarray  # [size, size] bool: j is i or one of i's ancestors (`tree_attention_mask`)
+
+
+def tree_attention_mask(parents: np.ndarray) -> np.ndarray:
+    """[n, n] bool: row i sees column j iff j is i or an ancestor of i; parents[i] < i (or negative: none)."""
+    size = len(parents)
+    visible = np.eye(size, dtype=bool)
+    for node in range(size):  # parents come first, so their rows are complete when a child copies them
+        if parents[node] >= 0:
+            visible[node] |= visible[parents[node]]
+    return visible
+
+
+def verification_tree(tree: DraftTree, bonus: int, size: int) -> VerificationTree:
+    """The tree under `bonus` as `size` verification tokens (size >= len(tree.tokens) + 1)."""
+    count = len(tree.tokens) + 1
+    if size < count:
+        raise ValueError(f"a tree of {count - 1} nodes needs {count} verification tokens, got {size}")
+    tokens, parents, depths = np.zeros(size, np.int32), np.full(size, -2, np.int32), np.zeros(size, np.int32)
+    tokens[0], parents[0] = bonus, -1
+    tokens[1:count], parents[1:count], depths[1:count] = tree.tokens, tree.parents + 1, tree.depths
+    return VerificationTree(tokens, parents, depths, tree_attention_mask(parents))

@@ -11,7 +11,9 @@ For one response = prompt (positions 0..n-1) + the target's greedy continuation 
      verification. A step accepts at most what still fits in the continuation together with its bonus
      (accepted <= L-2-p), so every committed token is known; `generate.SpeculativeGenerator` applies the
      same cap and commits exactly these steps.
-τ = mean over responses of the per-response mean of (accepted + 1) (z-lab's definition, not pooled).
+τ (the headline) is pooled over responses: all committed tokens (accepted drafts plus each step's bonus) over
+all verification steps, as vLLM's mean acceptance length and z-lab's benchmark count it; τ per response, the
+mean over responses of each response's mean of (accepted + 1), is reported beside it (design §9.1).
 DDTree τ walks the same way with accepted(p) = the depth the continuation reaches in that anchor's tree.
 """
 
@@ -82,7 +84,7 @@ def _score(target_def, drafter_def, top_k, row_chunk, vocab_chunk, target_state,
     greedy = context.labels[0, :, 0]  # drafted slot 1 of the block at anchor p: the target's greedy token after p
     hidden, _ = drafter(context.features, context.block_embeds, DrafterInputs.from_rows(grid, positions, segments))
     drafted = hidden.reshape(length, config.block_size, -1)[:, 1:].reshape(-1, hidden.shape[-1])
-    tokens, log_probs = _top_k_log_probs(drafted, context.lm_head, top_k, row_chunk)
+    tokens, log_probs = top_k_log_probs(drafted, context.lm_head, top_k, row_chunk)
     shape = (length, config.block_size - 1, top_k)
     return greedy, tokens.reshape(shape), log_probs.reshape(shape)
 
@@ -95,7 +97,7 @@ def _rechunked(drafter: Drafter, query_chunk_blocks: int) -> Drafter:
     return nnx.merge(graphdef, nnx.state(drafter))
 
 
-def _top_k_log_probs(hidden: jax.Array, lm_head: jax.Array, k: int, row_chunk: int):
+def top_k_log_probs(hidden: jax.Array, lm_head: jax.Array, k: int, row_chunk: int):
     """Top-k (token, log-softmax) of hidden @ lm_head per row, row_chunk rows at a time ([rows, V] logits
     would not fit for long texts and large vocabularies). Ties keep the lower token id first."""
     rows = hidden.shape[0]
@@ -169,16 +171,23 @@ def score_response(scorer: DraftScorer, example: Example, budgets: Sequence[int]
     )
 
 
-def _tau(step_lists: Sequence[list[int]]) -> float:
-    """Mean over responses (with at least one step) of the mean of accepted + 1."""
+def pooled_tau(step_lists: Sequence[Sequence[int]]) -> float:
+    """Committed tokens over verification steps, every response's steps pooled: Σ(accepted + 1) / steps."""
+    steps = [a for steps in step_lists for a in steps]
+    return float(np.mean(np.asarray(steps) + 1)) if steps else float("nan")
+
+
+def per_response_tau(step_lists: Sequence[Sequence[int]]) -> float:
+    """Mean over responses (with at least one step) of each response's mean of accepted + 1."""
     means = [np.mean(np.asarray(steps) + 1) for steps in step_lists if steps]
     return float(np.mean(means)) if means else float("nan")
 
 
 def summarize(responses: Sequence[ResponseScores], block_size: int) -> dict:
-    """τ (mean of per-response means) and pooled τ, the histogram of accepted drafts per step (index a =
-    share of steps accepting exactly a drafts), per-slot acceptance over every anchor of the continuations
-    (marginal: slot k right; conditional: slot k right given slots 1..k-1 right), DDTree τ per budget."""
+    """τ (pooled) and τ per response (mean of per-response means), the histogram of accepted drafts per step
+    (index a = share of steps accepting exactly a drafts), per-slot acceptance over every anchor of the
+    continuations (marginal: slot k right; conditional: slot k right given slots 1..k-1 right), DDTree τ per
+    budget (pooled, and per response)."""
     steps = np.concatenate([np.asarray(r.block_steps, np.int64) for r in responses])
     matches, counts, runs, runs_before = (np.sum([getattr(r, f) for r in responses], axis=0)
                                           for f in ("slot_matches", "slot_count", "slot_run", "slot_run_before"))
@@ -187,12 +196,13 @@ def summarize(responses: Sequence[ResponseScores], block_size: int) -> dict:
     return {
         "responses": len(responses),
         "verify_steps": int(steps.size),
-        "tau": _tau([r.block_steps for r in responses]),
-        "tau_pooled": float(np.mean(steps + 1)) if steps.size else float("nan"),
+        "tau": pooled_tau([r.block_steps for r in responses]),
+        "tau_per_response": per_response_tau([r.block_steps for r in responses]),
         "accepted_histogram": (np.bincount(steps, minlength=block_size)[:block_size] / max(steps.size, 1)).tolist(),
         "slot_acceptance": (matches / np.maximum(counts, 1)).tolist(),
         "slot_acceptance_conditional": (runs / np.maximum(runs_before, 1)).tolist(),
-        "ddtree_tau": {int(b): _tau([r.tree_steps[b] for r in responses]) for b in budgets},
+        "ddtree_tau": {int(b): pooled_tau([r.tree_steps[b] for r in responses]) for b in budgets},
+        "ddtree_tau_per_response": {int(b): per_response_tau([r.tree_steps[b] for r in responses]) for b in budgets},
         "greedy_agreement": float(agreeing / max(total, 1)),
     }
 

@@ -1,4 +1,4 @@
-"""Greedy speculative decoding with a KV-cached Qwen3 target and a DFlash drafter (design §9.3).
+"""Greedy speculative decoding with a decode-cached target (either family) and a DFlash drafter (design §9.3).
 
 One loop serves both modes, so their speeds are comparable: with a drafter each step verifies a drafted block
 [bonus, d1..d_{B-1}] in one target forward and drafts the next; without one the block is just [bonus] (plain
@@ -6,7 +6,9 @@ greedy decoding, block size 1). The prefill runs the target over the prompt, tak
 first bonus and drafts the first block. Per step, at start = the bonus token's position:
   1. the target extends its KV cache by the block; posterior = its greedy token after each block position;
   2. accepted = the leading drafts equal to the posterior; commit them plus posterior[accepted] (the new
-     bonus); crop the target cache to start + accepted + 1;
+     bonus); cut the target cache back to start + accepted + 1 (`keep_prefix`: K/V columns are simply
+     dropped; the hybrid target's verification kept its recurrent state after every block position, and the
+     accepted one is picked);
   3. the drafter caches the context K/V of the verified positions (its block K/V are never kept) and drafts
      slots 1..B-1 of the block [new bonus, mask...] at the new start, from the context before it (the new
      bonus's own target features do not exist yet); greedy argmax per slot.
@@ -27,8 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.eval.exact_tau import per_response_tau, pooled_tau
 from dflash_jax.models.dflash import drafter_features
 from dflash_jax.models.drafter import DecodeStep, Drafter
+from dflash_jax.models.target import NO_SEGMENT
 from dflash_jax.ops.anchors import block_token_ids
 from dflash_jax.ops.lm_head import greedy_tokens
 
@@ -40,10 +44,13 @@ class Generation:
     decode_seconds: float  # wall time of the verification loop (prefill excluded, as z-lab's TPOT)
 
 
-def continue_text(target, ids: jax.Array, cache, feature_layer_ids: tuple[int, ...]):
-    """The target's cached forward over ids [b, t] continuing each row's one document at cache.length."""
+def continue_text(target, ids: jax.Array, cache, feature_layer_ids: tuple[int, ...],
+                  keep_every_state: bool = False):
+    """The target's cached forward over ids [b, t] continuing each row's one document at cache.length;
+    keep_every_state: its cache may be cut back to any prefix of ids (`target.keep_prefix`)."""
     positions = jnp.broadcast_to(cache.length + jnp.arange(ids.shape[1]), ids.shape)
-    return target(ids, positions, jnp.zeros_like(ids), feature_layer_ids, cache=cache)
+    return target(ids, positions, jnp.zeros_like(ids), feature_layer_ids, cache=cache,
+                  keep_every_state=keep_every_state)
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -56,10 +63,8 @@ class SpeculativeGenerator:
     per generator, whatever the prompt."""
 
     def __init__(self, target, drafter: Drafter | None, *, prefill_len: int, capacity: int):
-        if not target.croppable_cache:
-            raise TypeError(f"the speculative generator crops the target's decode cache after each verification, "
-                            f"which a {type(target).__name__} cache does not allow")
         self.block_size = drafter.config.block_size if drafter is not None else 1
+        self.verify_width = self.block_size  # tokens of one verification pass
         if capacity < prefill_len:
             raise ValueError(f"capacity ({capacity}) must be >= prefill_len ({prefill_len})")
         self.prefill_len, self.capacity = prefill_len, capacity
@@ -83,17 +88,26 @@ class SpeculativeGenerator:
         drafts the block after `bonus` [1] at `anchor`: (drafts [1, B-1], drafter cache). No drafter: none."""
         if drafter is None:
             return jnp.zeros((1, 0), jnp.int32), None
-        block_ids = block_token_ids(bonus[:, None], np.zeros(1, np.int32), self.block_size, drafter.config.mask_token_id)
-        hidden, drafter_cache = drafter(drafter_features(out), target.embed(block_ids),
-                                        DecodeStep(context_start, anchor), drafter_cache)
+        hidden, drafter_cache = self._draft_hidden(target, drafter, drafter_cache, out, context_start, bonus, anchor)
         return greedy_tokens(hidden[:, 1:], target.lm_head_kernel()), drafter_cache
+
+    def _draft_hidden(self, target, drafter, drafter_cache, out, context_start, bonus, anchor):
+        """The drafter's final hidden states [1, B, H] of the block after `bonus` at `anchor`, and its cache."""
+        block_ids = block_token_ids(bonus[:, None], np.zeros(1, np.int32), self.block_size,
+                                    drafter.config.mask_token_id)
+        return drafter(drafter_features(out), target.embed(block_ids), DecodeStep(context_start, anchor),
+                       drafter_cache)
 
     def _prefill_fn(self, target_state, drafter_state, prompt, length):
         """prompt: [1, prefill_len] padded; length: its real length. Returns the caches, the first token (the
         first bonus) and the first drafts."""
         target, drafter = self._models(target_state, drafter_state)
-        out = continue_text(target, prompt, target.init_cache(1, self.capacity), self._feature_ids(drafter))
-        cache = out.cache._replace(length=length)  # drop the padding
+        columns = jnp.arange(self.prefill_len)[None]
+        # The padding after the prompt is a segment nothing sees, and leaves the hybrid target's recurrent
+        # state as the prompt left it; the cache then ends at the prompt.
+        segments = jnp.where(columns < length, 0, NO_SEGMENT)
+        out = target(prompt, columns, segments, self._feature_ids(drafter), cache=target.init_cache(1, self.capacity))
+        cache = out.cache._replace(length=length)
         last = jax.lax.dynamic_index_in_dim(out.hidden, length - 1, axis=1, keepdims=False)
         first = greedy_tokens(last, target.lm_head_kernel())  # [1]
         # The padding's context lands at columns >= length, invisible until the next step overwrites it.
@@ -103,23 +117,29 @@ class SpeculativeGenerator:
 
     def _step_fn(self, target_state, drafter_state, cache, drafter_cache, bonus, drafts, limit):
         """One verification step of [bonus, drafts] from the bonus token [1] at position cache.length; at most
-        `limit` drafts are accepted. Returns (cache, drafter_cache, block [1, B], posterior [1, B], accepted,
-        the next step's bonus and drafts)."""
+        `limit` drafts are accepted. Returns (cache, drafter_cache, posterior [1, B], accepted, the next step's
+        bonus and drafts): the step commits posterior[0, :accepted + 1], the accepted drafts (equal to the
+        target's tokens) and the new bonus."""
         target, drafter = self._models(target_state, drafter_state)
         start = cache.length
         block = jnp.concatenate([bonus[:, None], drafts], axis=1)
-        out = continue_text(target, block, cache, self._feature_ids(drafter))
-        cache, posterior = out.cache, greedy_tokens(out.hidden, target.lm_head_kernel())
+        out = continue_text(target, block, cache, self._feature_ids(drafter), keep_every_state=True)
+        posterior = greedy_tokens(out.hidden, target.lm_head_kernel())
         matches = (block[0, 1:] == posterior[0, :-1]).astype(jnp.int32)
         accepted = jnp.minimum(jnp.sum(jnp.cumprod(matches)), limit)
-        cache = cache._replace(length=start + accepted + 1)
+        cache = target.keep_prefix(out.cache, start + accepted + 1)
         # Positions past the accepted ones carry a rejected draft's context, at columns >= the next anchor.
         next_bonus = jax.lax.dynamic_index_in_dim(posterior, accepted, axis=1, keepdims=False)
         next_drafts, drafter_cache = self._draft(target, drafter, drafter_cache, out, start, next_bonus,
                                                  start + accepted + 1)
-        return cache, drafter_cache, block, posterior, accepted, next_bonus, next_drafts
+        return cache, drafter_cache, posterior, accepted, next_bonus, next_drafts
 
     # ---- the host loop ----------------------------------------------------------------------------------
+
+    def _verify(self, cache, drafter_cache, bonus, drafts, limit: int):
+        """One verification step (see `_step_fn`); the DDTree generator builds its tree here first."""
+        return self._step(self._target_state, self._drafter_state, cache, drafter_cache, bonus, drafts,
+                          np.int32(limit))
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = ()
                  ) -> Generation:
@@ -129,10 +149,10 @@ class SpeculativeGenerator:
         length = len(prompt)
         if not 1 <= length <= self.prefill_len:
             raise ValueError(f"the prompt has {length} tokens; this generator takes 1 to {self.prefill_len}")
-        if max_new_tokens < 1 or length + max_new_tokens + self.block_size > self.capacity:
-            raise ValueError(f"max_new_tokens={max_new_tokens} with a {length}-token prompt and block size "
-                             f"{self.block_size} needs capacity >= {length + max_new_tokens + self.block_size}, "
-                             f"this generator has {self.capacity}")
+        if max_new_tokens < 1 or length + max_new_tokens + self.verify_width > self.capacity:
+            raise ValueError(f"max_new_tokens={max_new_tokens} with a {length}-token prompt and {self.verify_width} "
+                             f"tokens per verification needs capacity >= "
+                             f"{length + max_new_tokens + self.verify_width}, this generator has {self.capacity}")
         padded = np.zeros((1, self.prefill_len), np.int32)
         padded[0, :length] = prompt
         cache, drafter_cache, bonus, drafts = self._prefill(self._target_state, self._drafter_state, padded,
@@ -143,15 +163,14 @@ class SpeculativeGenerator:
         while len(tokens) < max_new_tokens and tokens[-1] not in stop_token_ids:
             # The accepted drafts and the new bonus must fit in max_new_tokens.
             limit = min(self.block_size - 1, max_new_tokens - len(tokens) - 1)
-            cache, drafter_cache, block, posterior, accepted, bonus, drafts = self._step(
-                self._target_state, self._drafter_state, cache, drafter_cache, bonus, drafts, np.int32(limit))
+            cache, drafter_cache, committed, accepted, bonus, drafts = self._verify(cache, drafter_cache, bonus,
+                                                                                    drafts, limit)
             accepted = int(accepted)  # waits for the step, so the timing is honest
-            block, posterior = np.asarray(block[0]), np.asarray(posterior[0])
-            stop = next((k for k in range(1, accepted + 1) if block[k] in stop_token_ids), None)
+            committed = np.asarray(committed[0])
+            stop = next((k for k in range(accepted) if committed[k] in stop_token_ids), None)
             if stop is not None:  # the response ends there: the stop token is this step's bonus, as in exact_tau
-                accepted = stop - 1
-            tokens.extend(int(t) for t in block[1:accepted + 1])
-            tokens.append(int(posterior[accepted]))  # the step's bonus: `bonus` unless a stop token ends here
+                accepted = stop
+            tokens.extend(int(t) for t in committed[:accepted + 1])  # ends with the step's bonus
             acceptance_lengths.append(accepted + 1)
         decode_seconds = time.perf_counter() - began
         return Generation(np.asarray(tokens, np.int32), acceptance_lengths, decode_seconds)
@@ -165,19 +184,22 @@ def generator_shapes(prompt_lengths: Sequence[int], max_new_tokens: int, block_s
 
 
 def benchmark(plain: SpeculativeGenerator, speculative: SpeculativeGenerator, prompts: Sequence[Sequence[int]],
-              max_new_tokens: int, stop_token_ids: Sequence[int] = ()
+              max_new_tokens: int, stop_token_ids: Sequence[int] = (), ddtree: SpeculativeGenerator | None = None
               ) -> tuple[dict, list[Generation], list[Generation]]:
-    """Plain greedy vs speculative decoding on the same prompts with the same code (design §9.3).
+    """Plain greedy vs speculative (and, given `ddtree`, DDTree) decoding on the same prompts with the same
+    host loop (design §9.3, §9.4).
 
-    Returns (report, plain generations, speculative generations). Report: τ (mean over responses of the
-    mean acceptance length), decode tokens/s of each mode (prefill excluded), speedup = mean plain TPOT /
-    mean speculative TPOT (z-lab), and how many outputs differ from plain greedy (must be 0). Each generator
-    is compiled on a short untimed run first.
+    Returns (report, plain generations, speculative generations). Report: τ (pooled: committed tokens over
+    verification steps, as exact τ's headline) and τ per response (the mean of per-response means), decode
+    tokens/s of each decoder (prefill excluded), speedup = mean plain TPOT / mean speculative TPOT (z-lab), how
+    many outputs differ from plain greedy (must be 0), and under "ddtree" the same for DDTree decoding. Each
+    generator is compiled on a short untimed run first.
     """
     if not prompts:
         raise ValueError("benchmark needs at least one prompt")
+    decoders = {"plain": plain, "speculative": speculative, **({"ddtree": ddtree} if ddtree is not None else {})}
     runs = {}
-    for name, generator in (("plain", plain), ("speculative", speculative)):
+    for name, generator in decoders.items():
         generator.generate(prompts[0], min(max_new_tokens, 2 * speculative.block_size))  # compile, untimed
         runs[name] = [generator.generate(prompt, max_new_tokens, stop_token_ids) for prompt in prompts]
 
@@ -187,14 +209,17 @@ def benchmark(plain: SpeculativeGenerator, speculative: SpeculativeGenerator, pr
         tpot = [s / n for s, n in zip(seconds, decoded) if n > 0]
         return sum(decoded) / max(sum(seconds), 1e-12), float(np.mean(tpot)) if tpot else float("nan")
 
-    (plain_rate, plain_tpot), (spec_rate, spec_tpot) = speed(runs["plain"]), speed(runs["speculative"])
-    means = [np.mean(g.acceptance_lengths) for g in runs["speculative"] if g.acceptance_lengths]
-    report = {
-        "responses": len(prompts),
-        "tau": float(np.mean(means)) if means else float("nan"),
-        "tokens_per_second": {"plain": plain_rate, "speculative": spec_rate},
-        "speedup": plain_tpot / spec_tpot,
-        "outputs_differing_from_plain": sum(not np.array_equal(a.tokens, b.tokens)
-                                            for a, b in zip(runs["plain"], runs["speculative"])),
-    }
+    speeds = {name: speed(generations) for name, generations in runs.items()}
+
+    def figures(name: str) -> dict:
+        steps = [[length - 1 for length in g.acceptance_lengths] for g in runs[name]]
+        return {"tau": pooled_tau(steps), "tau_per_response": per_response_tau(steps),
+                "speedup": speeds["plain"][1] / speeds[name][1],
+                "outputs_differing_from_plain": sum(not np.array_equal(a.tokens, b.tokens)
+                                                    for a, b in zip(runs["plain"], runs[name]))}
+
+    report = {"responses": len(prompts), **figures("speculative"),
+              "tokens_per_second": {name: rate for name, (rate, _) in speeds.items()}}
+    if ddtree is not None:
+        report["ddtree"] = {"budget": ddtree.budget, **figures("ddtree")}
     return report, runs["plain"], runs["speculative"]

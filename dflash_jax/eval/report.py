@@ -4,14 +4,17 @@ from __future__ import annotations
 
 
 def flat_metrics(result: dict) -> dict[str, float]:
-    """An `evaluate_drafter` result as scalars: tau, tau_pooled, greedy_agreement, acc_k (marginal),
-    acc_given_prev_k (conditional), accepted_share_a (histogram) and ddtree_tau_<budget>."""
-    metrics = {name: float(result[name]) for name in ("tau", "tau_pooled", "greedy_agreement")}
+    """An `evaluate_drafter` result as scalars: tau (pooled), tau_per_response, greedy_agreement, acc_k
+    (marginal), acc_given_prev_k (conditional), accepted_share_a (histogram), ddtree_tau_<budget> (pooled)
+    and ddtree_tau_per_response_<budget>."""
+    metrics = {name: float(result[name]) for name in ("tau", "tau_per_response", "greedy_agreement")}
     metrics.update({f"acc_{k}": float(v) for k, v in enumerate(result["slot_acceptance"], start=1)})
     metrics.update({f"acc_given_prev_{k}": float(v)
                     for k, v in enumerate(result["slot_acceptance_conditional"], start=1)})
     metrics.update({f"accepted_share_{a}": float(v) for a, v in enumerate(result["accepted_histogram"])})
     metrics.update({f"ddtree_tau_{budget}": float(v) for budget, v in result["ddtree_tau"].items()})
+    metrics.update({f"ddtree_tau_per_response_{budget}": float(v)
+                    for budget, v in result["ddtree_tau_per_response"].items()})
     return metrics
 
 
@@ -20,13 +23,13 @@ def format_result(title: str, result: dict) -> str:
         return " ".join(f"{v:.3f}" for v in values)
 
     lines = [
-        f"{title}: τ = {result['tau']:.3f} (pooled {result['tau_pooled']:.3f}) over {result['responses']} "
-        f"responses, {result['verify_steps']} verification steps",
+        f"{title}: τ = {result['tau']:.3f} (pooled; per-response mean {result['tau_per_response']:.3f}) over "
+        f"{result['responses']} responses, {result['verify_steps']} verification steps",
         f"  accepted drafts per step, shares of 0..{len(result['accepted_histogram']) - 1}: "
         f"{row(result['accepted_histogram'])}",
         f"  per-slot acceptance k=1..: {row(result['slot_acceptance'])}",
         f"  given slots 1..k-1 right:  {row(result['slot_acceptance_conditional'])}",
-        "  DDTree τ: " + ", ".join(f"budget {b}: {t:.3f}" for b, t in result["ddtree_tau"].items()),
+        "  DDTree τ (pooled): " + ", ".join(f"budget {b}: {t:.3f}" for b, t in result["ddtree_tau"].items()),
     ]
     if result["greedy_agreement"] < 1:
         lines.append(f"  warning: only {result['greedy_agreement']:.1%} of the continuation tokens are the "
@@ -35,7 +38,12 @@ def format_result(title: str, result: dict) -> str:
 
 
 def format_speed(report: dict) -> str:
+    """The `generate.benchmark` report: decode tokens/s of each decoder side by side, then τ and speed-up."""
     rates = report["tokens_per_second"]
-    return (f"generator: τ = {report['tau']:.3f}, decode {rates['speculative']:.1f} tokens/s speculative vs "
-            f"{rates['plain']:.1f} plain greedy, speedup {report['speedup']:.2f}x, "
-            f"{report['outputs_differing_from_plain']} outputs differing from plain greedy")
+    lines = ["decode tokens/s: " + ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items())]
+    for title, figures in (("speculative", report), ("DDTree", report.get("ddtree"))):
+        if figures is not None:
+            budget = f" (budget {figures['budget']})" if "budget" in figures else ""
+            lines.append(f"  {title}{budget}: τ = {figures['tau']:.3f} (pooled), speedup {figures['speedup']:.2f}x "
+                         f"over plain greedy, {figures['outputs_differing_from_plain']} outputs differing from it")
+    return "\n".join(lines)

@@ -7,7 +7,9 @@ parallelism over heads never reshuffles channels between q, k and v); q, k L2-no
 q scaled by dk^-0.5, key heads repeat-interleaved onto value heads; β = sigmoid(in_proj_b x);
 g = −exp(A_log)·softplus(in_proj_a x + dt_bias) in fp32; gated delta rule (fp32); per-head RMSNorm (plain w)
 gated by silu(in_proj_z x); out_proj. Conv and recurrent state restart at every packed-segment boundary.
-Decoding carries the conv's last K−1 inputs and the recurrent state from call to call (`RecurrentCache`).
+Decoding carries the conv's last K−1 inputs and the recurrent state from call to call (`RecurrentCache`);
+a verification call (a block, or a draft tree) keeps them after every one of its tokens, each token following
+only its own path, so that the accepted token's entry can be picked (design §9.3, §9.4).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.models.layers import Linear, param
+from dflash_jax.models.target import NO_SEGMENT
 from dflash_jax.ops.gated_delta import chunked_gated_delta_rule, segment_starts
 from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, constrain
 
@@ -34,6 +37,41 @@ class RecurrentCache(NamedTuple):
     history_segments: jax.Array  # [b, K−1]: those tokens' segments (NO_SEGMENT where there was none)
 
 
+def states_along(seen: jax.Array, q, k, v, g, beta, resets, initial_state) -> tuple[jax.Array, jax.Array]:
+    """(out [B, T, H, dv], the recurrent state after each token [B, T, H, dk, dv]) of a short call whose
+    token t follows only the call's tokens seen[:, t] (its prefix, or its ancestors in a draft tree; each
+    before t, t itself included).
+
+    The state after token t is the gated delta rule over the call with every token outside seen[:, t] made an
+    identity step (g = β = 0 leaves S unchanged, the padding of `chunked_gated_delta_rule`), so all T runs are
+    one batched call of the same chunked form the other calls use: T times a verification's recurrent work,
+    which is small beside its projections (design §9.3)."""
+
+    def run(kept):  # kept [B, T]: the tokens this run follows
+        return chunked_gated_delta_rule(q, k, v, jnp.where(kept[..., None], g, 0.0),
+                                        jnp.where(kept[..., None], beta, 0.0), resets & kept, initial_state)
+
+    outs, states = jax.vmap(run, in_axes=1)(seen)  # [T runs, B, T, ...], [T runs, B, H, dk, dv]
+    length = seen.shape[1]
+    out = outs[jnp.arange(length), :, jnp.arange(length)]  # run t's output at token t: [T, B, H, dv]
+    return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
+
+
+def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x [B, S, ...] at index [B, ...] along axis 1, per row b."""
+    rows = jnp.arange(x.shape[0]).reshape(-1, *([1] * (index.ndim - 1)))
+    return x[rows, index]
+
+
+def conv_windows(seen: jax.Array, kernel_size: int) -> jax.Array:
+    """[B, T, K] indices into [the K−1 cached inputs | the call's T inputs]: the inputs token t's conv reads,
+    oldest first, itself last, following seen[:, t] (see `states_along`) back into the cached ones."""
+    depth = jnp.sum(seen, axis=-1) - 1  # [B, T]: how many of the call's tokens come before t on its path
+    wanted = depth[..., None] - jnp.arange(kernel_size - 1, -1, -1)  # [B, T, K]: the depth of each tap
+    on_path = seen[:, :, None, :] & (depth[:, None, None, :] == wanted[..., None])  # [B, T, K, T]
+    return kernel_size - 1 + jnp.where(wanted >= 0, jnp.argmax(on_path, axis=-1), wanted)
+
+
 class CausalDepthwiseConv(nnx.Module):
     """out[t, c] = Σ_j weight[c, j] · x[t − (K−1) + j, c], reading only earlier tokens of the same segment.
 
@@ -45,6 +83,14 @@ class CausalDepthwiseConv(nnx.Module):
     def __init__(self, channels: int, kernel_size: int, *, axis: str, rngs: nnx.Rngs, param_dtype=jnp.float32):
         init = jax.random.normal(rngs.params(), (channels, kernel_size), param_dtype) * kernel_size**-0.5
         self.weight = param(init, (axis, "conv"))
+
+    def over_windows(self, inputs: jax.Array, windows: jax.Array, visible: jax.Array) -> jax.Array:
+        """out[b, t] = Σ_j weight[:, j] · inputs[b, windows[b, t, j]] where visible[b, t, j]; inputs [B, S, C],
+        windows and visible [B, T, K] (`conv_windows`). Accumulates in fp32, returns the weight dtype."""
+        taps = _gather_rows(inputs.astype(jnp.float32), windows)  # [B, T, K, C]
+        taps = jnp.where(visible[..., None], taps, 0.0)
+        return jnp.einsum("btkc,ck->btc", taps, self.weight[...].astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST).astype(self.weight.dtype)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array,
                  history: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
@@ -117,10 +163,13 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(value_head_dim, eps=rms_norm_eps, param_dtype=param_dtype)
         self.out_proj = linear(value_dim, hidden_size, ("linear_value", "embed"))
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array, cache: RecurrentCache | None = None
-                 ) -> tuple[jax.Array, RecurrentCache | None]:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, cache: RecurrentCache | None = None,
+                 seen: jax.Array | None = None) -> tuple[jax.Array, RecurrentCache | None]:
         """x: [B, T, hidden] (already input-normed); segment_ids: [B, T]. Returns ([B, T, hidden], the cache
-        after these tokens, or None without one)."""
+        after these tokens, or None without one). seen [B, T, T] (with a cache): token t follows only the
+        call's tokens seen[:, t] (its prefix, or its ancestors in a draft tree), and the returned cache holds
+        per token the conv inputs of the K−1 tokens up to it ([B, T, K−1, C]) and the state after it
+        ([B, T, H, dk, dv]), for `Qwen3_5.keep_prefix` / `keep_path` to pick one."""
         batch, length, _ = x.shape
         key_dim = self.num_key_heads * self.key_head_dim
         convs = (self.conv1d_q, self.conv1d_k, self.conv1d_v)
@@ -130,11 +179,22 @@ class GatedDeltaNet(nnx.Module):
             resets, initial_state = segment_starts(segment_ids), None
         else:  # the cache holds the conv inputs as HF's fused q|k|v channels
             histories = jnp.split(cache.conv_inputs, [key_dim, 2 * key_dim], axis=-1)
-            mixed = [conv(inputs, segment_ids, (history, cache.history_segments))
-                     for conv, inputs, history in zip(convs, conv_inputs, histories)]
+            if seen is None:
+                mixed = [conv(inputs, segment_ids, (history, cache.history_segments))
+                         for conv, inputs, history in zip(convs, conv_inputs, histories)]
+            else:  # each token's conv reads the inputs along its own path
+                windows = conv_windows(seen, self.conv1d_q.weight.shape[1])
+                segments = jnp.concatenate([cache.history_segments, segment_ids], axis=1)
+                visible = _gather_rows(segments, windows) == segment_ids[..., None]
+                mixed = [conv.over_windows(jnp.concatenate([history.astype(inputs.dtype), inputs], axis=1),
+                                           windows, visible)
+                         for conv, inputs, history in zip(convs, conv_inputs, histories)]
             # The first token continues the cached state iff it continues the last cached token's segment.
             previous = jnp.concatenate([cache.history_segments[:, -1:], segment_ids[:, :-1]], axis=1)
-            resets, initial_state = segment_ids != previous, cache.state
+            # Right padding of a fixed-width call (segment NO_SEGMENT) must leave the state as the text left
+            # it: g = β = 0 there make identity steps, and it neither resets nor enters the conv history.
+            padding = segment_ids == NO_SEGMENT
+            resets, initial_state = (segment_ids != previous) & ~padding, cache.state
         q, k, v = (jax.nn.silu(m).reshape(batch, length, -1, dim) for m, dim in
                    zip(mixed, (self.key_head_dim, self.key_head_dim, self.value_head_dim)))
         # Value head j reads key head j // r (repeat_interleave, not tile).
@@ -145,14 +205,24 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(self.in_proj_b(x))  # in the model dtype, as HF
         a = self.in_proj_a(x).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # log-decay ≤ 0, fp32
+        if cache is not None:
+            g, beta = jnp.where(padding[..., None], 0.0, g), jnp.where(padding[..., None], 0.0, beta)
 
         q, k, v = (constrain(t, ROWS_HEADS) for t in (q, k, v))
-        out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state)
+        if seen is None:
+            out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state)
+        else:
+            out, state = states_along(seen, q, k, v, g, beta, resets, initial_state)
         if cache is not None:
             kept = cache.conv_inputs.shape[1]
             fused = jnp.concatenate(conv_inputs, axis=-1).astype(cache.conv_inputs.dtype)
             history = jnp.concatenate([cache.conv_inputs, fused], axis=1)
-            cache = cache._replace(conv_inputs=history[:, history.shape[1] - kept:], state=state)
+            if seen is None:  # the K−1 inputs up to the last text token of each row
+                text_end = jnp.sum(~padding, axis=1)[:, None, None] + jnp.arange(kept)[None, :, None]
+                history = jnp.take_along_axis(history, text_end, axis=1)
+            else:  # per token, the K−1 inputs up to it along its path: [B, T, K−1, C]
+                history = _gather_rows(history, windows[..., 1:])
+            cache = cache._replace(conv_inputs=history, state=state)
         z = constrain(self.in_proj_z(x).reshape(batch, length, self.num_value_heads, self.value_head_dim), ROWS_HEADS)
         out = self.norm(constrain(out.astype(x.dtype), ROWS_HEADS), z)
         out = self.out_proj(out.reshape(batch, length, self.num_value_heads * self.value_head_dim))

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from dflash_jax.models.layers import (MLP, Embed, Linear, RMSNorm, apply_rope, decoder_layer_params,
                                       rope_inverse_frequencies)
 from dflash_jax.models.target import (NO_SEGMENT, AttentionCache, EmbeddingAndHead, TargetOutput,
-                                      causal_self_attention, feature_slots, write_columns)
+                                      causal_self_attention, feature_slots, move_columns, write_columns)
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, constrain
 
@@ -178,8 +178,6 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
     the activations are sharded on, where splash runs per shard (None: one device).
     """
 
-    croppable_cache = True  # every layer's cache is keys/values by column
-
     def __init__(self, config: Qwen3Config, *, param_dtype=jnp.float32, rngs: nnx.Rngs, attention_impl: str = "xla",
                  mesh: Mesh | None = None):
         self.config = config
@@ -199,7 +197,8 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
                                   param_dtype=param_dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 feature_layer_ids: tuple[int, ...] = (), cache: KVCache | None = None) -> TargetOutput:
+                 feature_layer_ids: tuple[int, ...] = (), cache: KVCache | None = None,
+                 keep_every_state: bool = False, tree: jax.Array | None = None) -> TargetOutput:
         """input_ids, positions, segment_ids: [B, T] (positions restart in each packed document).
 
         features[:, :, i] is the residual stream right after decoder layer feature_layer_ids[i]
@@ -209,8 +208,12 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         columns cache.length.. and attend to the earlier columns of their segment, and `.cache` of the
         output is the grown cache. The same layers compute both, so a cached call gives what the uncached
         call over all tokens fed so far gives for these ones. The caller keeps cache.length + T <= capacity
-        (XLA clamps a write past the end onto earlier columns).
+        (XLA clamps a write past the end onto earlier columns). keep_every_state: accepted for the targets'
+        common interface (`Qwen3_5`); a K/V cache can always be cut back with `keep_prefix`. tree [B, T, T]
+        (with a cache): the tokens are a draft tree, each seeing the cached columns and its own ancestors
+        (`target.AttentionCache.tree`; positions are the caller's, by depth); `keep_path` then keeps one path.
         """
+        del keep_every_state
         wanted, slot, order = feature_slots(feature_layer_ids, self.config.num_hidden_layers)
         x = constrain(self.embed(input_ids), ROWS_EMBED)
         inv_freq = rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
@@ -225,7 +228,7 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0), graph=False)
         def run_layer(carry, layer, layer_slot, kv):
             hidden, features = carry
-            layer_cache = None if kv is None else AttentionCache(*kv, cache.segment_ids, start)
+            layer_cache = None if kv is None else AttentionCache(*kv, cache.segment_ids, start, tree)
             hidden, layer_cache = layer(hidden, positions, segment_ids, inv_freq, layer_cache)
             hidden = constrain(hidden, ROWS_EMBED)
             features = jax.lax.dynamic_update_index_in_dim(features, hidden, layer_slot, axis=0)
@@ -235,6 +238,19 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         if cache is not None:
             cache = KVCache(*layer_kv, cache.segment_ids, start + input_ids.shape[1])
         return TargetOutput(hidden=self.norm(x), features=jnp.moveaxis(buffer[order], 0, 2), cache=cache)
+
+    def keep_prefix(self, cache: KVCache, length: jax.Array) -> KVCache:
+        """The cache cut back to its first `length` columns; the columns after stay as stale entries that no
+        later token sees and the next call overwrites."""
+        return cache._replace(length=jnp.asarray(length, jnp.int32))
+
+    def keep_path(self, cache: KVCache, start: jax.Array, path: jax.Array, length: jax.Array) -> KVCache:
+        """After a tree call of T tokens at columns start..: its tokens path[0], path[1], ... ([T] indices into
+        the call, a root-to-node path first) moved to columns start, start+1, ..., and the cache cut back to
+        `length`. Their keys were rotated by depth, which is now their column's position (design §9.4)."""
+        return cache._replace(keys=move_columns(cache.keys, start, path, axis=2),
+                              values=move_columns(cache.values, start, path, axis=2),
+                              length=jnp.asarray(length, jnp.int32))
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
         """An empty decode cache of `capacity` columns per row (dtype: the weights' dtype unless given)."""

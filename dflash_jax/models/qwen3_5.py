@@ -23,7 +23,7 @@ from dflash_jax.models.gated_deltanet import GatedDeltaNet, RecurrentCache
 from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
 from dflash_jax.models.qwen3_5_config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5Config
 from dflash_jax.models.target import (NO_SEGMENT, AttentionCache, EmbeddingAndHead, TargetOutput,
-                                      causal_self_attention, feature_slots, write_columns)
+                                      causal_self_attention, feature_slots, move_columns, write_columns)
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, constrain
 
@@ -34,7 +34,10 @@ class HybridCache(NamedTuple):
     """The decode cache of `Qwen3_5.__call__`. layers[k] belongs to the k-th layer of the period, stacked over
     the period's repetitions: (keys, values) [R, b, capacity, kv_heads, head_dim] for gated attention (see
     `target.AttentionCache`), (conv_inputs [R, b, K−1, C], state [R, b, value heads, dk, dv] fp32) for Gated
-    DeltaNet (`RecurrentCache`). The recurrent state cannot be cropped: decoding only appends."""
+    DeltaNet (`RecurrentCache`). A recurrent state cannot be cut back, so a call that may be partly rejected
+    (`keep_every_state`, or a draft `tree`) returns per token its conv inputs [R, b, T, K−1, C] and state
+    [R, b, T, ...] instead, and `Qwen3_5.keep_prefix` / `keep_path` pick the accepted token's (design §9.3,
+    §9.4)."""
 
     layers: tuple[tuple[jax.Array, jax.Array], ...]
     segment_ids: jax.Array  # [b, capacity] int32, NO_SEGMENT where nothing was written
@@ -95,10 +98,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, zero_centered=True, param_dtype=param_dtype)
         self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | RecurrentCache | None = None):
+    def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | RecurrentCache | None = None,
+                 seen: jax.Array | None = None):
         normed = self.input_layernorm(x)
         if self.layer_type == LINEAR_ATTENTION:
-            mixed, cache = self.linear_attn(normed, segment_ids, cache)
+            mixed, cache = self.linear_attn(normed, segment_ids, cache, seen)
         else:
             mixed, cache = self.self_attn(normed, positions, segment_ids, inv_freq, cache)
         x = x + mixed
@@ -142,7 +146,8 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
                                   param_dtype=param_dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 feature_layer_ids: tuple[int, ...] = (), cache: HybridCache | None = None) -> TargetOutput:
+                 feature_layer_ids: tuple[int, ...] = (), cache: HybridCache | None = None,
+                 keep_every_state: bool = False, tree: jax.Array | None = None) -> TargetOutput:
         """input_ids, positions, segment_ids: [B, T] (positions restart in each packed document; attention,
         convolution and recurrent state never cross a segment boundary).
 
@@ -151,6 +156,10 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
 
         With a decode cache (`init_cache`) the tokens continue what it holds, as in `Qwen3.__call__`; a
         token whose segment differs from the last cached token's starts fresh conv and recurrent state.
+        keep_every_state: the returned cache may then be cut back to any prefix of these tokens with
+        `keep_prefix` (and must be, before the next call), as a speculative verification needs. tree [B, T, T]
+        (with a cache): the tokens are a draft tree (as `Qwen3.__call__`): attention sees the cached columns
+        and a token's ancestors, each Gated DeltaNet token follows its own root path, and `keep_path` keeps one.
         """
         config = self.config
         num_layers, period = config.num_hidden_layers, len(config.layer_period())
@@ -159,6 +168,7 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
         x = constrain(self.embed(input_ids), ROWS_EMBED)
         inv_freq = rope_inverse_frequencies(config.rotary_dim, config.rope_theta)
         buffer = constrain(jnp.zeros((len(wanted) + 1, *x.shape), x.dtype), (None, *ROWS_EMBED))
+        seen = None
         if cache is not None:
             start = cache.length
             # The segments of the K−1 tokens before this call (NO_SEGMENT before the first), for the convs.
@@ -166,13 +176,19 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
             history_segments = jax.lax.dynamic_slice_in_dim(
                 jnp.concatenate([earlier, cache.segment_ids], axis=1), start, earlier.shape[1], axis=1)
             cache = cache._replace(segment_ids=write_columns(cache.segment_ids, segment_ids, start))
+            # The call's tokens each Gated DeltaNet token follows, when it keeps every state: its ancestors
+            # in a tree, else its prefix.
+            seen = tree
+            if tree is None and keep_every_state:
+                batch, length = input_ids.shape
+                seen = jnp.broadcast_to(jnp.tri(length, dtype=bool), (batch, length, length))
 
         def layer_cache(layer, arrays):
             if arrays is None:
                 return None
             if layer.layer_type == LINEAR_ATTENTION:
                 return RecurrentCache(*arrays, history_segments)
-            return AttentionCache(*arrays, cache.segment_ids, start)
+            return AttentionCache(*arrays, cache.segment_ids, start, tree)
 
         # Tree mode, as in qwen3.py: also works when a caller's trace (jit, an accumulation scan) closes over
         # the model.
@@ -182,7 +198,8 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
             new_arrays = []
             for position, layer in enumerate(layer_period.layers):
                 arrays = None if period_arrays is None else period_arrays[position]
-                hidden, updated = layer(hidden, positions, segment_ids, inv_freq, layer_cache(layer, arrays))
+                hidden, updated = layer(hidden, positions, segment_ids, inv_freq, layer_cache(layer, arrays),
+                                        seen)
                 hidden = constrain(hidden, ROWS_EMBED)
                 new_arrays.append(None if updated is None else tuple(updated[:2]))
                 features = jax.lax.dynamic_update_index_in_dim(features, hidden, period_slots[position], axis=0)
@@ -194,6 +211,36 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
             cache = HybridCache(layer_arrays, cache.segment_ids, start + input_ids.shape[1])
         features = jnp.moveaxis(buffer[order], 0, 2)  # [B, T, n, H], in request order
         return TargetOutput(hidden=self.norm(x), features=features, cache=cache)
+
+    def keep_prefix(self, cache: HybridCache, length: jax.Array) -> HybridCache:
+        """The cache of a `keep_every_state` call of T tokens cut back to its first `length` columns (1 to T
+        of them from that call): each Gated DeltaNet layer keeps the state after the last kept token and the
+        conv inputs of the K−1 tokens up to it; attention columns past `length` stay as stale entries that no
+        later token sees (design §9.3)."""
+        call_length = self._call_length(cache)
+        return self._keep_token(cache, length - (cache.length - call_length) - 1, length)
+
+    def keep_path(self, cache: HybridCache, start: jax.Array, path: jax.Array, length: jax.Array) -> HybridCache:
+        """After a tree call at columns start.. (as `Qwen3.keep_path`): the attention K/V of path[0], path[1],
+        ... moved to columns start, start+1, ..., each Gated DeltaNet layer at the state and conv window of
+        the last kept node, path[length - start - 1] (design §9.4)."""
+        cache = self._keep_token(cache, path[length - start - 1], length)
+        layers = tuple(arrays if layer_type == LINEAR_ATTENTION else
+                       tuple(move_columns(buffer, start, path, axis=2) for buffer in arrays)
+                       for layer_type, arrays in zip(self.config.layer_period(), cache.layers))
+        return cache._replace(layers=layers)
+
+    def _call_length(self, cache: HybridCache) -> int:
+        """T of the per-token call that made this cache (its Gated DeltaNet arrays are [R, b, T, ...])."""
+        linear = self.config.layer_period().index(LINEAR_ATTENTION)
+        return cache.layers[linear][1].shape[2]
+
+    def _keep_token(self, cache: HybridCache, token: jax.Array, length: jax.Array) -> HybridCache:
+        """Each Gated DeltaNet layer's conv inputs and state as after the call's token `token`; length set."""
+        layers = tuple((tuple(jax.lax.dynamic_index_in_dim(a, token, axis=2, keepdims=False) for a in arrays)
+                        if layer_type == LINEAR_ATTENTION else arrays)
+                       for layer_type, arrays in zip(self.config.layer_period(), cache.layers))
+        return HybridCache(layers, cache.segment_ids, jnp.asarray(length, jnp.int32))
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> HybridCache:
         """An empty decode cache of `capacity` columns per row (dtype: the weights' dtype unless given; the

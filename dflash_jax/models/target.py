@@ -41,6 +41,9 @@ class AttentionCache(NamedTuple):
     values: jax.Array  # [b, capacity, kv_heads, head_dim]
     segment_ids: jax.Array  # [b, capacity]: every column's segment, this call's tokens included
     start: jax.Array  # int32 scalar: the column of this call's first token
+    # [b, t, t] bool or None: the call's tokens are a draft tree (design §9.4); token i sees this call's
+    # token j iff tree[:, i, j] (j is i or one of its ancestors) instead of iff j <= i.
+    tree: jax.Array | None = None
 
 
 def write_columns(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -57,7 +60,8 @@ def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids:
     `mesh`, the device mesh the activations are sharded on; None: one device). With one: the new keys and
     values are written at columns start.. first, then every new token attends (XLA, over all columns) to the
     columns at or before its own that hold its segment, so stale columns past it (a cropped verification
-    block) are never visible. Returns (output, the cache holding the new columns or None).
+    block) are never visible; with `cache.tree`, the call's own columns are seen through the tree instead.
+    Returns (output, the cache holding the new columns or None).
     """
     if cache is None:
         attention = CAUSAL_ATTENTION_IMPLS[attention_impl]
@@ -70,8 +74,25 @@ def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids:
     for first in range(0, q.shape[1], query_chunk):
         chunk = slice(first, first + query_chunk)
         visible = causal_segment_mask(segment_ids[:, chunk], cache.segment_ids, cache.start + first)
+        if cache.tree is not None:
+            visible = _through_tree(visible, cache.tree[:, chunk], cache.start)
         outputs.append(grouped_attention(q[:, chunk], keys, values, visible, scale))
     return jnp.concatenate(outputs, axis=1), cache._replace(keys=keys, values=values)
+
+
+def move_columns(buffer: jax.Array, start: jax.Array, order: jax.Array, axis: int) -> jax.Array:
+    """buffer with its columns start+order[0], start+order[1], ... (along `axis`) moved to start, start+1, ...:
+    a verified tree's accepted path made contiguous (design §9.4)."""
+    block = jax.lax.dynamic_slice_in_dim(buffer, start, order.shape[0], axis=axis)
+    return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.take(block, order, axis=axis), start, axis=axis)
+
+
+def _through_tree(visible: jax.Array, tree: jax.Array, start: jax.Array) -> jax.Array:
+    """visible [b, q, capacity] with columns start..start+t-1 (the call's t tokens) replaced by tree [b, q, t]."""
+    own = jnp.zeros(visible.shape, bool)
+    own = jax.lax.dynamic_update_slice_in_dim(own, jnp.ones(tree.shape, bool), start, axis=2)
+    placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros(visible.shape, bool), tree, start, axis=2)
+    return jnp.where(own, placed, visible)
 
 
 def feature_slots(feature_layer_ids: tuple[int, ...], num_layers: int) -> tuple[list[int], np.ndarray, np.ndarray]:
@@ -99,10 +120,6 @@ class EmbeddingAndHead:
     Mixed into target modules that own `embed_tokens` (an `Embed`), `config.tie_word_embeddings`, and an
     `lm_head` (a `Linear`) when untied.
     """
-
-    # Whether a decode cache may be cut back (`cache._replace(length=n)`) to drop a rejected verification
-    # block, as the speculative generator does; a recurrent state cannot be.
-    croppable_cache: bool = False
 
     def embed(self, ids: jax.Array) -> jax.Array:
         return self.embed_tokens(ids)

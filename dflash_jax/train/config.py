@@ -152,6 +152,10 @@ def base_config() -> ConfigDict:
     config.log_every = 10
     config.eval_every = 0  # 0 = no evaluation during training
     config.eval_prompts = 32
+    # What τ is measured on, during training and by `dflash-jax evaluate` alike (design §9): "generate" = the
+    # target's own greedy continuation of each prompt, up to eval_max_new_tokens; "data" = the record's own.
+    config.eval_continuation = "generate"
+    config.eval_max_new_tokens = 256
     config.checkpoint_every = 500
     config.keep_checkpoints = 3
     config.peak_tflops_per_device = placeholder(float)  # for MFU; None = look up the device kind

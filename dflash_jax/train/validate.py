@@ -34,6 +34,7 @@ OPTIMIZERS = ("adamw", "muon")
 POSITION_WEIGHTS = ("decay", "dpace")
 BAD_RECORDS = ("raise", "skip")
 DTYPES = ("float32", "bfloat16", "float16")
+EVAL_CONTINUATIONS = ("generate", "data")  # config.eval_continuation
 
 
 def _field(config: ConfigDict, path: str):
@@ -123,6 +124,10 @@ def validate_config(config: ConfigDict) -> None:
         value = _field(config, path)
         _require(value >= 1, f"config.{path} must be >= 1, got {value}")
     _require(config.eval_every >= 0, f"config.eval_every must be >= 0 (0 = never), got {config.eval_every}")
+    _require(config.eval_continuation in EVAL_CONTINUATIONS,
+             f"config.eval_continuation must be one of {EVAL_CONTINUATIONS}, got {config.eval_continuation!r}")
+    _require(config.eval_max_new_tokens >= 1,
+             f"config.eval_max_new_tokens must be >= 1, got {config.eval_max_new_tokens}")
     profile = config.profile_steps
     _require(profile is None or (len(profile) == 2 and 1 <= profile[0] <= profile[1]),
              f"config.profile_steps must be (first, last) with 1 <= first <= last, got {profile!r}")

@@ -27,8 +27,10 @@ class TrainingFacts:
     data_files: list[str]
     steps: int
     eval_step: int | None = None  # the step of the τ figures below, when the run evaluated
-    exact_tau: float | None = None
-    ddtree_tau: dict[int, float] = dataclasses.field(default_factory=dict)  # node budget -> τ
+    exact_tau: float | None = None  # pooled over verification steps (design §9.1)
+    tau_per_response: float | None = None  # the mean of per-response means, when the run logged it
+    ddtree_tau: dict[int, float] = dataclasses.field(default_factory=dict)  # node budget -> pooled τ
+    measured_on: str | None = None  # which continuations the hook scored, from the run's config
 
 
 def training_facts(workdir: str | Path, step: int) -> TrainingFacts:
@@ -38,11 +40,17 @@ def training_facts(workdir: str | Path, step: int) -> TrainingFacts:
     config = config_of_step(workdir, step) or {}
     facts = TrainingFacts(target=config.get("target_dir") or "TARGET",
                           data_files=list(config.get("data", {}).get("train_files") or []), steps=step)
+    continuation, length = config.get("eval_continuation"), config.get("eval_max_new_tokens")
+    if continuation == "generate":
+        facts.measured_on = f"the target's greedy continuations of up to {length} tokens"
+    elif continuation == "data":
+        facts.measured_on = f"the evaluation records' own continuations, up to {length} tokens"
     for record in read_metrics(workdir):
         if "eval/tau" in record and record["step"] <= step:
             facts.eval_step, facts.exact_tau = record["step"], record["eval/tau"]
+            facts.tau_per_response = record.get("eval/tau_per_response")
             facts.ddtree_tau = {int(name.rsplit("_", 1)[1]): value for name, value in record.items()
-                                if name.startswith("eval/ddtree_tau_")}
+                                if name.startswith("eval/ddtree_tau_") and "per_response" not in name}
     return facts
 
 
@@ -58,8 +66,11 @@ def model_card(config: DrafterConfig, facts: TrainingFacts, drafter: str) -> str
     taus = "not measured (train with eval_every and eval_files, or run `dflash-jax evaluate`)"
     if facts.exact_tau is not None:
         ddtree = ", ".join(f"{tau:.3f} at {budget} nodes" for budget, tau in sorted(facts.ddtree_tau.items()))
-        taus = f"exact τ {facts.exact_tau:.3f}" + (f"; DDTree τ {ddtree}" if ddtree else "") + \
-            f" (step {facts.eval_step}, greedy, block size {config.block_size})"
+        per_response = "" if facts.tau_per_response is None else \
+            f" (per-response mean {facts.tau_per_response:.3f})"
+        on = "" if facts.measured_on is None else f", on {facts.measured_on}"
+        taus = f"exact τ {facts.exact_tau:.3f}{per_response}" + (f"; DDTree τ {ddtree}" if ddtree else "") + \
+            f" (step {facts.eval_step}, greedy, block size {config.block_size}{on})"
     rows = [("target", f"`{facts.target}`"),
             ("training data", ", ".join(f"`{f}`" for f in facts.data_files) or "not recorded"),
             ("training steps", str(facts.steps)),
@@ -84,7 +95,9 @@ target's are shared).
 
 {table}
 
-τ is the number of tokens committed per target verification step.
+τ is the number of tokens committed per target verification step (accepted drafts plus the target's own
+token), pooled over every step of every response, as vLLM's mean acceptance length counts it; the per-response
+mean averages each response's own τ instead.
 
 ## Serve with vLLM
 

@@ -67,11 +67,11 @@ def main(out_dir: str) -> None:
             continue
         drafter, _ = load_drafter_dir(drafter_info["dir"])
         summary = evaluate_drafter(target, drafter, examples, budgets=())
-        ours, theirs = summary["tau_pooled"], served["mean_acceptance_length"]
+        ours, theirs = summary["tau"], served["mean_acceptance_length"]
         accepted = round((ours - 1) * summary["verify_steps"])
         print(f"{name}: project exact tau {ours:.3f} ({accepted} accepted in {summary['verify_steps']} steps; "
-              f"per-response mean {summary['tau']:.3f}) vs vLLM {theirs:.3f} ({served['accepted']:.0f} accepted "
-              f"in {served['drafts']:.0f} drafts)")
+              f"per-response mean {summary['tau_per_response']:.3f}) vs vLLM {theirs:.3f} "
+              f"({served['accepted']:.0f} accepted in {served['drafts']:.0f} drafts)")
         checks += 2
         if abs(theirs / ours - 1) > TAU_TOLERANCE:
             failures.append(f"{name}: tau")
