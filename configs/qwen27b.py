@@ -30,8 +30,8 @@ def get_config():
     6e-4 with 4% warmup then cosine, clipping 1.0, γ = 7, on target-regenerated data (README, step 0).
     Departures and their reasons: AdamW's b2 is 0.999, as speculators trains (torch's default); the batch is
     one row per device (data.rows_per_device), so the config runs on any slice size, its global batch growing
-    with the slice; the position weights stay the fixed decay until the toy measurement of D-PACE
-    (bench/RESULTS.md) says otherwise.
+    with the slice. The position weights are D-PACE (the trainer's default, as SpecForge's `loss_type: dpace` and
+    speculators' default), chosen by the toy measurement in bench/RESULTS.md.
 
         dflash-jax train --config qwen27b --workdir /ckpt/dflash-qwen27b \\
             --config.target_dir=/ckpt/Qwen3.6-27B --config.data.train_files=/data/train.jsonl

@@ -5,8 +5,8 @@ The recipe is the published DFlash one (design §11): rows of 4096 tokens with 5
 stride 8, design §4, where the published trainers sample 512 anchor positions), 6 epochs, AdamW at lr 6e-4 with
 4% warmup then cosine, clipping 1.0, γ = 7, on target-regenerated data. Departures and their reasons: AdamW's b2
 is 0.999, as speculators trains (torch's default); the batch is one row per device (data.rows_per_device), so
-the config runs on any number of devices; the position weights stay the fixed decay until the toy measurement
-of D-PACE (bench/RESULTS.md) says otherwise.
+the config runs on any number of devices. The position weights are D-PACE (the trainer's default, as in
+speculators and SpecForge), chosen by the toy measurement in bench/RESULTS.md.
 
     dflash-jax train --config qwen3_8b --workdir /ckpt/dflash-qwen3-8b \
         --config.target_dir=/ckpt/Qwen3-8B --config.data.train_files=/data/train.jsonl

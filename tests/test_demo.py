@@ -35,7 +35,7 @@ def toy_job(config: str, out: Path) -> tuple[dict, Path]:
 
 
 def check_evaluation(results: dict) -> None:
-    """What the toy evaluation must show: the τ target (exact τ >= 2.0 at B = 8 and >= 1.5x the untrained
+    """What the toy evaluation must show: the τ target (pooled τ >= 2.0 at B = 8 and >= 1.5x the untrained
     drafter's) and the invariants of the evaluator."""
     trained, untrained = results["trained"], results["untrained"]
     assert results["continuation"] == "generate" and trained["responses"] == 64

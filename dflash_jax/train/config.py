@@ -85,9 +85,10 @@ def base_config() -> ConfigDict:
     config.loss = ConfigDict()
     # Position weights of the drafted slots: "decay" = exp(-(k-1)/gamma); "dpace" = D-PACE, the expected number
     # of accepted slots each slot gates, from the drafter's detached confidence smoothed by dpace_alpha (vLLM
-    # speculators' `--per-position-loss-weight dpace`).
-    config.loss.position_weights = "decay"
-    config.loss.gamma = 7.0  # decay rate; 7 for B=16, 4 for B=8
+    # speculators' `--per-position-loss-weight dpace`). D-PACE is the default: on the toy demo it reaches exact τ
+    # 2.602 where the decay reaches 2.407 at the same steps (bench/RESULTS.md, "Position weights").
+    config.loss.position_weights = "dpace"
+    config.loss.gamma = 7.0  # decay rate (position_weights "decay"); 7 for B=16, 4 for B=8
     config.loss.dpace_alpha = 0.5  # D-PACE smoothing: s = (1 - alpha) exp(-CE) + alpha
     config.loss.labels = "target"  # "target": argmax of the target's logits; "data": the row's next tokens
     config.loss.noise_std = 0.0  # uniform noise U(-std, std) on the raw features fed to fc (never on labels)
