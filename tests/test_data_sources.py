@@ -1,7 +1,7 @@
 """Data sources (dflash_jax/data/sources.py): the same records as JSONL, compressed JSONL, Parquet and a
 `save_to_disk` dataset give the same batches and resume exactly; tables split by rows over hosts; globs and
-directories are their files; a weighted mix draws each source weight times per epoch; `corpus_size` counts what
-an epoch draws."""
+directories are their files; a weighted mix draws each source weight times per epoch; the loader's corpus token count
+(config.epochs) counts what an epoch draws."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from dflash_jax.data import BatchLoader, corpus_size, merge_states, resolve_sources, tokenize_record
+from dflash_jax.data import BatchLoader, merge_states, resolve_sources, tokenize_record
 from dflash_jax.data.records import parse_object
 from dflash_jax.errors import DataError
 from tests.test_chat_templates import REASONING_CONTENT, TOOL_CHAT
@@ -149,15 +149,14 @@ def test_a_weighted_mix_draws_each_source_weight_times_per_epoch(tmp_path):
     assert abs(sum(epoch_lengths) - (20 + 2 * 12 + 0.5 * 10)) <= len(epoch_lengths) / 2  # rounded per row
 
 
-def test_corpus_size_counts_what_an_epoch_draws(formats, tmp_path):
+def test_corpus_tokens_count_what_an_epoch_draws(formats, tmp_path):
     tokenizer = make_qwen_tokenizer("qwen3_5")
     records = [parse_object(r, "r") for r in mixed_records()]
-    documents = [tokenize_record(r, tokenizer, "r") for r in records]
-    tokens, trained = sum(len(d) for d in documents), sum(int(d.loss_mask.sum()) for d in documents)
-    size = corpus_size([formats["parquet"]], tokenizer)
-    assert (size.records, size.tokens, size.trained_tokens) == (36, tokens, trained)
-    size = corpus_size([formats["jsonl"], f"{formats['saved']}@0.5"], tokenizer)
-    assert (size.records, size.tokens, size.trained_tokens) == (54, round(1.5 * tokens), round(1.5 * trained))
+    tokens = sum(len(tokenize_record(r, tokenizer, "r")) for r in records)
+    assert loader([formats["parquet"]], tokenizer).corpus_tokens() == tokens
+    # Every row's share together is the corpus; a source of weight 0.5 counts half.
+    mixed = loader([formats["jsonl"], f"{formats['saved']}@0.5"], tokenizer, batch_size=3)
+    assert mixed.corpus_tokens() == round(1.5 * tokens)
 
 
 def test_a_dataset_id_is_read_from_the_local_hugging_face_cache(tmp_path, monkeypatch):

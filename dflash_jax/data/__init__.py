@@ -6,7 +6,6 @@ from dflash_jax.data.loader import BatchLoader, merge_states
 from dflash_jax.data.packing import Cursor, PackedRow, RowPacker, place_row, row_capacity, row_phase
 from dflash_jax.data.prefetch import Prefetcher
 from dflash_jax.data.records import ChatRecord, CompletionRecord, parse_object, parse_record
-from dflash_jax.data.size import CorpusSize, corpus_size
 from dflash_jax.data.sources import resolve_sources
 from dflash_jax.data.tokenize import Document, check_chat_tokenizer, tokenize_record
 
@@ -15,14 +14,12 @@ __all__ = [
     "ChatRecord",
     "CompletionRecord",
     "Corpus",
-    "CorpusSize",
     "Cursor",
     "Document",
     "PackedRow",
     "Prefetcher",
     "RowPacker",
     "check_chat_tokenizer",
-    "corpus_size",
     "merge_states",
     "parse_object",
     "parse_record",

@@ -119,6 +119,10 @@ class Corpus:
         share, i = self._locate(index)
         return share.location(i)
 
+    def weight(self, index: int) -> float:
+        """The weight of record `index`'s source: the times an epoch draws it, on average."""
+        return self.weights[int(np.searchsorted(self.starts, index, side="right")) - 1]
+
     def read(self, index: int) -> Record:
         """Read and parse record `index`."""
         share, i = self._locate(index)

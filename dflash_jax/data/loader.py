@@ -123,9 +123,10 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
         return sum(len(stream.corpus) for stream in self.streams)
 
     def corpus_tokens(self) -> int:
-        """Tokens of one epoch over this loader's rows' shares (the whole corpus for a loader of every row):
-        tokenizes each record once. Call it before iterating (it reads the same files)."""
-        return sum(stream.token_count() for stream in self.streams)
+        """Tokens one epoch draws from this loader's rows' shares (the whole corpus for a loader of every row),
+        each source counted `weight` times: tokenizes each record once. Call it before iterating (it reads the
+        same files)."""
+        return round(sum(stream.token_count() for stream in self.streams))
 
     # -- resume ---------------------------------------------------------------------------------------------
 

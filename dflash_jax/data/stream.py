@@ -64,17 +64,18 @@ class RowStream:
         self._next_document = Cursor(int(position["epoch"]), int(position["document"]),
                                      int(position["token_offset"]))
 
-    def token_count(self) -> int:
-        """Tokens this stream's share yields in one epoch (each record's document, cut to max_positions as
-        reading cuts it): one tokenization pass over the share. A record that fails to tokenize counts 0 and
-        is left for reading to report, so the bad-record policy applies once."""
-        total = 0
+    def token_count(self) -> float:
+        """Tokens one epoch of this stream draws: each record's document (cut to max_positions as reading cuts
+        it) times its source's weight (data/corpus.py), in one tokenization pass over the share. A record that
+        fails to tokenize counts 0 and is left for reading to report, so the bad-record policy applies once."""
+        total = 0.0
         for index in range(len(self.corpus)):
             try:
                 length = len(self._tokenize(index))
             except DataError:
                 continue
-            total += length if self._max_positions is None else min(length, self._max_positions)
+            length = length if self._max_positions is None else min(length, self._max_positions)
+            total += self.corpus.weight(index) * length
         return total
 
     def next_row(self) -> PackedRow:
