@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from dflash_jax.errors import UserError
+from dflash_jax.hlo_cost import Collective, replica_groups
 from dflash_jax.plan import check_budget, format_plan, plan_train_step, slice_topology, target_architecture, topology_devices
 from dflash_jax.train import flops, validate
 from dflash_jax.train.loop import train
@@ -30,8 +31,11 @@ def files(tmp_path_factory):
 
 
 def test_plan_on_simulated_devices_matches_the_shardings_and_the_flop_model(files):
-    config = tiny_config(files["target"], files["corpus"],
-                         **{"data.batch_size": 8, "mesh.fsdp": 8, "drafter.mask_token_id": 0})
+    # LM head chunks that divide their axes (56 drafted slots a row, 640 tokens): no padded work, which the
+    # compiler counts and the model does not.
+    config = tiny_config(files["target"], files["corpus"], **{
+        "data.batch_size": 8, "mesh.fsdp": 8, "drafter.mask_token_id": 0, "loss.row_chunk": 28,
+        "loss.vocab_chunk": 320})
     target_config = target_architecture(config)
     plan = plan_train_step(config, target_config, mesh_of(1, 8, 1), hbm_gib=1.0)
     # The loaded target's weights, split over fsdp = 8: what each device holds is about an eighth (norms and
@@ -46,8 +50,11 @@ def test_plan_on_simulated_devices_matches_the_shardings_and_the_flop_model(file
     assert plan.rows_per_device == 1 and plan.mesh == {"data": 1, "fsdp": 8, "tensor": 1}
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer=None)
     assert plan.model_flops == flops.train_step_flops(config, target_config, drafter_config)
-    assert plan.xla_flops > 0  # the compiler's count (scan bodies once), printed beside the model's
-    assert plan.largest and plan.largest[0][0] >= plan.largest[-1][0]
+    # The compiler's matmuls with every loop body times its trip count (the target's layer scan, the label and
+    # loss chunks) are the model's count; its own cost analysis, each body once, falls far short.
+    assert plan.cost.flops == pytest.approx(plan.model_flops / 8, rel=0.05)
+    assert plan.xla_flops < 0.8 * plan.model_flops / 8
+    assert plan.cost.unknown_loops == 0 and plan.roofline is None  # no peaks for a CPU    assert plan.largest and plan.largest[0][0] >= plan.largest[-1][0]
     check_budget(plan)  # 1 GiB is plenty
     with pytest.raises(UserError, match=r"over the 0\.0 GiB budget; largest arrays: \S+\["):
         check_budget(plan._replace(hbm_bytes=1024))
@@ -70,19 +77,30 @@ def test_plan_shows_what_each_target_layout_puts_on_a_device(files):
     assert re.search(r"target weights .*\(tensor layout; fsdp: .*, replicate: ", format_plan(plan))
 
 
-def test_temporaries_do_not_grow_with_target_depth(files, tmp_path):
+def test_temporaries_do_not_grow_with_target_depth_and_layers_gather_their_weights(files, tmp_path):
     """The frozen target runs outside the gradient (train/step.py: its outputs are inputs of value_and_grad,
     never part of the differentiated function), so autodiff keeps none of its residuals and the layer scan
     gathers one layer's weights at a time: 4 or 8 target layers, the step's temporaries on fsdp = 8 differ by
     less than one layer's residual stream of a device's rows (each kept layer would add at least that)."""
-    temporaries = {}
+    temporaries, costs = {}, {}
     for layers in (4, 8):
         target = make_target(tmp_path / f"layers{layers}", num_layers=layers)
         config = tiny_config(target, files["corpus"], **{
             "data.batch_size": 8, "mesh.fsdp": 8, "drafter.mask_token_id": 0, "drafter.target_layer_ids": (1, 3)})
-        temporaries[layers] = plan_train_step(config, target_architecture(config), mesh_of(1, 8, 1)).temp_bytes
+        plan = plan_train_step(config, target_architecture(config), mesh_of(1, 8, 1))
+        temporaries[layers], costs[layers] = plan.temp_bytes, plan.cost
     one_residual = 1 * config.data.seq_len * 64 * 4  # a device's row [1, T, H] in fp32
     assert abs(temporaries[8] - temporaries[4]) < one_residual, temporaries
+    # Each target layer's fsdp-sharded weights (every matrix and both norms; q/k norms are whole) are
+    # all-gathered once as it runs: a device receives (n - 1)/n of them, 7/8 on fsdp = 8, for each of the four
+    # extra layers; the embedding, final norm and the drafter's gathers are the same in both.
+    c = target_architecture(config)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer_bytes = 4 * (2 * c.hidden_size * q + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
+                       + 2 * c.hidden_size)
+    gathered = {layers: cost.collective_bytes[Collective("all-gather", ("fsdp",), False)]
+                for layers, cost in costs.items()}
+    assert gathered[8] - gathered[4] == 4 * layer_bytes * 7 / 8, gathered
 
 
 def test_plan_command_prints_the_plan_and_fails_over_the_budget(files):
@@ -96,6 +114,25 @@ def test_plan_command_prints_the_plan_and_fails_over_the_budget(files):
     message = user_error(dflash_jax(*args, "--hbm_gib", "0.001", devices=4))
     assert "over the 0.0 GiB budget" in message and "largest arrays" in message
     assert "unknown axes ['pipeline']" in user_error(dflash_jax(*args[:-1], "pipeline=4", devices=4))
+
+
+def test_replica_groups_in_each_of_xla_forms():
+    """The device groups of a collective as XLA prints them, against the groups written out by hand."""
+    assert replica_groups("replica_groups={{0,2},{1,3}}, dimensions={0}") == [[0, 2], [1, 3]]
+    assert replica_groups("replica_groups=[2,4]<=[8], use_global_device_ids=true") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # iota [4,2] over 0..7 laid out [2,2,2] and transposed (1,0,2): 0 1 4 5 2 3 6 7.
+    assert replica_groups("replica_groups=[4,2]<=[2,2,2]T(1,0,2)") == [[0, 1], [4, 5], [2, 3], [6, 7]]
+    # A 2 x 4 mesh of devices 0..7, grouped along its second axis; then along its first.
+    assert replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}") == [[0, 4], [1, 5], [2, 6],
+                                                                                      [3, 7]]
+    # The same mesh holding the devices 0 4 1 5 / 2 6 3 7 ([2,4]T(1,0) read as a list), grouped by columns.
+    assert replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_0'}, "
+                          "dimensions={0}") == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    # Sub-axis: of axis_1 (size 4) the part of size 2 with stride 2, i.e. devices 2 apart within a row.
+    assert replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1':(2)2}") == [[0, 2], [1, 3], [4, 6],
+                                                                                          [5, 7]]
+    assert replica_groups("source_target_pairs={{0,1},{1,0}}, channel_id=3") == [[0, 1], [1, 0]]
 
 
 def test_slice_names_map_to_libtpu_topologies():

@@ -1,0 +1,271 @@
+"""What one device does in a compiled program, read from its optimized HLO text (design §13): matmul FLOPs,
+HBM bytes and the bytes each collective moves, with every loop body counted as many times as it runs.
+
+XLA's own `cost_analysis()` counts a while loop's body once (a scanned layer stack of 64 layers as one layer)
+and does not split communication by kind or by the mesh axes it crosses; both decide the step time of a pod.
+
+- Loops: a computation runs (sum over its callers) caller's count x the while loop's `known_trip_count`
+  (XLA's annotation; a loop without one counts once and is reported in `unknown_loops`).
+- FLOPs: 2 x output elements x contracted size for each `dot`; for a `convolution` (TPU lowers many dots to
+  one), 2 x output elements x kernel elements / kernel output features (HloCostAnalysis's count). Elementwise
+  work and custom calls (Pallas kernels such as splash attention) are not counted; `custom_calls` says how many
+  ran.
+- HBM bytes: operands plus outputs of every instruction outside fusion bodies (what a fusion reads and writes
+  reaches memory; its insides do not), the same approximation as XLA's "bytes accessed".
+- Collectives, per device, for a group of n devices (ring algorithms, the bytes each device sends): all-gather
+  (n-1) x its operand; reduce-scatter and all-to-all (n-1)/n of the operand; all-reduce 2 (n-1)/n (a
+  reduce-scatter then an all-gather); collective-permute its operand. Each is keyed by the mesh axes its groups
+  span and by whether a group leaves a granule (a TPU slice, a GPU host): the link it crosses.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_ITEM_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+               "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+# Instructions that move no data of their own (aliases, control flow whose bodies are counted, markers).
+_NO_TRAFFIC = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional",
+               "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "async-start", "async-update",
+               "async-done", "all-gather-done", "all-reduce-done", "collective-permute-done", "copy-done",
+               "send-done", "recv-done", "add-dependency", "domain"}
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|c64|c128)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY )?%(\S+) ")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+class Collective(NamedTuple):
+    kind: str  # one of COLLECTIVE_KINDS
+    axes: tuple[str, ...]  # the mesh axes its device groups span
+    remote: bool  # a group spans granules (TPU slices, GPU hosts): the slow link
+
+
+class HloCost(NamedTuple):
+    flops: float  # matmul FLOPs of one device, loop bodies times their trip counts
+    hbm_bytes: float
+    collective_bytes: dict[Collective, float]  # bytes one device sends, by kind, axes and link
+    custom_calls: int  # kernel calls run (their FLOPs are not in `flops`)
+    unknown_loops: int  # while loops without a known trip count (counted once)
+
+
+class _Instruction(NamedTuple):
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    attributes: str
+
+
+def _array_bytes(shape: str) -> float:
+    """Bytes of an array or tuple shape text (every array inside it)."""
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * _ITEM_BYTES[dtype]
+               for dtype, dims in _ARRAY.findall(shape))
+
+
+def _dims(shape: str) -> list[int]:
+    match = _ARRAY.search(shape)
+    return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
+def _closing(text: str, start: int) -> int:
+    """Index of the bracket closing the one opened at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += text[i] in "([{"
+        depth -= text[i] in ")]}"
+        if depth == 0:
+            return i
+    raise ValueError(f"unbalanced brackets in HLO line: {text[:200]}")
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]] if text.strip() else parts
+
+
+def _parse_instruction(line: str) -> _Instruction | None:
+    body = _COMMENT.sub("", line).strip().removeprefix("ROOT ")
+    if not body.startswith("%") or " = " not in body:
+        return None
+    name, rest = body[1:].split(" = ", 1)
+    shape_end = _closing(rest, 0) + 1 if rest.startswith("(") else rest.index(" ")
+    shape, rest = rest[:shape_end], rest[shape_end:].lstrip()
+    open_paren = rest.index("(")
+    close_paren = _closing(rest, open_paren)
+    operands = [part.split()[-1].lstrip("%") for part in _split_top_level(rest[open_paren + 1:close_paren])
+                if part.split()]
+    return _Instruction(name, shape, rest[:open_paren], operands, rest[close_paren + 1:])
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
+    """Instructions by computation name, and the entry computation's name."""
+    computations: dict[str, list[_Instruction]] = {}
+    current, entry = None, None
+    for line in hlo.splitlines():
+        if line and not line[0].isspace():
+            header = _HEADER.match(line) if line.rstrip().endswith("{") else None
+            current = header.group(1) if header else None
+            if current is not None:
+                computations[current] = []
+                entry = current if line.startswith("ENTRY") else entry
+            continue
+        if current is not None and (instruction := _parse_instruction(line)) is not None:
+            computations[current].append(instruction)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry
+
+
+def _callees(instruction: _Instruction) -> list[tuple[str, str]]:
+    """(role, computation) pairs an instruction calls: role "body"/"condition" (a while loop), "fused" (a
+    fusion's body), "scalar" (a reduction's per-element function) or "called"."""
+    found = []
+    for role, names in re.findall(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|"
+                                  r"false_computation)=(\{[^}]*\}|%[^\s,]+)", instruction.attributes):
+        for name in re.findall(r"%([^\s,{}]+)", names):
+            if role == "calls":
+                role = "fused" if instruction.opcode == "fusion" else "called"
+            found.append(("scalar" if role == "to_apply" else role, name))
+    return found
+
+
+def _multiplicities(computations: dict[str, list[_Instruction]], entry: str) -> tuple[dict[str, float], set[str], int]:
+    """How many times each computation runs per call of the entry, the fusion bodies, and the number of
+    loops without a known trip count. Callees are printed before their callers, so walking the text backwards
+    visits every caller first."""
+    runs: dict[str, float] = defaultdict(float, {entry: 1.0})
+    fused, unknown = set(), 0
+    for name in reversed(list(computations)):
+        if runs[name] == 0:
+            continue
+        for instruction in computations[name]:
+            trip = _TRIP_COUNT.search(instruction.attributes)
+            for role, callee in _callees(instruction):
+                if role == "scalar":
+                    continue
+                factor = 1.0
+                if role in ("body", "condition"):
+                    unknown += role == "body" and trip is None
+                    factor = float(trip.group(1)) if trip else 1.0
+                runs[callee] += runs[name] * factor
+                if role == "fused":
+                    fused.add(callee)
+    return runs, fused, unknown
+
+
+def _dot_flops(instruction: _Instruction, shapes: dict[str, str]) -> float:
+    outputs = math.prod(_dims(instruction.shape))
+    if instruction.opcode == "dot":
+        lhs = _dims(shapes[instruction.operands[0]])
+        contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", instruction.attributes)
+        contracted = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
+        return 2.0 * outputs * contracted
+    kernel = _dims(shapes[instruction.operands[1]])
+    labels = re.search(r"dim_labels=\w+_(\w+)->", instruction.attributes)
+    out_features = kernel[labels.group(1).index("o")] if labels else 1
+    return 2.0 * outputs * math.prod(kernel) / out_features
+
+
+def _iota(text: str) -> np.ndarray:
+    """A device list in XLA's iota form, "[d0,d1,...]" optionally followed by "T(p0,p1,...)"."""
+    match = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text.strip())
+    if match is None:
+        raise ValueError(f"unrecognised device list {text!r}")
+    dims = [int(d) for d in match.group(1).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if match.group(2):
+        ids = ids.transpose([int(p) for p in match.group(2).split(",")])
+    return ids.reshape(-1)
+
+
+def replica_groups(attributes: str) -> list[list[int]]:
+    """The device groups of a collective: explicit ({{0,1},{2,3}}), iota ([2,2]<=[4]T(1,0)) or mesh form
+    (mesh['axis_0'=2,'axis_1'=4], device_ids=([8]) {'axis_1'}); collective-permute's source-target pairs."""
+    if (pairs := re.search(r"source_target_pairs=\{(.*?)\}\}", attributes)) is not None:
+        return [[int(x) for x in pair.split(",")] for pair in re.findall(r"\{(\d+,\d+)", pairs.group(0))]
+    if (explicit := re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attributes)) is not None:
+        return [[int(x) for x in group.split(",") if x] for group in re.findall(r"\{([0-9,]*)\}", explicit.group(1))]
+    if (iota := re.search(r"replica_groups=\[(\d+),(\d+)\]<=(\[[0-9,]+\](?:T\([0-9,]+\))?)", attributes)) is not None:
+        return _iota(iota.group(3)).reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))? \{([^}]*)\}", attributes)
+    if mesh is None:
+        raise ValueError(f"unrecognised replica groups in {attributes[:300]!r}")
+    axes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))}
+    devices = math.prod(axes.values())
+    ids = _iota(mesh.group(2)) if mesh.group(2) else np.arange(devices)
+    # Every axis split into (major, listed sub-axis, minor) parts: "'a':(k)m" is the sub-axis of size m
+    # with stride k (Shardy's notation); a whole axis is its own sub-axis.
+    dims, grouped = [], []
+    listed = dict.fromkeys(axes)
+    for item in re.findall(r"'(\w+)'(?::\((\d+)\)(\d+))?", mesh.group(3)):
+        listed[item[0]] = (int(item[1]), int(item[2])) if item[1] else (1, axes[item[0]])
+    for name, size in axes.items():
+        if listed[name] is None:
+            dims.append(size)
+            continue
+        stride, sub = listed[name]
+        dims.extend([size // (stride * sub), sub, stride])
+        grouped.append(len(dims) - 2)
+    grid = ids.reshape(dims)
+    kept = [d for d in range(len(dims)) if d not in grouped]
+    return grid.transpose(kept + grouped).reshape(-1, math.prod(dims[d] for d in grouped)).tolist()
+
+
+def _collective_bytes(kind: str, operand_bytes: float, group: int) -> float:
+    if kind == "all-gather":
+        return (group - 1) * operand_bytes
+    if kind == "all-reduce":
+        return 2.0 * (group - 1) / group * operand_bytes
+    if kind == "collective-permute":
+        return operand_bytes
+    return (group - 1) / group * operand_bytes  # reduce-scatter, all-to-all
+
+
+def hlo_cost(hlo: str, mesh_axes: dict[str, int], granule_of: Callable[[int], int] = lambda device: 0) -> HloCost:
+    """The cost of one call of the compiled SPMD program `hlo` for one device. mesh_axes: the mesh's axis sizes
+    in order (device i of a group is the mesh's i-th device in row-major order, jit's device assignment);
+    granule_of: the slice or host of the mesh's i-th device (groups spanning two are `remote`)."""
+    computations, entry = _computations(hlo)
+    runs, fused, unknown = _multiplicities(computations, entry)
+    shapes = {i.name: i.shape for instructions in computations.values() for i in instructions}
+    names, sizes = list(mesh_axes), list(mesh_axes.values())
+    flops = hbm = 0.0
+    calls = 0
+    moved: dict[Collective, float] = defaultdict(float)
+    for name, instructions in computations.items():
+        count = runs.get(name, 0.0)
+        if count == 0:
+            continue
+        for instruction in instructions:
+            opcode = instruction.opcode
+            if opcode in ("dot", "convolution"):
+                flops += count * _dot_flops(instruction, shapes)
+            calls += int(count) * (opcode == "custom-call")
+            if name not in fused and opcode not in _NO_TRAFFIC:
+                hbm += count * (_array_bytes(instruction.shape)
+                                + sum(_array_bytes(shapes.get(operand, "")) for operand in instruction.operands))
+            kind = opcode.removesuffix("-start")
+            if kind not in COLLECTIVE_KINDS:
+                continue
+            groups = replica_groups(instruction.attributes)
+            coordinates = [np.array(np.unravel_index(group, sizes)) for group in groups]
+            axes = tuple(names[a] for a in range(len(names)) if any(len(set(c[a])) > 1 for c in coordinates))
+            remote = any(len({granule_of(device) for device in group}) > 1 for group in groups)
+            operand_bytes = sum(_array_bytes(shapes[operand]) for operand in instruction.operands)
+            group_size = 2 if kind == "collective-permute" else max(len(group) for group in groups)
+            moved[Collective(kind, axes, remote)] += count * _collective_bytes(kind, operand_bytes, group_size)
+    return HloCost(flops, hbm, dict(moved), calls, unknown)
