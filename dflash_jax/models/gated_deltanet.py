@@ -5,7 +5,8 @@ x → in_proj_qkv → causal depthwise conv (K=4) + SiLU → q, k, v heads (held
 conv1d_q/k/v, the row blocks of HF's fused in_proj_qkv and conv1d: each splits on its own heads, so tensor
 parallelism over heads never reshuffles channels between q, k and v); q, k L2-normalised (eps added to Σx²),
 q scaled by dk^-0.5, key heads repeat-interleaved onto value heads; β = sigmoid(in_proj_b x);
-g = −exp(A_log)·softplus(in_proj_a x + dt_bias) in fp32; gated delta rule (fp32); per-head RMSNorm (plain w)
+g = −exp(A_log)·softplus(in_proj_a x + dt_bias) in fp32; gated delta rule (fp32 state; its chunk products in the
+dtype `ops/gated_delta.delta_rule_matmuls` sets, fp32 by default); per-head RMSNorm (plain w)
 gated by silu(in_proj_z x); out_proj. Conv and recurrent state restart at every packed-segment boundary.
 Decoding carries the conv's last K−1 inputs and the recurrent state from call to call (`RecurrentCache`).
 """
@@ -20,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.models.layers import Linear, param
-from dflash_jax.ops.gated_delta import chunked_gated_delta_rule, segment_starts
+from dflash_jax.ops.gated_delta import chunked_gated_delta_rule, segment_starts, traced_matmul_dtype
 from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, constrain
 
 _L2_EPS = 1e-6  # transformers `l2norm` default, added to the sum of squares
@@ -147,7 +148,8 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # log-decay ≤ 0, fp32
 
         q, k, v = (constrain(t, ROWS_HEADS) for t in (q, k, v))
-        out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state)
+        out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state,
+                                              matmul_dtype=traced_matmul_dtype())
         if cache is not None:
             kept = cache.conv_inputs.shape[1]
             fused = jnp.concatenate(conv_inputs, axis=-1).astype(cache.conv_inputs.dtype)

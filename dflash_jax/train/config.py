@@ -43,6 +43,10 @@ def base_config() -> ConfigDict:
     config.target_dir = placeholder(str)
     config.tokenizer_dir = placeholder(str)  # default: target_dir
     config.target_dtype = "bfloat16"  # frozen target weights and its forward
+    # The products inside a hybrid target's Gated DeltaNet chunks (design §8.3): "bfloat16" operands with fp32
+    # accumulation (tensor-core speed), "float32" (exact, Precision.HIGHEST), "auto" = bfloat16 on TPU and GPU,
+    # float32 on CPU. The recurrent state, the triangular inverse and the state carried across chunks stay fp32.
+    config.target_matmul_dtype = "auto"
     config.compute_dtype = "bfloat16"  # drafter compute; its weights and optimizer state stay fp32 (design §7)
 
     # Drafter (design §3, §11). None = derived from the target: hidden size (must equal the target's),
