@@ -3,6 +3,7 @@ shardings; no weight is read), its memory per device, and its step time predicte
 asks of each resource (design §13):
 
     dflash-jax plan --config configs/qwen27b.py --topology v5p-64 [--mesh data=1,fsdp=32,tensor=1] [--hbm_gib 95]
+    dflash-jax plan --config configs/qwen27b.py --topology gpu:H200x8x4 --compare [--layouts fsdp,tensor]
 
 `python -m dflash_jax.plan` is the same command. --topology names a Cloud TPU slice (v5p-64, v6e-64, or
 libtpu's own v5p:2x4x4), compiled by libtpu without any TPU attached (`pip install 'dflash-jax[tpu]'`), a GPU
@@ -36,7 +37,7 @@ from dflash_jax.errors import ConfigError, UserError
 from dflash_jax.hlo_cost import HloCost, hlo_cost
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.roofline import Roofline, format_roofline, roofline
-from dflash_jax.sharding import TARGET_LAYOUTS, batch_sharding, state_shardings
+from dflash_jax.sharding import TARGET_LAYOUTS, auto_target_layout, batch_sharding, state_shardings
 from dflash_jax.train import flops, validate
 from dflash_jax.train.state import state_spec
 from dflash_jax.train.step import BATCH_KEYS, make_step
@@ -59,6 +60,12 @@ _MESH = flags.DEFINE_string("mesh", None, "Mesh sizes, e.g. data=1,fsdp=32,tenso
                             flag_values=FLAGS)
 _HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Memory budget per device in GiB (default: config.hbm_gib, else "
                               "the device kind's HBM).", flag_values=FLAGS)
+_COMPARE = flags.DEFINE_bool("compare", False, "Plan every target layout and mesh the topology allows (plan_compare.py) "
+                              "and rank them by predicted step time.", flag_values=FLAGS)
+_LAYOUTS = flags.DEFINE_string("layouts", ",".join(TARGET_LAYOUTS), "--compare: the target layouts to try.",
+                               flag_values=FLAGS)
+_TENSOR_SIZES = flags.DEFINE_string("tensor_sizes", "1,2,4,8", "--compare: the mesh.tensor sizes to try.",
+                                    flag_values=FLAGS)
 flags.mark_flags_as_required(["config"], flag_values=FLAGS)
 
 
@@ -69,7 +76,7 @@ class Plan(NamedTuple):
     device_kind: str
     mesh: dict[str, int]
     rows_per_device: float  # rows of the global batch per (data, fsdp) shard, which `tensor` devices share
-    target_layout: str  # config.target_layout
+    target_layout: str  # config.target_layout ("auto" settled: sharding.auto_target_layout)
     target_bytes: int  # the frozen target's weights
     target_bytes_by_layout: dict[str, int]  # what they would take in each layout (dflash_jax/sharding.py)
     params_bytes: int  # the drafter's fp32 weights
@@ -169,6 +176,12 @@ def device_memory_gib(device) -> float | None:
     return stats["bytes_limit"] / GIB if stats and "bytes_limit" in stats else None
 
 
+def target_bytes_by_layout(target_state, mesh) -> dict[str, int]:
+    """What the target's weights take per device in each layout (sharding.TARGET_LAYOUTS)."""
+    return {layout: _per_device_bytes(_abstract(target_state, state_shardings(target_state, mesh, layout)))
+            for layout in TARGET_LAYOUTS}
+
+
 def _per_device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
                for x in jax.tree.leaves(tree))
@@ -195,34 +208,35 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
     attention_impl = resolve_attention_impl(config.attention_impl, platform)
     validate.validate_batch_layout(config, mesh.shape["data"] * mesh.shape["fsdp"])
     validate.validate_target_layout(config)
+    config = ConfigDict(config.to_dict())  # a copy: the mask token and the layout may be settled below
     if config.drafter.mask_token_id is None:  # no tokenizer is read; the mask token's id changes no shape
-        config = ConfigDict(config.to_dict())
         config.drafter.mask_token_id = 0
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer=None)
     target = family_of(target_config).abstract_model(target_config, param_dtype=validate.dtype_of(config.target_dtype),
                                    attention_impl=attention_impl, mesh=mesh)
     target_graphdef, target_state = nnx.split(target)
+    by_layout = target_bytes_by_layout(target_state, mesh)
+    kind = mesh.devices.flat[0].device_kind
+    chip = chip or chip_of_kind(kind)
+    if hbm_gib is None:
+        hbm_gib = next((gib for name, gib in HBM_GIB if name in kind.lower()), None)
+    if hbm_gib is None and chip is not None:
+        hbm_gib = chip.hbm_bytes / GIB
+    if config.target_layout == "auto":
+        config.target_layout = auto_target_layout(by_layout, None if hbm_gib is None else hbm_gib * GIB)
     target_shardings = state_shardings(target_state, mesh, config.target_layout)
     spec = state_spec(drafter_config, config, attention_impl, mesh)
     step = make_step(config, drafter_config, spec, target_graphdef, target_shardings, mesh)
     shape = (config.data.batch_size, config.data.seq_len)
     batch = {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh)) for key in BATCH_KEYS}
     target_abstract = _abstract(target_state, target_shardings)
-    by_layout = {layout: _per_device_bytes(_abstract(target_state, state_shardings(target_state, mesh, layout)))
-                 for layout in TARGET_LAYOUTS}
     compiled = step.train_step.lower(spec.abstract, target_abstract, batch).compile()
 
     memory = compiled.memory_analysis()
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-    kind = mesh.devices.flat[0].device_kind
     total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
              + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
-    chip = chip or chip_of_kind(kind)
-    if hbm_gib is None:
-        hbm_gib = next((gib for name, gib in HBM_GIB if name in kind.lower()), None)
-    if hbm_gib is None and chip is not None:
-        hbm_gib = chip.hbm_bytes / GIB
     hlo = compiled.as_text()
     granules = _granules(mesh, devices_per_host)
     cost = hlo_cost(hlo, dict(mesh.shape), granules.__getitem__)
@@ -318,9 +332,10 @@ def _mesh_sizes(text: str) -> dict[str, int]:
         sizes = {key.strip(): int(value) for key, value in (part.split("=") for part in text.split(","))}
     except ValueError:
         raise UserError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T") from None
-    unknown = set(sizes) - {"data", "fsdp", "tensor"}
+    unknown = set(sizes) - {"data", "fsdp", "tensor", "dcn_data"}
     if unknown:
-        raise UserError(f"--mesh {text!r}: unknown axes {sorted(unknown)}; the axes are data, fsdp, tensor")
+        raise UserError(f"--mesh {text!r}: unknown axes {sorted(unknown)}; the axes are data, fsdp, tensor "
+                        f"(and dcn_data, the slices or hosts the data axis also spans)")
     return sizes
 
 
@@ -329,10 +344,20 @@ def main() -> None:
     if _MESH.value:
         config.mesh.update(_mesh_sizes(_MESH.value))
     target_config = target_architecture(config, config_flags.get_config_filename(FLAGS["config"]))
-    mesh = validate.mesh_from_config(config, topology_devices(_TOPOLOGY.value))
+    devices = topology_devices(_TOPOLOGY.value)
     cluster = gpu_cluster(_TOPOLOGY.value)
-    plan = plan_train_step(config, target_config, mesh, _HBM_GIB.value or config.hbm_gib,
-                           cluster.chip if cluster else None, cluster.per_host if cluster else None)
+    chip, per_host = (cluster.chip, cluster.per_host) if cluster else (None, None)
+    if _COMPARE.value:
+        from dflash_jax import plan_compare  # it plans each candidate with this module's plan_train_step
+
+        granules = cluster.hosts if cluster else len({getattr(d, "slice_index", d.process_index) for d in devices})
+        candidates = plan_compare.compare_plans(
+            config, target_config, devices, granules, plan_compare.check_layouts(_LAYOUTS.value),
+            plan_compare.parse_sizes(_TENSOR_SIZES.value), _HBM_GIB.value or config.hbm_gib, chip, per_host)
+        print(plan_compare.format_comparison(candidates))
+        return
+    mesh = validate.mesh_from_config(config, devices)
+    plan = plan_train_step(config, target_config, mesh, _HBM_GIB.value or config.hbm_gib, chip, per_host)
     print(format_plan(plan))
     check_budget(plan)
 

@@ -17,6 +17,8 @@ from flax import nnx
 from dflash_jax.errors import UserError
 from dflash_jax.hlo_cost import Collective, replica_groups
 from dflash_jax.plan import check_budget, format_plan, plan_train_step, slice_topology, target_architecture, topology_devices
+from dflash_jax.plan_compare import compare_plans, format_comparison
+from dflash_jax.sharding import auto_target_layout
 from dflash_jax.train import flops, validate
 from dflash_jax.train.loop import train
 from dflash_jax.weights.targets import load_target
@@ -33,7 +35,7 @@ def files(tmp_path_factory):
 def test_plan_on_simulated_devices_matches_the_shardings_and_the_flop_model(files):
     # LM head chunks that divide their axes (56 drafted slots a row, 640 tokens): no padded work, which the
     # compiler counts and the model does not.
-    config = tiny_config(files["target"], files["corpus"], **{
+    config = tiny_config(files["target"], files["corpus"], target_layout="fsdp", **{
         "data.batch_size": 8, "mesh.fsdp": 8, "drafter.mask_token_id": 0, "loss.row_chunk": 28,
         "loss.vocab_chunk": 320})
     target_config = target_architecture(config)
@@ -62,12 +64,13 @@ def test_plan_on_simulated_devices_matches_the_shardings_and_the_flop_model(file
 
 def test_plan_shows_what_each_target_layout_puts_on_a_device(files):
     """On data=1, fsdp=4, tensor=2: "replicate" holds the whole target per device, "tensor" half of it (the
-    norms stay whole), "fsdp" about an eighth; the step compiles with the chosen one."""
-    config = tiny_config(files["target"], files["corpus"], target_layout="tensor",
-                         **{"data.batch_size": 4, "mesh.fsdp": 4, "mesh.tensor": 2, "drafter.mask_token_id": 0})
-    plan = plan_train_step(config, target_architecture(config), mesh_of(1, 4, 2))
-    target, _ = load_target(config.target_dir, param_dtype=jnp.float32)
+    norms stay whole), "fsdp" about an eighth. With a budget of 1.5 whole targets, "auto" (the default) settles
+    on "tensor": the whole target would take more than the half of a device it may, half of it does not."""
+    target, _ = load_target(str(files["target"]), param_dtype=jnp.float32)
     whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(target)))
+    config = tiny_config(files["target"], files["corpus"], target_layout="auto",
+                         **{"data.batch_size": 4, "mesh.fsdp": 4, "mesh.tensor": 2, "drafter.mask_token_id": 0})
+    plan = plan_train_step(config, target_architecture(config), mesh_of(1, 4, 2), hbm_gib=1.5 * whole / 2**30)
     layouts = plan.target_bytes_by_layout
     assert layouts["replicate"] == whole
     assert whole / 2 <= layouts["tensor"] < 0.55 * whole
@@ -75,6 +78,11 @@ def test_plan_shows_what_each_target_layout_puts_on_a_device(files):
     assert plan.target_layout == "tensor" and plan.target_bytes == layouts["tensor"]
     assert plan.total_bytes >= plan.target_bytes
     assert re.search(r"target weights .*\(tensor layout; fsdp: .*, replicate: ", format_plan(plan))
+    # "auto" on the same sizes: replicate where the whole target fits in half a device, fsdp where even half
+    # of it does not, and fsdp where the devices report no memory.
+    assert auto_target_layout(layouts, 2 * whole) == "replicate"
+    assert auto_target_layout(layouts, whole / 2) == "fsdp"
+    assert auto_target_layout(layouts, None) == "fsdp"
 
 
 def test_temporaries_do_not_grow_with_target_depth_and_layers_gather_their_weights(files, tmp_path):
@@ -160,26 +168,44 @@ def _libtpu_or_skip():
 
 
 @pytest.mark.tpu_plan
-def test_deviceless_tpu_temporaries_do_not_grow_with_chips():
+def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the_layouts():
     """A 27B-shaped step (every 27B width, one period of 4 target layers, T = 1024, 64 anchors, one row per
     chip) on v5p slices of 8 and 32 chips: with the activations pinned to their rows, a chip's temporaries
-    are its own rows' activations plus one layer's gathered weights, whatever the number of chips."""
+    are its own rows' activations plus one layer's gathered weights, whatever the number of chips. On 32 chips
+    `plan --compare` (fsdp and tensor layouts, fsdp = 32) ranks both by predicted step time: the fsdp layout
+    all-gathers the target's weights over ICI every step, the tensor layout (a whole copy per chip at tensor = 1)
+    does not; nothing crosses DCN on one slice."""
     _libtpu_or_skip()
     config, target_config = _qwen27b(4)
     config.drafter.target_layer_ids = (0, 1, 2)
     config.drafter.num_feature_layers = 3
     config.data.seq_len = 1024
-    plans = {}
-    for chips in (8, 32):
-        config.mesh.update(data=1, fsdp=chips, tensor=1)
-        config.data.batch_size = chips
-        mesh = validate.mesh_from_config(config, topology_devices(f"v5p-{2 * chips}"))
-        plans[chips] = plan_train_step(config, target_config, mesh)
-        assert plans[chips].device_kind.startswith("TPU v5") and plans[chips].rows_per_device == 1
-    small, large = plans[8], plans[32]
+    config.target_layout = "fsdp"
+    config.mesh.update(data=1, fsdp=8, tensor=1)
+    config.data.batch_size = 8
+    small = plan_train_step(config, target_config, validate.mesh_from_config(config, topology_devices("v5p-16")))
+    config.data.batch_size = 32
+    candidates = compare_plans(config, target_config, topology_devices("v5p-64"), 1, ("fsdp", "tensor"), (1,))
+    assert [c.mesh for c in candidates] == [dict(data=1, fsdp=32, tensor=1, dcn_data=1)] * 2
+    plans = {c.layout: c.plan for c in candidates}
+    assert all(c.plan is not None and not c.reason for c in candidates), [c.reason for c in candidates]
+    times = [c.plan.roofline.step_seconds for c in candidates]
+    assert times == sorted(times, key=lambda t: (t[1], t[0]))  # best first: no-overlap time, then overlap
+    large = plans["fsdp"]
+    for plan in (small, large):
+        assert plan.device_kind.startswith("TPU v5") and plan.rows_per_device == 1 and plan.cost.unknown_loops == 0
     assert abs(large.temp_bytes / small.temp_bytes - 1) < 0.10, (small.temp_bytes, large.temp_bytes)
     assert large.target_bytes < small.target_bytes / 3  # the weights are split four times finer
     np.testing.assert_allclose(large.model_flops / 32, small.model_flops / 8)
+    gathered = {layout: sum(size for key, size in plan.cost.collective_bytes.items()
+                            if key.kind == "all-gather" and "fsdp" in key.axes) for layout, plan in plans.items()}
+    whole = plans["tensor"].target_bytes  # tensor = 1: the whole target on each chip
+    assert gathered["fsdp"] >= 0.9 * whole * 31 / 32 > 10 * gathered["tensor"], (gathered, whole)
+    for plan in plans.values():
+        assert plan.roofline.link_bytes["dcn"] == 0 and plan.roofline.link_bytes["ici"] > 0
+        assert plan.cost.flops == pytest.approx(plan.model_flops / 32, rel=0.25)  # splash kernels uncounted
+    table = format_comparison(candidates)
+    assert "| fsdp | data=1,fsdp=32,tensor=1,dcn_data=1 |" in table and "ici " in table and "best: " in table
 
 
 def test_train_with_plan_only_stops_before_reading_weights(files, tmp_path):

@@ -30,7 +30,7 @@ from dflash_jax.models.dflash import TargetContext, target_context
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, anchor_utilisation, anchor_validity, slot_mask
 from dflash_jax.ops.gated_delta import delta_rule_matmuls
-from dflash_jax.sharding import BATCH_AXES, batch_sharding, layout_rules, replicated
+from dflash_jax.sharding import BATCH_AXES, TARGET_LAYOUTS, batch_sharding, layout_rules, replicated
 from dflash_jax.train.loss import dflash_loss, lm_head_cross_entropy, position_weights, trained_slot_count
 from dflash_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from dflash_jax.train.state import StateSpec, TrainState
@@ -56,6 +56,9 @@ def anchor_grid(config: ConfigDict) -> AnchorGrid:
 
 def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec, target_graphdef: nnx.GraphDef,
               target_shardings: nnx.State, mesh: Mesh) -> StepFunctions:
+    if config.target_layout not in TARGET_LAYOUTS:
+        raise ValueError(f"config.target_layout {config.target_layout!r} must be settled to one of "
+                         f"{list(TARGET_LAYOUTS)} before the step is made (plan.py settles 'auto')")
     grid = anchor_grid(config)
     anchors, block = grid.anchors, grid.block_size
     weights = jnp.asarray(position_weights(block, config.loss.gamma))

@@ -146,8 +146,9 @@ def check_fields(config: ConfigDict) -> None:
 
 
 def validate_target_layout(config: ConfigDict) -> None:
-    _require(config.target_layout in TARGET_LAYOUTS,
-             f"config.target_layout must be one of {list(TARGET_LAYOUTS)}, got {config.target_layout!r}")
+    choices = ["auto", *TARGET_LAYOUTS]
+    _require(config.target_layout in choices,
+             f"config.target_layout must be one of {choices}, got {config.target_layout!r}")
 
 
 def validate_data_files(config: ConfigDict) -> None:
