@@ -10,11 +10,11 @@ libtpu's own v5p:2x4x4), compiled by libtpu without any TPU attached (`pip insta
 cluster gpu:<chip>x<GPUs per host>x<hosts> (gpu:H200x8x4; compiled for that many simulated CPU devices, hosts
 being consecutive blocks of them), or cpu:N for N simulated CPU devices; without it, the devices this host has.
 The roofline (roofline.py) divides the step's FLOPs, HBM bytes and collective bytes on each link (read from the
-compiled HLO with loop bodies times their trip counts: hlo_cost.py) by the chip's published peaks (chips.py). The target's architecture is read
-from config.target_dir's config.json (no weights), or, without a target_dir, from the config file's
-`target_config()` (configs/qwen27b.py). Over the budget (--hbm_gib, default the device kind's memory) it
-fails naming the step's largest arrays. `dflash-jax train` runs the same check before loading any weights
-when the devices report their memory; config.plan_only=True stops it there.
+compiled HLO with loop bodies times their trip counts: hlo_cost.py) by the chip's published peaks (chips.py).
+The target's architecture is read from config.target_dir's config.json (no weights), or, without a
+target_dir, from the config file's `target_config()` (configs/qwen27b.py). Over the budget (--hbm_gib,
+default the device kind's memory) it fails naming the step's largest arrays. `dflash-jax train` runs the same
+check before loading any weights when the devices report their memory; config.plan_only=True stops it there.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ _MESH = flags.DEFINE_string("mesh", None, "Mesh sizes, e.g. data=1,fsdp=32,tenso
                             flag_values=FLAGS)
 _HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Memory budget per device in GiB (default: config.hbm_gib, else "
                               "the device kind's HBM).", flag_values=FLAGS)
-_COMPARE = flags.DEFINE_bool("compare", False, "Plan every target layout and mesh the topology allows (plan_compare.py) "
-                              "and rank them by predicted step time.", flag_values=FLAGS)
+_COMPARE = flags.DEFINE_bool("compare", False, "Plan every target layout and mesh the topology allows "
+                              "(plan_compare.py) and rank them by predicted step time.", flag_values=FLAGS)
 _LAYOUTS = flags.DEFINE_string("layouts", ",".join(TARGET_LAYOUTS), "--compare: the target layouts to try.",
                                flag_values=FLAGS)
 _TENSOR_SIZES = flags.DEFINE_string("tensor_sizes", "1,2,4,8", "--compare: the mesh.tensor sizes to try.",

@@ -21,6 +21,7 @@ from dflash_jax.chips import Chip
 from dflash_jax.errors import ConfigError
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.plan import GIB, Plan, plan_train_step, target_bytes_by_layout
+from dflash_jax.roofline import format_bytes, format_seconds
 from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
 from dflash_jax.train import validate
 from dflash_jax.weights.families import family_of
@@ -102,10 +103,10 @@ def format_comparison(candidates: list[Candidate]) -> str:
             continue
         line = plan.roofline
         fastest, slowest = line.step_seconds
-        links = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in line.link_bytes.items())
-        lines.append(f"| {candidate.layout} | {mesh} | {plan.total_bytes / GIB:.1f} GiB | {links} | {fastest:.3f} - "
-                     f"{slowest:.3f} s | {line.mfu(slowest):.0%} - {line.mfu(fastest):.0%} | {line.bound} | "
-                     f"{candidate.reason} |")
+        links = ", ".join(f"{name} {format_bytes(size)}" for name, size in line.link_bytes.items())
+        lines.append(f"| {candidate.layout} | {mesh} | {format_bytes(plan.total_bytes)} | {links} | "
+                     f"{format_seconds(fastest)} - {format_seconds(slowest)} | {line.mfu(slowest):.0%} - "
+                     f"{line.mfu(fastest):.0%} | {line.bound} | {candidate.reason} |")
     best = candidates[0] if candidates and _rank(candidates[0])[0] == 0 else None
     if best is None:
         lines.append("no candidate fits")

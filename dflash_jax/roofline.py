@@ -47,17 +47,17 @@ def roofline(cost: HloCost, model_flops: float, chip: Chip, tokens_per_step: int
     return Roofline(chip, seconds, link_bytes, model_flops, tokens_per_step, steps)
 
 
-def _duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
     if seconds >= 86400:
         return f"{seconds / 86400:.1f} d"
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
-def _seconds(seconds: float) -> str:
+def format_seconds(seconds: float) -> str:
     return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.2f} MiB"
 
 
@@ -67,20 +67,21 @@ def format_roofline(line: Roofline, cost: HloCost) -> list[str]:
     local, remote = chip.local_link, chip.remote_link
     peaks = {"compute": f"{chip.bf16_flops / 1e12:g} TFLOP/s", "hbm": f"{chip.hbm_bandwidth / 1e9:g} GB/s",
              local: f"{chip.local_bandwidth / 1e9:g} GB/s", remote: f"{chip.remote_bandwidth / 1e9:g} GB/s"}
-    amounts = {"compute": f"{max(line.model_flops, cost.flops):.3g} FLOP", "hbm": _bytes(cost.hbm_bytes),
-               local: _bytes(line.link_bytes[local]), remote: _bytes(line.link_bytes[remote])}
+    amounts = {"compute": f"{max(line.model_flops, cost.flops):.3g} FLOP", "hbm": format_bytes(cost.hbm_bytes),
+               local: format_bytes(line.link_bytes[local]), remote: format_bytes(line.link_bytes[remote])}
     lines = [f"roofline per device on {chip.name} (peaks: {chip.source}):"]
-    lines.extend(f"  {name:<8} {amounts[name]:>14} at {peaks[name]:>14}: {_seconds(seconds):>9}"
+    lines.extend(f"  {name:<8} {amounts[name]:>14} at {peaks[name]:>14}: {format_seconds(seconds):>9}"
                  for name, seconds in line.seconds.items())
     for collective, size in sorted(cost.collective_bytes.items(), key=lambda item: -item[1]):
         if size:
             axes = ",".join(collective.axes) or "-"
             lines.append(f"    {collective.kind:<18} over {axes:<18} {remote if collective.remote else local:<7} "
-                         f"{_bytes(size):>12}")
-    lines.append(f"  bound: {line.bound}; step {_seconds(fastest)} - {_seconds(slowest)} (perfect overlap - none), "
-                 f"MFU {line.mfu(slowest):.0%}-{line.mfu(fastest):.0%}, "
+                         f"{format_bytes(size):>12}")
+    lines.append(f"  bound: {line.bound}; step {format_seconds(fastest)} - {format_seconds(slowest)} (perfect overlap "
+                 f"- none), MFU {line.mfu(slowest):.0%}-{line.mfu(fastest):.0%}, "
                  f"{line.tokens_per_step / slowest:,.0f}-{line.tokens_per_step / fastest:,.0f} tokens/s, "
-                 f"{line.steps} steps in {_duration(fastest * line.steps)}-{_duration(slowest * line.steps)}")
+                 f"{line.steps} steps in {format_duration(fastest * line.steps)}-"
+                 f"{format_duration(slowest * line.steps)}")
     if cost.custom_calls:
         lines.append(f"  ({cost.custom_calls} kernel calls per step, whose FLOPs only the model count has)")
     if cost.unknown_loops:

@@ -20,8 +20,8 @@ from tests.command import REPO
 def test_gpu_step_benchmark_runs_tiny_on_two_cpu_devices(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", OUT=str(tmp_path / "out"))
     result = subprocess.run([sys.executable, "-m", "bench.gpu_step", "--tiny", "--steps", "2", "--warmup", "1",
-                             "--peak-tflops", "1.0", "--chip", "H200"], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=600)
+                             "--peak-tflops", "1.0", "--chip", "H200"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads((tmp_path / "out" / "gpu_step.json").read_text())
     assert figures["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1} and figures["attention_impl"] == "xla"

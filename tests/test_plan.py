@@ -56,7 +56,8 @@ def test_plan_on_simulated_devices_matches_the_shardings_and_the_flop_model(file
     # loss chunks) are the model's count; its own cost analysis, each body once, falls far short.
     assert plan.cost.flops == pytest.approx(plan.model_flops / 8, rel=0.05)
     assert plan.xla_flops < 0.8 * plan.model_flops / 8
-    assert plan.cost.unknown_loops == 0 and plan.roofline is None  # no peaks for a CPU    assert plan.largest and plan.largest[0][0] >= plan.largest[-1][0]
+    assert plan.cost.unknown_loops == 0 and plan.roofline is None  # no peaks for a CPU
+    assert plan.largest and plan.largest[0][0] >= plan.largest[-1][0]
     check_budget(plan)  # 1 GiB is plenty
     with pytest.raises(UserError, match=r"over the 0\.0 GiB budget; largest arrays: \S+\["):
         check_budget(plan._replace(hbm_bytes=1024))
