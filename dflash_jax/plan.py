@@ -191,7 +191,7 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def _granules(mesh, devices_per_host: int | None) -> list[int]:
+def mesh_granules(mesh, devices_per_host: int | None) -> list[int]:
     """The slice or host of each of the mesh's devices in row-major order: a simulated cluster's hosts are
     blocks of `devices_per_host` consecutive device ids; otherwise a TPU's slice, else its process."""
     devices = list(mesh.devices.flat)
@@ -238,7 +238,7 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
     total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
              + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
     hlo = compiled.as_text()
-    granules = _granules(mesh, devices_per_host)
+    granules = mesh_granules(mesh, devices_per_host)
     cost = hlo_cost(hlo, dict(mesh.shape), granules.__getitem__)
     model_flops = flops.train_step_flops(config, target_config, drafter_config)
     tokens = config.data.batch_size * config.data.seq_len

@@ -15,10 +15,11 @@ import pytest
 from flax import nnx
 
 from dflash_jax.errors import UserError
-from dflash_jax.hlo_cost import Collective, replica_groups
-from dflash_jax.plan import check_budget, format_plan, plan_train_step, slice_topology, target_architecture, topology_devices
+from dflash_jax.hlo_cost import Collective, hlo_cost, replica_groups
+from dflash_jax.plan import (check_budget, format_plan, gpu_cluster, mesh_granules, plan_train_step, slice_topology,
+                             target_architecture, topology_devices)
 from dflash_jax.plan_compare import compare_plans, format_comparison
-from dflash_jax.sharding import auto_target_layout
+from dflash_jax.sharding import auto_target_layout, make_mesh
 from dflash_jax.train import flops, validate
 from dflash_jax.train.loop import train
 from dflash_jax.weights.targets import load_target
@@ -142,6 +143,67 @@ def test_replica_groups_in_each_of_xla_forms():
     assert replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1':(2)2}") == [[0, 2], [1, 3], [4, 6],
                                                                                           [5, 7]]
     assert replica_groups("source_target_pairs={{0,1},{1,0}}, channel_id=3") == [[0, 1], [1, 0]]
+
+
+# A loop of 5 iterations on 8 devices (2 hosts of 4, mesh data=2 x fsdp=4): a [4,8]x[8,16] matmul, an
+# all-reduce of 32 bytes across the hosts (groups {i, i+4}) and an all-gather of 32 bytes within them.
+LOOP_HLO = """HloModule loop, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%body (state: (s32[], f32[8], f32[4,8], f32[8,16])) -> (s32[], f32[8], f32[4,8], f32[8,16]) {
+  %state = (s32[], f32[8]{0}, f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %v = f32[8]{0} get-tuple-element(%state), index=1
+  %a = f32[4,8]{1,0} get-tuple-element(%state), index=2
+  %b = f32[8,16]{1,0} get-tuple-element(%state), index=3
+  %product = f32[4,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %reduced = f32[8]{0} all-reduce(%v), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
+  %gathered = f32[32]{0} all-gather(%v), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+  ROOT %next = (s32[], f32[8]{0}, f32[4,8]{1,0}, f32[8,16]{1,0}) tuple(%i, %reduced, %a, %b)
+}
+
+%cond (state: (s32[], f32[8], f32[4,8], f32[8,16])) -> pred[] {
+  %state = (s32[], f32[8]{0}, f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %five = s32[] constant(5)
+  ROOT %less = pred[] compare(%i, %five), direction=LT
+}
+
+ENTRY %main (init: (s32[], f32[8], f32[4,8], f32[8,16])) -> (s32[], f32[8], f32[4,8], f32[8,16]) {
+  %init = (s32[], f32[8]{0}, f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  ROOT %loop = (s32[], f32[8]{0}, f32[4,8]{1,0}, f32[8,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+}
+"""
+
+
+def test_hlo_cost_counts_loop_bodies_by_their_trip_count_and_links_by_host():
+    cost = hlo_cost(LOOP_HLO, {"data": 2, "fsdp": 4}, lambda device: device // 4)
+    assert cost.flops == 5 * 2 * 4 * 16 * 8 and cost.unknown_loops == 0
+    assert cost.collective_bytes == {
+        Collective("all-reduce", ("data",), True): 5 * 2 * (2 - 1) / 2 * 32,  # ring: 2 (n - 1)/n x 32 bytes
+        Collective("all-gather", ("fsdp",), False): 5 * (4 - 1) * 32}  # (n - 1) x the 32 bytes each holds
+    # Without the trip count the loop counts once, and says so.
+    once = hlo_cost(LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', ""), {"data": 2, "fsdp": 4})
+    assert once.flops == cost.flops / 5 and once.unknown_loops == 1
+    assert all(not key.remote for key in once.collective_bytes)  # one host by default
+
+
+def test_gpu_cluster_topology_puts_data_parallelism_across_hosts():
+    """--topology gpu:H200x4x2: 8 simulated devices in 2 hosts of 4; mesh.dcn_data = 2 spans the data axis over
+    the hosts, so a mesh row of (fsdp, tensor) devices is one host, and only groups along data leave it."""
+    cluster = gpu_cluster("gpu:H200x4x2")
+    assert (cluster.chip.name, cluster.per_host, cluster.hosts) == ("H200", 4, 2)
+    mesh = make_mesh(data=1, fsdp=2, tensor=2, dcn_data=2, devices=jax.devices("cpu")[:8])
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    hosts = np.array(mesh_granules(mesh, cluster.per_host)).reshape(2, 4)
+    assert (hosts == [[0] * 4, [1] * 4]).all()
+    with pytest.raises(UserError, match=r"expected gpu:<chip>x<GPUs per host>x<hosts>"):
+        gpu_cluster("gpu:B300x8")
 
 
 def test_slice_names_map_to_libtpu_topologies():
