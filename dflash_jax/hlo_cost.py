@@ -4,8 +4,9 @@ HBM bytes and the bytes each collective moves, with every loop body counted as m
 XLA's own `cost_analysis()` counts a while loop's body once (a scanned layer stack of 64 layers as one layer)
 and does not split communication by kind or by the mesh axes it crosses; both decide the step time of a pod.
 
-- Loops: a computation runs (sum over its callers) caller's count x the while loop's `known_trip_count`
-  (XLA's annotation; a loop without one counts once and is reported in `unknown_loops`).
+- Loops: a computation runs (sum over its callers) caller's count x the while loop's trip count: XLA's
+  `known_trip_count` annotation, else the `index < N` of its condition (TPU programs carry no annotation); a
+  loop with neither counts once and is reported in `unknown_loops`.
 - FLOPs: 2 x output elements x contracted size for each `dot`; for a `convolution` (TPU lowers many dots to
   one), 2 x output elements x kernel elements / kernel output features (HloCostAnalysis's count). Elementwise
   work and custom calls (Pallas kernels such as splash attention) are not counted; `custom_calls` says how many
@@ -118,11 +119,13 @@ def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
     for line in hlo.splitlines():
         if line and not line[0].isspace():
             header = _HEADER.match(line) if line.rstrip().endswith("{") else None
-            current = header.group(1) if header else None
-            if current is not None:
+            if header is not None:
+                current = header.group(1)
                 computations[current] = []
                 entry = current if line.startswith("ENTRY") else entry
-            continue
+            elif line.rstrip() == "}":
+                current = None
+            continue  # else the rest of a string that held a line break (op_name metadata)
         if current is not None and (instruction := _parse_instruction(line)) is not None:
             computations[current].append(instruction)
     if entry is None:
@@ -143,28 +146,62 @@ def _callees(instruction: _Instruction) -> list[tuple[str, str]]:
     return found
 
 
+def _constant(instruction: _Instruction | None) -> int | None:
+    match = re.fullmatch(r"(-?\d+)", instruction.operands[0]) if instruction and instruction.opcode == "constant" \
+        else None
+    return int(match.group(1)) if match else None
+
+
+def _trip_count(loop: _Instruction, computations: dict[str, list[_Instruction]],
+                defined: dict[str, _Instruction]) -> int | None:
+    """XLA's known_trip_count; else, for a loop whose condition is `index < N` (TPU prints no annotation),
+    N minus the index's start in the loop's initial tuple (0 when that is not a constant)."""
+    if (known := _TRIP_COUNT.search(loop.attributes)) is not None:
+        return int(known.group(1))
+    condition = dict(_callees(loop)).get("condition")
+    for instruction in computations.get(condition, []):
+        if instruction.opcode == "compare" and "direction=LT" in instruction.attributes:
+            bound = _constant(next((i for i in computations[condition] if i.name == instruction.operands[1]), None))
+            if bound is None:
+                return None
+            initial = defined.get(loop.operands[0])
+            start = _constant(defined.get(initial.operands[0])) if initial and initial.opcode == "tuple" else None
+            return bound - (start or 0)
+    return None
+
+
 def _multiplicities(computations: dict[str, list[_Instruction]], entry: str) -> tuple[dict[str, float], set[str], int]:
     """How many times each computation runs per call of the entry, the fusion bodies, and the number of
-    loops without a known trip count. Callees are printed before their callers, so walking the text backwards
-    visits every caller first."""
-    runs: dict[str, float] = defaultdict(float, {entry: 1.0})
-    fused, unknown = set(), 0
-    for name in reversed(list(computations)):
-        if runs[name] == 0:
-            continue
-        for instruction in computations[name]:
-            trip = _TRIP_COUNT.search(instruction.attributes)
+    loops whose trip count is unknown (counted once). Callers are visited before their callees (a depth-first
+    order of the call graph, reversed), so each computation's count is complete when it is handed on."""
+    defined = {i.name: i for instructions in computations.values() for i in instructions}
+    calls: dict[str, list[tuple[str, float]]] = {}
+    fused = set()
+    for name, instructions in computations.items():
+        calls[name] = []
+        for instruction in instructions:
+            trip = _trip_count(instruction, computations, defined) if instruction.opcode == "while" else 1
             for role, callee in _callees(instruction):
-                if role == "scalar":
-                    continue
-                factor = 1.0
-                if role in ("body", "condition"):
-                    unknown += role == "body" and trip is None
-                    factor = float(trip.group(1)) if trip else 1.0
-                runs[callee] += runs[name] * factor
-                if role == "fused":
-                    fused.add(callee)
-    return runs, fused, unknown
+                if role != "scalar" and callee in computations:
+                    calls[name].append((callee, float(trip or 1)))
+                    fused.update([callee] if role == "fused" else [])
+    order, seen = [], set()
+
+    def visit(name: str) -> None:
+        seen.add(name)
+        for callee, _ in calls[name]:
+            if callee not in seen:
+                visit(callee)
+        order.append(name)
+
+    visit(entry)
+    runs: dict[str, float] = defaultdict(float, {entry: 1.0})
+    for name in reversed(order):
+        for callee, factor in calls[name]:
+            runs[callee] += runs[name] * factor
+    reached = set(order)
+    return runs, fused & reached, sum(1 for name in reached for i in computations[name]
+                                      if i.opcode == "while" and _trip_count(i, computations, defined) is None)
 
 
 def _dot_flops(instruction: _Instruction, shapes: dict[str, str]) -> float:

@@ -146,7 +146,8 @@ def test_replica_groups_in_each_of_xla_forms():
 
 
 # A loop of 5 iterations on 8 devices (2 hosts of 4, mesh data=2 x fsdp=4): a [4,8]x[8,16] matmul, an
-# all-reduce of 32 bytes across the hosts (groups {i, i+4}) and an all-gather of 32 bytes within them.
+# all-reduce of 32 bytes across the hosts (groups {i, i+4}) and an all-gather of 32 bytes within them; one
+# instruction's metadata holds a line break, as XLA prints op names that contain one.
 LOOP_HLO = """HloModule loop, num_partitions=8
 
 %add (x: f32[], y: f32[]) -> f32[] {
@@ -161,7 +162,8 @@ LOOP_HLO = """HloModule loop, num_partitions=8
   %v = f32[8]{0} get-tuple-element(%state), index=1
   %a = f32[4,8]{1,0} get-tuple-element(%state), index=2
   %b = f32[8,16]{1,0} get-tuple-element(%state), index=3
-  %product = f32[4,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %product = f32[4,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="a
+b"}
   %reduced = f32[8]{0} all-reduce(%v), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
   %gathered = f32[32]{0} all-gather(%v), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
   ROOT %next = (s32[], f32[8]{0}, f32[4,8]{1,0}, f32[8,16]{1,0}) tuple(%i, %reduced, %a, %b)
@@ -187,8 +189,11 @@ def test_hlo_cost_counts_loop_bodies_by_their_trip_count_and_links_by_host():
     assert cost.collective_bytes == {
         Collective("all-reduce", ("data",), True): 5 * 2 * (2 - 1) / 2 * 32,  # ring: 2 (n - 1)/n x 32 bytes
         Collective("all-gather", ("fsdp",), False): 5 * (4 - 1) * 32}  # (n - 1) x the 32 bytes each holds
-    # Without the trip count the loop counts once, and says so.
-    once = hlo_cost(LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', ""), {"data": 2, "fsdp": 4})
+    # Without XLA's annotation (TPU programs have none) the trip count is the condition's `index < 5`; with
+    # neither, the loop counts once and says so.
+    unannotated = LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")
+    assert hlo_cost(unannotated, {"data": 2, "fsdp": 4}, lambda device: device // 4) == cost
+    once = hlo_cost(unannotated.replace("compare(%i, %five)", "compare(%i, %i)"), {"data": 2, "fsdp": 4})
     assert once.flops == cost.flops / 5 and once.unknown_loops == 1
     assert all(not key.remote for key in once.collective_bytes)  # one host by default
 
@@ -266,7 +271,9 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the
     assert gathered["fsdp"] >= 0.9 * whole * 31 / 32 > 10 * gathered["tensor"], (gathered, whole)
     for plan in plans.values():
         assert plan.roofline.link_bytes["dcn"] == 0 and plan.roofline.link_bytes["ici"] > 0
-        assert plan.cost.flops == pytest.approx(plan.model_flops / 32, rel=0.25)  # splash kernels uncounted
+        # The compiler's count leaves out the splash kernels and adds padded and masked work (a 4-chip compile
+        # of this shape counted 1.6x the model's); the CPU tests hold it to the model within 5%.
+        assert 0.5 < plan.cost.flops / (plan.model_flops / 32) < 2.5 and plan.cost.custom_calls > 0
     table = format_comparison(candidates)
     assert "| fsdp | data=1,fsdp=32,tensor=1,dcn_data=1 |" in table and "ici " in table and "best: " in table
 
