@@ -12,7 +12,8 @@ and does not split communication by kind or by the mesh axes it crosses; both de
   work and custom calls (Pallas kernels such as splash attention) are not counted; `custom_calls` says how many
   ran.
 - HBM bytes: operands plus outputs of every instruction outside fusion bodies (what a fusion reads and writes
-  reaches memory; its insides do not), the same approximation as XLA's "bytes accessed".
+  reaches memory; its insides do not), dynamic slices and in-place updates counting only the slice, the same
+  approximation as XLA's "bytes accessed".
 - Collectives, per device, for a group of n devices (ring algorithms, the bytes each device sends): all-gather
   (n-1) x its operand; reduce-scatter and all-to-all (n-1)/n of the operand; all-reduce 2 (n-1)/n (a
   reduce-scatter then an all-gather); collective-permute its operand. Each is keyed by the mesh axes its groups
@@ -217,6 +218,55 @@ def _dot_flops(instruction: _Instruction, shapes: dict[str, str]) -> float:
     return 2.0 * outputs * math.prod(kernel) / out_features
 
 
+def _sliced_parameters(body: list[_Instruction], computations: dict[str, list[_Instruction]]) -> dict[int, float]:
+    """Parameter number -> bytes read, for a fusion body's parameters that are only sliced inside it (directly,
+    or in a fusion nested in it)."""
+    numbers = {i.name: int(i.operands[0]) for i in body if i.opcode == "parameter"}
+    users: dict[str, list[_Instruction]] = defaultdict(list)
+    for instruction in body:
+        for operand in instruction.operands:
+            users[operand].append(instruction)
+    sliced = {}
+    for name, number in numbers.items():
+        read = 0.0
+        for use in users.get(name, []) or [None]:
+            if use is not None and use.opcode in ("dynamic-slice", "slice") and use.operands[0] == name:
+                read += _array_bytes(use.shape)
+                continue
+            inner = {} if use is None or use.opcode != "fusion" else _sliced_parameters(
+                computations.get(dict(_callees(use)).get("fused"), []), computations)
+            position = use.operands.index(name) if use is not None and name in use.operands else None
+            if position not in inner:
+                break
+            read += inner[position]
+        else:
+            sliced[number] = read
+    return sliced
+
+
+def _traffic(instruction: _Instruction, shapes: dict[str, str], computations: dict[str, list[_Instruction]]) -> float:
+    """HBM bytes an instruction outside fusion bodies reads and writes: its operands and output, except that a
+    dynamic slice reads only the slice, and a dynamic update (alone or as a fusion's root: the scans' stacked
+    outputs) writes its update into the buffer in place, as XLA's cost analysis counts them."""
+    root = instruction
+    operands = [_array_bytes(shapes.get(operand, "")) for operand in instruction.operands]
+    if instruction.opcode == "fusion":
+        body = computations.get(dict(_callees(instruction)).get("fused"), [])
+        root = body[-1] if body else instruction  # the ROOT instruction is printed last
+        for i, read in _sliced_parameters(body, computations).items():  # a fusion reading only a slice of an operand
+            if i < len(operands):
+                operands[i] = min(operands[i], read)
+    output = _array_bytes(instruction.shape)
+    if root.opcode == "dynamic-slice" and root is instruction:
+        return 2 * output + sum(operands[1:])
+    if root.opcode == "dynamic-update-slice":
+        update = _array_bytes(shapes.get(root.operands[1], ""))
+        buffer = next((i for i, o in enumerate(instruction.operands) if shapes.get(o) == instruction.shape), None)
+        kept = sum(size for i, size in enumerate(operands) if i != buffer)
+        return kept + 2 * update if root is not instruction else 2 * update + sum(operands[2:])
+    return output + sum(operands)
+
+
 def _iota(text: str) -> np.ndarray:
     """A device list in XLA's iota form, "[d0,d1,...]" optionally followed by "T(p0,p1,...)"."""
     match = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text.strip())
@@ -293,8 +343,7 @@ def hlo_cost(hlo: str, mesh_axes: dict[str, int], granule_of: Callable[[int], in
                 flops += count * _dot_flops(instruction, shapes)
             calls += int(count) * (opcode == "custom-call")
             if name not in fused and opcode not in _NO_TRAFFIC:
-                hbm += count * (_array_bytes(instruction.shape)
-                                + sum(_array_bytes(shapes.get(operand, "")) for operand in instruction.operands))
+                hbm += count * _traffic(instruction, shapes, computations)
             kind = opcode.removesuffix("-start")
             if kind not in COLLECTIVE_KINDS:
                 continue

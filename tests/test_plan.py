@@ -186,6 +186,9 @@ ENTRY %main (init: (s32[], f32[8], f32[4,8], f32[8,16])) -> (s32[], f32[8], f32[
 def test_hlo_cost_counts_loop_bodies_by_their_trip_count_and_links_by_host():
     cost = hlo_cost(LOOP_HLO, {"data": 2, "fsdp": 4}, lambda device: device // 4)
     assert cost.flops == 5 * 2 * 4 * 16 * 8 and cost.unknown_loops == 0
+    # HBM: each iteration's dot (its [4,16] output and both operands), both collectives (output and operand)
+    # and the condition's compare (two s32 and a pred); tuples, parameters and constants move nothing.
+    assert cost.hbm_bytes == 5 * (4 * (4 * 16 + 4 * 8 + 8 * 16) + 4 * (8 + 8) + 4 * (32 + 8) + (4 + 4 + 1))
     assert cost.collective_bytes == {
         Collective("all-reduce", ("data",), True): 5 * 2 * (2 - 1) / 2 * 32,  # ring: 2 (n - 1)/n x 32 bytes
         Collective("all-gather", ("fsdp",), False): 5 * (4 - 1) * 32}  # (n - 1) x the 32 bytes each holds
