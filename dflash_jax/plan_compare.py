@@ -17,7 +17,7 @@ from typing import NamedTuple
 from flax import nnx
 from ml_collections import ConfigDict
 
-from dflash_jax.chips import Chip
+from dflash_jax.chips import Chip, chip_of_kind
 from dflash_jax.errors import ConfigError
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.plan import GIB, Plan, plan_train_step, target_bytes_by_layout
@@ -44,10 +44,11 @@ def compare_plans(config: ConfigDict, target_config, devices: list, granules: in
                   tensor_sizes: tuple[int, ...], hbm_gib: float | None = None, chip: Chip | None = None,
                   devices_per_host: int | None = None) -> list[Candidate]:
     """Every candidate planned (or the reason it was not), best first."""
+    chip = chip or chip_of_kind(devices[0].device_kind)
     found = []
     for sizes in candidate_meshes(len(devices), granules, tensor_sizes):
-        config = ConfigDict(config.to_dict())
-        config.mesh.update(sizes)
+        candidate_config = ConfigDict(config.to_dict())
+        candidate_config.mesh.update(sizes)
         rows = (sizes["data"] * sizes["dcn_data"]) * sizes["fsdp"]
         micro_batch = config.data.batch_size // config.grad_accum_steps
         if micro_batch % rows:
@@ -56,15 +57,15 @@ def compare_plans(config: ConfigDict, target_config, devices: list, granules: in
             continue
         mesh = make_mesh(**sizes, devices=devices)
         by_layout = _target_bytes(config, target_config, mesh)
+        budget = hbm_gib if hbm_gib is not None else (chip.hbm_bytes / GIB if chip else None)
         for layout in layouts:
-            budget = hbm_gib if hbm_gib is not None else (chip.hbm_bytes / GIB if chip else None)
             if budget is not None and by_layout[layout] > budget * GIB:
                 found.append(Candidate(layout, sizes, None, f"the target alone takes "
                                                             f"{by_layout[layout] / GIB:.1f} GiB per device"))
                 continue
-            config.target_layout = layout
+            candidate_config.target_layout = layout
             try:
-                plan = plan_train_step(config, target_config, mesh, hbm_gib, chip, devices_per_host)
+                plan = plan_train_step(candidate_config, target_config, mesh, hbm_gib, chip, devices_per_host)
             except ConfigError as error:  # e.g. heads that tensor does not divide
                 found.append(Candidate(layout, sizes, None, str(error)))
                 continue
