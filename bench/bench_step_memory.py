@@ -54,6 +54,7 @@ def measure(module, stride: int, target_layers: int, vocab_divisor: int = 1) -> 
     config.data.batch_size = 1  # one row per device
     config.drafter.target_layer_ids = None  # the reduced target: design §2 ids spread over its layers
     config.mesh.fsdp = 1
+    config.target_layout = "fsdp"  # the layout of state_shardings below
     validate_config(config)
     full = module.target_config()
     target_config = dataclasses.replace(full, num_hidden_layers=target_layers,

@@ -7,7 +7,8 @@
 # NVIDIA driver is needed on the host) into $VENV (default .venv-gpu), records nvidia-smi, then runs
 # bench/gpu_step.py: a random-weight Qwen3-8B-shaped target and the design §11 drafter at T = 4096, 512
 # anchors, B = 16, bf16, target attention on cuDNN. Writes gpu_step.json and gpu_step.md (step time, tokens/s,
-# MFU against 989 TFLOP/s per H200) to $OUT, then the targets' XLA attention by query chunk size
+# MFU against 989 TFLOP/s per H200, and the roofline step time the plan predicts for the same compiled step) to
+# $OUT, then the targets' XLA attention by query chunk size
 # (target_attention_chunks.md). Arguments go to bench/gpu_step.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -139,6 +139,7 @@ class ProjectSide:
         config = base_config()
         config.target_dir, config.data.train_files = "(random)", ("(random)",)
         config.target_dtype, config.compute_dtype = "float32", compute_dtype
+        config.target_layout = "fsdp"  # the layout of state_shardings below
         config.optim.name, config.loss.vocab_chunk = shape.optimizer, shape.vocab_chunk
         config.data.seq_len, config.data.anchor_stride, config.data.batch_size = shape.seq_len, shape.stride, shape.rows
         config.drafter.block_size, config.loss.gamma = shape.block, shape.gamma

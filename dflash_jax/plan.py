@@ -1,15 +1,20 @@
 r"""Plan a training run ahead of time: the whole train step compiled with abstract arrays (shapes, dtypes and
-shardings; no weight is read), and its memory per device and FLOPs per step (design §13):
+shardings; no weight is read), its memory per device, and its step time predicted from what the compiled step
+asks of each resource (design §13):
 
     dflash-jax plan --config configs/qwen27b.py --topology v5p-64 [--mesh data=1,fsdp=32,tensor=1] [--hbm_gib 95]
+    dflash-jax plan --config configs/qwen27b.py --topology gpu:H200x8x4 --compare [--layouts fsdp,tensor]
 
 `python -m dflash_jax.plan` is the same command. --topology names a Cloud TPU slice (v5p-64, v6e-64, or
-libtpu's own v5p:2x4x4), compiled by libtpu without any TPU attached (`pip install 'dflash-jax[tpu]'`), or
-cpu:N for N simulated CPU devices; without it, the devices this host has. The target's architecture is read
-from config.target_dir's config.json (no weights), or, without a target_dir, from the config file's
-`target_config()` (configs/qwen27b.py). Over the budget (--hbm_gib, default the device kind's memory) it
-fails naming the step's largest arrays. `dflash-jax train` runs the same check before loading any weights
-when the devices report their memory; config.plan_only=True stops it there.
+libtpu's own v5p:2x4x4), compiled by libtpu without any TPU attached (`pip install 'dflash-jax[tpu]'`), a GPU
+cluster gpu:<chip>x<GPUs per host>x<hosts> (gpu:H200x8x4; compiled for that many simulated CPU devices, hosts
+being consecutive blocks of them), or cpu:N for N simulated CPU devices; without it, the devices this host has.
+The roofline (roofline.py) divides the step's FLOPs, HBM bytes and collective bytes on each link (read from the
+compiled HLO with loop bodies times their trip counts: hlo_cost.py) by the chip's published peaks (chips.py).
+The target's architecture is read from config.target_dir's config.json (no weights), or, without a
+target_dir, from the config file's `target_config()` (configs/qwen27b.py). Over the budget (--hbm_gib,
+default the device kind's memory) it fails naming the step's largest arrays. `dflash-jax train` runs the same
+check before loading any weights when the devices report their memory; config.plan_only=True stops it there.
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
 from dflash_jax import cli
+from dflash_jax.chips import Chip, chip_named, chip_of_kind
 from dflash_jax.errors import ConfigError, UserError
+from dflash_jax.hlo_cost import HloCost, hlo_cost
 from dflash_jax.ops.backends import resolve_attention_impl
-from dflash_jax.sharding import TARGET_LAYOUTS, batch_sharding, state_shardings
+from dflash_jax.roofline import Roofline, format_roofline, roofline
+from dflash_jax.sharding import TARGET_LAYOUTS, auto_target_layout, batch_sharding, state_shardings
 from dflash_jax.train import flops, validate
 from dflash_jax.train.state import state_spec
 from dflash_jax.train.step import BATCH_KEYS, make_step
@@ -42,16 +50,22 @@ GIB = 2**30
 # device kind ("TPU v5" is v5p, "TPU v5 lite" v5e, "TPU v6 lite" v6e); --hbm_gib overrides.
 HBM_GIB = (("v6 lite", 32), ("v6e", 32), ("v5 lite", 16), ("v5e", 16), ("v5p", 95), ("tpu v5", 95), ("v4", 32),
            ("h200", 141), ("h100", 80), ("a100", 80))
-MFU_ASSUMED = 0.4  # for the step time the plan prints; the measured MFU is in the train logs
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _CONFIG = cli.define_config_flag(FLAGS)
-_TOPOLOGY = flags.DEFINE_string("topology", None, "A TPU slice (v5p-64, v6e-64, v5p:2x4x4; needs libtpu) or cpu:N "
+_TOPOLOGY = flags.DEFINE_string("topology", None, "A TPU slice (v5p-64, v6e-64, v5p:2x4x4; needs libtpu), a GPU "
+                                "cluster gpu:H200x8x4 (chip x GPUs per host x hosts; simulated devices) or cpu:N "
                                 "(N simulated CPU devices); default: this host's devices.", flag_values=FLAGS)
 _MESH = flags.DEFINE_string("mesh", None, "Mesh sizes, e.g. data=1,fsdp=32,tensor=1 (default: config.mesh).",
                             flag_values=FLAGS)
 _HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Memory budget per device in GiB (default: config.hbm_gib, else "
                               "the device kind's HBM).", flag_values=FLAGS)
+_COMPARE = flags.DEFINE_bool("compare", False, "Plan every target layout and mesh the topology allows "
+                              "(plan_compare.py) and rank them by predicted step time.", flag_values=FLAGS)
+_LAYOUTS = flags.DEFINE_string("layouts", ",".join(TARGET_LAYOUTS), "--compare: the target layouts to try.",
+                               flag_values=FLAGS)
+_TENSOR_SIZES = flags.DEFINE_string("tensor_sizes", "1,2,4,8", "--compare: the mesh.tensor sizes to try.",
+                                    flag_values=FLAGS)
 flags.mark_flags_as_required(["config"], flag_values=FLAGS)
 
 
@@ -62,7 +76,7 @@ class Plan(NamedTuple):
     device_kind: str
     mesh: dict[str, int]
     rows_per_device: float  # rows of the global batch per (data, fsdp) shard, which `tensor` devices share
-    target_layout: str  # config.target_layout
+    target_layout: str  # config.target_layout ("auto" settled: sharding.auto_target_layout)
     target_bytes: int  # the frozen target's weights
     target_bytes_by_layout: dict[str, int]  # what they would take in each layout (dflash_jax/sharding.py)
     params_bytes: int  # the drafter's fp32 weights
@@ -71,8 +85,10 @@ class Plan(NamedTuple):
     temp_bytes: int  # the compiler's temporaries (activations, gathered weights, gradients)
     code_bytes: int  # generated code
     total_bytes: int  # what the step needs resident: arguments, outputs not aliased to them, temporaries, code
-    xla_flops: float  # the compiler's count for one device
+    xla_flops: float  # the compiler's cost analysis for one device (loop bodies once)
     model_flops: float  # train/flops.py's count for the whole step, all devices
+    cost: HloCost  # read from the compiled HLO for one device, loop bodies times their trip counts
+    roofline: Roofline | None  # the predicted step time, where the chip's peaks are known (chips.py)
     largest: list[tuple[int, str]]  # (bytes, "dtype[shape] op") of the biggest arrays the program holds
     hbm_bytes: int | None  # the budget, if known
 
@@ -96,10 +112,30 @@ def slice_topology(name: str) -> str:
     return f"{generation}:{'x'.join(map(str, sorted(dims)))}"
 
 
+class GpuCluster(NamedTuple):
+    chip: Chip
+    per_host: int
+    hosts: int
+
+
+def gpu_cluster(topology: str | None) -> GpuCluster | None:
+    """--topology gpu:<chip>x<GPUs per host>x<hosts> (gpu:H200x8x4), else None."""
+    if topology is None or not topology.startswith("gpu:"):
+        return None
+    match = re.fullmatch(r"gpu:(\w+?)x(\d+)x(\d+)", topology)
+    chip = chip_named(match.group(1)) if match else None
+    if chip is None or chip.local_link != "nvlink":
+        raise UserError(f"--topology {topology}: expected gpu:<chip>x<GPUs per host>x<hosts> with chip one of "
+                        f"H200, H100 (e.g. gpu:H200x8x4)")
+    return GpuCluster(chip, int(match.group(2)), int(match.group(3)))
+
+
 def topology_devices(topology: str | None) -> list:
     """The devices to compile for (see --topology)."""
     if topology is None:
         return jax.devices()
+    if (cluster := gpu_cluster(topology)) is not None:
+        topology = f"cpu:{cluster.per_host * cluster.hosts}"
     if topology.startswith("cpu:"):
         count = int(topology.removeprefix("cpu:"))
         try:
@@ -140,6 +176,12 @@ def device_memory_gib(device) -> float | None:
     return stats["bytes_limit"] / GIB if stats and "bytes_limit" in stats else None
 
 
+def target_bytes_by_layout(target_state, mesh) -> dict[str, int]:
+    """What the target's weights take per device in each layout (sharding.TARGET_LAYOUTS)."""
+    return {layout: _per_device_bytes(_abstract(target_state, state_shardings(target_state, mesh, layout)))
+            for layout in TARGET_LAYOUTS}
+
+
 def _per_device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
                for x in jax.tree.leaves(tree))
@@ -149,39 +191,61 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | None = None) -> Plan:
-    """Compile the train step of `config` for `mesh` from abstract arrays and measure it (see `Plan`)."""
+def mesh_granules(mesh, devices_per_host: int | None) -> list[int]:
+    """The slice or host of each of the mesh's devices in row-major order: a simulated cluster's hosts are
+    blocks of `devices_per_host` consecutive device ids; otherwise a TPU's slice, else its process."""
+    devices = list(mesh.devices.flat)
+    if devices_per_host:
+        return [device.id // devices_per_host for device in devices]
+    return [getattr(device, "slice_index", device.process_index) for device in devices]
+
+
+def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | None = None, chip: Chip | None = None,
+                    devices_per_host: int | None = None) -> Plan:
+    """Compile the train step of `config` for `mesh` from abstract arrays and measure it (see `Plan`). chip: the
+    accelerator the roofline uses (default: the devices' kind); devices_per_host: for simulated GPU clusters."""
     platform = mesh.devices.flat[0].platform
     attention_impl = resolve_attention_impl(config.attention_impl, platform)
     validate.validate_batch_layout(config, mesh.shape["data"] * mesh.shape["fsdp"])
     validate.validate_target_layout(config)
+    config = ConfigDict(config.to_dict())  # a copy: the mask token and the layout may be settled below
     if config.drafter.mask_token_id is None:  # no tokenizer is read; the mask token's id changes no shape
-        config = ConfigDict(config.to_dict())
         config.drafter.mask_token_id = 0
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer=None)
     target = family_of(target_config).abstract_model(target_config, param_dtype=validate.dtype_of(config.target_dtype),
                                    attention_impl=attention_impl, mesh=mesh)
     target_graphdef, target_state = nnx.split(target)
+    by_layout = target_bytes_by_layout(target_state, mesh)
+    kind = mesh.devices.flat[0].device_kind
+    chip = chip or chip_of_kind(kind)
+    if hbm_gib is None:
+        hbm_gib = next((gib for name, gib in HBM_GIB if name in kind.lower()), None)
+    if hbm_gib is None and chip is not None:
+        hbm_gib = chip.hbm_bytes / GIB
+    if config.target_layout == "auto":
+        config.target_layout = auto_target_layout(by_layout, None if hbm_gib is None else hbm_gib * GIB)
     target_shardings = state_shardings(target_state, mesh, config.target_layout)
     spec = state_spec(drafter_config, config, attention_impl, mesh)
     step = make_step(config, drafter_config, spec, target_graphdef, target_shardings, mesh)
     shape = (config.data.batch_size, config.data.seq_len)
     batch = {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh)) for key in BATCH_KEYS}
     target_abstract = _abstract(target_state, target_shardings)
-    by_layout = {layout: _per_device_bytes(_abstract(target_state, state_shardings(target_state, mesh, layout)))
-                 for layout in TARGET_LAYOUTS}
     compiled = step.train_step.lower(spec.abstract, target_abstract, batch).compile()
 
     memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    kind = mesh.devices.flat[0].device_kind
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
              + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
-    if hbm_gib is None:
-        hbm_gib = next((gib for name, gib in HBM_GIB if name in kind.lower()), None)
+    hlo = compiled.as_text()
+    granules = mesh_granules(mesh, devices_per_host)
+    cost = hlo_cost(hlo, dict(mesh.shape), granules.__getitem__)
+    model_flops = flops.train_step_flops(config, target_config, drafter_config)
+    tokens = config.data.batch_size * config.data.seq_len
+    line = None if chip is None else roofline(cost, model_flops / mesh.size, chip, tokens, config.total_steps)
     deviceless = " deviceless" if platform != jax.default_backend() else ""
-    backend = f"{platform}{deviceless} compiler, {mesh.size} x {kind}"
+    backend = f"{platform}{deviceless} compiler, {mesh.size} x {kind}" + (
+        f" for {chip.name} ({len(set(granules))} hosts of {devices_per_host})" if devices_per_host else "")
     return Plan(
         backend=backend, device_kind=kind, mesh=dict(mesh.shape),
         rows_per_device=config.data.batch_size / (mesh.shape["data"] * mesh.shape["fsdp"]),
@@ -189,9 +253,8 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
         target_bytes_by_layout=by_layout, params_bytes=_per_device_bytes(spec.abstract.params),
         opt_state_bytes=_per_device_bytes(spec.abstract.opt_state), batch_bytes=_per_device_bytes(batch),
         temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes, total_bytes=total,
-        xla_flops=float(cost.get("flops", 0.0)) if cost else 0.0,
-        model_flops=flops.train_step_flops(config, target_config, drafter_config),
-        largest=largest_arrays(compiled.as_text()),
+        xla_flops=float(analysis.get("flops", 0.0)) if analysis else 0.0, model_flops=model_flops, cost=cost,
+        roofline=line, largest=largest_arrays(hlo),
         hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB))
 
 
@@ -228,7 +291,6 @@ def _size(n: float) -> str:
 
 
 def format_plan(plan: Plan) -> str:
-    peak = next((tflops for name, tflops in flops.PEAK_TFLOPS if name in plan.device_kind.lower()), None)
     devices = math.prod(plan.mesh.values())
     lines = [
         f"train step on {plan.backend}; mesh {plan.mesh}, {plan.rows_per_device:g} rows per (data, fsdp) shard "
@@ -245,11 +307,11 @@ def format_plan(plan: Plan) -> str:
         f"  total              {_size(plan.total_bytes)}"
         + ("" if plan.hbm_bytes is None else f"  of {plan.hbm_bytes / GIB:.1f} GiB HBM"),
         f"FLOPs per step: {plan.model_flops:.4g} (model count, all devices; {plan.model_flops / devices:.4g} per "
-        f"device); the compiler's count per device, loop bodies once and kernels not at all: {plan.xla_flops:.4g}",
+        f"device); the compiler's per device, matmuls with loop bodies times their trip counts: "
+        f"{plan.cost.flops:.4g} (its cost analysis, loop bodies once and kernels not at all: {plan.xla_flops:.4g})",
     ]
-    if peak:
-        seconds = plan.model_flops / devices / (peak * 1e12 * MFU_ASSUMED)
-        lines.append(f"at {MFU_ASSUMED:.0%} MFU of {peak:g} TFLOP/s per device: {seconds:.2f} s per step")
+    if plan.roofline is not None:
+        lines.extend(format_roofline(plan.roofline, plan.cost))
     lines.append("largest arrays:")
     lines.extend(f"  {_size(size)} {text}" for size, text in plan.largest)
     return "\n".join(lines)
@@ -270,9 +332,10 @@ def _mesh_sizes(text: str) -> dict[str, int]:
         sizes = {key.strip(): int(value) for key, value in (part.split("=") for part in text.split(","))}
     except ValueError:
         raise UserError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T") from None
-    unknown = set(sizes) - {"data", "fsdp", "tensor"}
+    unknown = set(sizes) - {"data", "fsdp", "tensor", "dcn_data"}
     if unknown:
-        raise UserError(f"--mesh {text!r}: unknown axes {sorted(unknown)}; the axes are data, fsdp, tensor")
+        raise UserError(f"--mesh {text!r}: unknown axes {sorted(unknown)}; the axes are data, fsdp, tensor "
+                        f"(and dcn_data, the slices or hosts the data axis also spans)")
     return sizes
 
 
@@ -281,8 +344,20 @@ def main() -> None:
     if _MESH.value:
         config.mesh.update(_mesh_sizes(_MESH.value))
     target_config = target_architecture(config, config_flags.get_config_filename(FLAGS["config"]))
-    mesh = validate.mesh_from_config(config, topology_devices(_TOPOLOGY.value))
-    plan = plan_train_step(config, target_config, mesh, _HBM_GIB.value or config.hbm_gib)
+    devices = topology_devices(_TOPOLOGY.value)
+    cluster = gpu_cluster(_TOPOLOGY.value)
+    chip, per_host = (cluster.chip, cluster.per_host) if cluster else (None, None)
+    if _COMPARE.value:
+        from dflash_jax import plan_compare  # it plans each candidate with this module's plan_train_step
+
+        granules = cluster.hosts if cluster else len({getattr(d, "slice_index", d.process_index) for d in devices})
+        candidates = plan_compare.compare_plans(
+            config, target_config, devices, granules, plan_compare.check_layouts(_LAYOUTS.value),
+            plan_compare.parse_sizes(_TENSOR_SIZES.value), _HBM_GIB.value or config.hbm_gib, chip, per_host)
+        print(plan_compare.format_comparison(candidates))
+        return
+    mesh = validate.mesh_from_config(config, devices)
+    plan = plan_train_step(config, target_config, mesh, _HBM_GIB.value or config.hbm_gib, chip, per_host)
     print(format_plan(plan))
     check_budget(plan)
 

@@ -67,6 +67,23 @@ TARGET_LAYOUTS: dict[str, dict[str, None]] = {
 }
 
 
+# config.target_layout = "auto": the layout with the least weight traffic ("replicate" none at all, "tensor"
+# none across (data, fsdp), "fsdp" a whole copy gathered every step) whose target fits in this share of a
+# device's memory, the rest left to activations, the drafter and its optimizer state; `plan --compare` ranks
+# the layouts by the compiled step's predicted time instead (design §13).
+AUTO_LAYOUT_SHARE = 0.5
+AUTO_LAYOUT_ORDER = ("replicate", "tensor", "fsdp")
+
+
+def auto_target_layout(bytes_by_layout: dict[str, int], budget_bytes: float | None) -> str:
+    """The layout "auto" stands for, given the target's bytes per device in each layout: without a memory
+    budget (simulated CPU devices), "fsdp", the layout that fits wherever any does."""
+    if budget_bytes is None:
+        return "fsdp"
+    return next((layout for layout in AUTO_LAYOUT_ORDER
+                 if bytes_by_layout[layout] <= AUTO_LAYOUT_SHARE * budget_bytes), "fsdp")
+
+
 def layout_rules(target_layout: str) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
     """LOGICAL_RULES with the weight rules of a target layout (TARGET_LAYOUTS) in place."""
     overrides = TARGET_LAYOUTS[target_layout]
@@ -81,7 +98,8 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, dcn_
     With dcn_data > 1 the data axis also spans that many slices (TPU multi-slice, or GPU hosts: one
     granule per process) joined by the data-centre network, which then carries only the data axis's
     gradient all-reduce (`create_hybrid_device_mesh`); the sizes given are those within one slice, so the
-    mesh's data axis is data x dcn_data.
+    mesh's data axis is data x dcn_data. Simulated devices of one process without slices (a GPU cluster
+    planned on CPU devices, dflash_jax/plan.py) are taken as consecutive blocks, one per slice.
     """
     devices = list(devices if devices is not None else jax.devices())
     sizes = [data, fsdp, tensor]
@@ -99,8 +117,11 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, dcn_
     if int(np.prod(sizes)) != per_slice:
         raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
                          f"{int(np.prod(sizes))} devices per slice, found {per_slice}")
+    simulated = not hasattr(devices[0], "slice_index") and len({d.process_index for d in devices}) == 1
     if dcn_data == 1:
         placed = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+    elif simulated:
+        placed = np.array(devices).reshape(dcn_data * sizes[0], *sizes[1:])
     else:
         placed = mesh_utils.create_hybrid_device_mesh(
             sizes, (dcn_data, 1, 1), devices, process_is_granule=not hasattr(devices[0], "slice_index"),

@@ -61,7 +61,7 @@ def config(**overrides):
     ({"attention_impl": "flash"},
      "config.attention_impl must be one of ('auto', 'cudnn', 'splash', 'xla'), got 'flash'"),
     ({"target_layout": "sharded"},
-     "config.target_layout must be one of ['fsdp', 'tensor', 'replicate'], got 'sharded'"),
+     "config.target_layout must be one of ['auto', 'fsdp', 'tensor', 'replicate'], got 'sharded'"),
     ({"data.batch_size": 6, "grad_accum_steps": 4}, "config.data.batch_size (6) must be a multiple of config.grad_accum_steps"),
     ({"compute_dtype": "float64"}, "config.compute_dtype must be one of"),
     ({"loss.noise_std": -0.1}, "config.loss.noise_std must be >= 0"),

@@ -82,6 +82,7 @@ def tiny_config(target_dir: Path, train_file: Path, **overrides) -> ConfigDict:
     config.loss.row_chunk = 24  # not a divisor of N*B = 64: exercises the padded last chunk
     config.loss.vocab_chunk = 200  # not a divisor of V = 640: exercises the remainder chunk
     config.mesh = ConfigDict(dict(data=1, fsdp=1, tensor=1))
+    config.target_layout = "fsdp"  # `build` makes the step itself, without the plan that settles "auto"
     for key, value in overrides.items():
         target = config
         *parents, leaf = key.split(".")

@@ -5,7 +5,8 @@ x → in_proj_qkv → causal depthwise conv (K=4) + SiLU → q, k, v heads (held
 conv1d_q/k/v, the row blocks of HF's fused in_proj_qkv and conv1d: each splits on its own heads, so tensor
 parallelism over heads never reshuffles channels between q, k and v); q, k L2-normalised (eps added to Σx²),
 q scaled by dk^-0.5, key heads repeat-interleaved onto value heads; β = sigmoid(in_proj_b x);
-g = −exp(A_log)·softplus(in_proj_a x + dt_bias) in fp32; gated delta rule (fp32); per-head RMSNorm (plain w)
+g = −exp(A_log)·softplus(in_proj_a x + dt_bias) in fp32; gated delta rule (fp32 state; its chunk products in the
+dtype `ops/gated_delta.delta_rule_matmuls` sets, fp32 by default); per-head RMSNorm (plain w)
 gated by silu(in_proj_z x); out_proj. Conv and recurrent state restart at every packed-segment boundary.
 Decoding carries the conv's last K−1 inputs and the recurrent state from call to call (`RecurrentCache`);
 a verification call (a block, or a draft tree) keeps them after every one of its tokens, each token following
@@ -23,7 +24,7 @@ from flax import nnx
 
 from dflash_jax.models.layers import Linear, param
 from dflash_jax.models.target import NO_SEGMENT
-from dflash_jax.ops.gated_delta import chunked_gated_delta_rule, segment_starts
+from dflash_jax.ops.gated_delta import chunked_gated_delta_rule, segment_starts, traced_matmul_dtype
 from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, constrain
 
 _L2_EPS = 1e-6  # transformers `l2norm` default, added to the sum of squares
@@ -37,7 +38,8 @@ class RecurrentCache(NamedTuple):
     history_segments: jax.Array  # [b, K−1]: those tokens' segments (NO_SEGMENT where there was none)
 
 
-def states_along(seen: jax.Array, q, k, v, g, beta, resets, initial_state) -> tuple[jax.Array, jax.Array]:
+def states_along(seen: jax.Array, q, k, v, g, beta, resets, initial_state, matmul_dtype: str = "float32"
+                 ) -> tuple[jax.Array, jax.Array]:
     """(out [B, T, H, dv], the recurrent state after each token [B, T, H, dk, dv]) of a short call whose
     token t follows only the call's tokens seen[:, t] (its prefix, or its ancestors in a draft tree; each
     before t, t itself included).
@@ -49,7 +51,8 @@ def states_along(seen: jax.Array, q, k, v, g, beta, resets, initial_state) -> tu
 
     def run(kept):  # kept [B, T]: the tokens this run follows
         return chunked_gated_delta_rule(q, k, v, jnp.where(kept[..., None], g, 0.0),
-                                        jnp.where(kept[..., None], beta, 0.0), resets & kept, initial_state)
+                                        jnp.where(kept[..., None], beta, 0.0), resets & kept, initial_state,
+                                        matmul_dtype=matmul_dtype)
 
     outs, states = jax.vmap(run, in_axes=1)(seen)  # [T runs, B, T, ...], [T runs, B, H, dk, dv]
     length = seen.shape[1]
@@ -209,10 +212,11 @@ class GatedDeltaNet(nnx.Module):
             g, beta = jnp.where(padding[..., None], 0.0, g), jnp.where(padding[..., None], 0.0, beta)
 
         q, k, v = (constrain(t, ROWS_HEADS) for t in (q, k, v))
+        matmul_dtype = traced_matmul_dtype()
         if seen is None:
-            out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state)
+            out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state, matmul_dtype=matmul_dtype)
         else:
-            out, state = states_along(seen, q, k, v, g, beta, resets, initial_state)
+            out, state = states_along(seen, q, k, v, g, beta, resets, initial_state, matmul_dtype)
         if cache is not None:
             kept = cache.conv_inputs.shape[1]
             fused = jnp.concatenate(conv_inputs, axis=-1).astype(cache.conv_inputs.dtype)

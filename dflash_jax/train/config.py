@@ -43,6 +43,10 @@ def base_config() -> ConfigDict:
     config.target_dir = placeholder(str)
     config.tokenizer_dir = placeholder(str)  # default: target_dir
     config.target_dtype = "bfloat16"  # frozen target weights and its forward
+    # The products inside a hybrid target's Gated DeltaNet chunks (design §8.3): "bfloat16" operands with fp32
+    # accumulation (tensor-core speed), "float32" (exact, Precision.HIGHEST), "auto" = bfloat16 on TPU and GPU,
+    # float32 on CPU. The recurrent state, the triangular inverse and the state carried across chunks stay fp32.
+    config.target_matmul_dtype = "auto"
     config.compute_dtype = "bfloat16"  # drafter compute; its weights and optimizer state stay fp32 (design §7)
 
     # Drafter (design §3, §11). None = derived from the target: hidden size (must equal the target's),
@@ -98,8 +102,10 @@ def base_config() -> ConfigDict:
     # How the frozen target's weights lie on the mesh (dflash_jax/sharding.py TARGET_LAYOUTS): "fsdp" = split over
     # fsdp and tensor (least memory; each layer's weights are all-gathered as it runs), "tensor" = split over
     # tensor only (heads, MLP, vocabulary; a whole copy per (data, fsdp) group, no weight traffic), "replicate" =
-    # whole on every device.
-    config.target_layout = "fsdp"
+    # whole on every device. "auto": the one with the least weight traffic whose target takes at most half of a
+    # device's memory (replicate, else tensor, else fsdp; fsdp where the devices report no memory), see
+    # `dflash-jax plan --compare` for the layouts and meshes ranked by predicted step time.
+    config.target_layout = "auto"
 
     # Attention of the drafter (design §5 mask) and of the target's forward (causal within documents):
     # "auto" = splash on TPU, cuDNN on GPU (the target's causal attention; the drafter's runs in XLA there), XLA
@@ -142,8 +148,10 @@ def base_config() -> ConfigDict:
     config.plan_only = False
     config.hbm_gib = placeholder(float)
 
-    # Mesh: one of the sizes may be -1 (take the remaining devices).
-    config.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+    # Mesh: one of the sizes may be -1 (take the remaining devices). dcn_data > 1 spans the data axis over that
+    # many TPU slices or GPU hosts as well (the sizes are then those within one), so only data parallelism's
+    # gradient all-reduce crosses the slow links between them and fsdp / tensor stay inside (design §13).
+    config.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1))
     # Several processes (multi-host pods), joined by jax.distributed.initialize before anything else:
     # "auto" = when JAX_COORDINATOR_ADDRESS is set (with JAX_NUM_PROCESSES, JAX_PROCESS_ID); "on" = always,
     # JAX detecting the rest (Cloud TPU pod slices, Slurm, Open MPI); "off" = one process.

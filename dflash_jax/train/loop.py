@@ -28,7 +28,7 @@ from dflash_jax.errors import ConfigError, DataError
 from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.backends import resolve_attention_impl
-from dflash_jax.sharding import BATCH_AXES, state_shardings
+from dflash_jax.sharding import BATCH_AXES, auto_target_layout, state_shardings
 from dflash_jax.train import distributed, epochs, flops, validate
 from dflash_jax.train.checkpoint import Checkpointer, StopRequest
 from dflash_jax.train.loss import acceptance_metrics
@@ -65,8 +65,9 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
 
 
 def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None) -> dict[str, Any]:
+    given = config  # as the user gave it, for the history; the layout, rows per device and epochs resolve below
+    config = config.copy_and_resolve_references()  # in a copy: the caller's config stays as given
     main = jax.process_index() == 0  # of several processes (train/distributed.py), one writes the run files
-    given = config  # as the user gave it, for the history; rows per device and epochs resolve below
     mesh = validate.mesh_from_config(config)
     batch_shards = int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
     config = validate.resolve_batch_size(config, batch_shards)
@@ -75,12 +76,18 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
     # The step compiled from abstract arrays first (dflash_jax/plan.py), where there is a budget to hold it to:
     # a run that cannot fit stops before any weight is read.
     budget = config.hbm_gib or plan.device_memory_gib(jax.local_devices()[0])
+    predicted = None  # the roofline's (perfect overlap, no overlap) step time, logged beside the measured one
     if config.plan_only or budget:
         report = plan.plan_train_step(config, plan.target_architecture(config), mesh, budget)
         log.info("plan:\n%s", plan.format_plan(report))
         plan.check_budget(report)
+        predicted = report.roofline.step_seconds if report.roofline is not None else None
+        config.target_layout = report.target_layout  # "auto" settled by the plan
         if config.plan_only:
             return {"plan_total_gib": report.total_bytes / plan.GIB, "plan_temp_gib": report.temp_bytes / plan.GIB}
+
+    if config.target_layout == "auto":  # no plan ran: the devices report no memory (sharding.auto_target_layout)
+        config.target_layout = auto_target_layout({}, None)
 
     # The frozen target and its tokenizer; the drafter's architecture follows from them and the config. One
     # attention backend for both models' full-sequence attention.
@@ -166,6 +173,8 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
                     record = _log_record(step, pending, interval_start, interval_steps, tokens_per_step,
                                          step_flops, peak, mesh.size)
                     record.update(epochs.data_progress(distributed.gather_json(data_position)))
+                    if predicted is not None:
+                        record["predicted_step_time"] = list(predicted)
                     write_metrics(record)
                     history.append(record)
                     progress.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau_est']:.2f}")
@@ -297,4 +306,6 @@ def _log_line(record: dict[str, Any]) -> str:
             f"acc_1 {record['acc_1']:.3f}  util {record['anchor_utilisation']:.3f}  "
             f"grad_norm {record['grad_norm']:.3f}  lr {record['learning_rate']:.2e}  epoch {record['epoch']:.3f}  "
             f"step {fmt(record['step_time'], '.3f')} s  {fmt(record['tokens_per_second'], ',.0f')} tok/s  "
-            f"mfu {fmt(record['mfu'], '.1%')}")
+            f"mfu {fmt(record['mfu'], '.1%')}"
+            + ("  (predicted step {:.3f}-{:.3f} s)".format(*record["predicted_step_time"])
+               if "predicted_step_time" in record else ""))

@@ -30,7 +30,8 @@ from ml_collections import ConfigDict
 from dflash_jax.models.dflash import TargetContext, target_context
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, anchor_utilisation, anchor_validity, slot_mask
-from dflash_jax.sharding import BATCH_AXES, batch_sharding, layout_rules, replicated
+from dflash_jax.ops.gated_delta import delta_rule_matmuls
+from dflash_jax.sharding import BATCH_AXES, TARGET_LAYOUTS, batch_sharding, layout_rules, replicated
 from dflash_jax.train.loss import (dflash_loss, dpace_weights, lm_head_cross_entropy, position_weights,
                                    trained_slot_count)
 from dflash_jax.train.optimizer import learning_rate_schedule, make_optimizer
@@ -57,14 +58,19 @@ def anchor_grid(config: ConfigDict) -> AnchorGrid:
 
 def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec, target_graphdef: nnx.GraphDef,
               target_shardings: nnx.State, mesh: Mesh) -> StepFunctions:
+    if config.target_layout not in TARGET_LAYOUTS:
+        raise ValueError(f"config.target_layout {config.target_layout!r} must be settled to one of "
+                         f"{list(TARGET_LAYOUTS)} before the step is made (plan.py settles 'auto')")
     grid = anchor_grid(config)
     anchors, block = grid.anchors, grid.block_size
     weights = jnp.asarray(position_weights(block, config.loss.gamma))
     dpace = config.loss.position_weights == "dpace"  # weights from the drafter's own confidence (design §6)
 
     def teacher(target_state: nnx.State, batch: dict[str, jax.Array]) -> TargetContext:
-        # Traced under the rules of the target's layout, which decide its embedding lookup (models/layers.py).
-        with nnx.logical_axis_rules(layout_rules(config.target_layout)):
+        # Traced under the rules of the target's layout, which decide its embedding lookup (models/layers.py),
+        # and the dtype of its Gated DeltaNet chunk products (design §8.3).
+        with nnx.logical_axis_rules(layout_rules(config.target_layout)), \
+                delta_rule_matmuls(config.target_matmul_dtype):
             return target_context(nnx.merge(target_graphdef, target_state), batch["input_ids"], batch["positions"],
                                   batch["segment_ids"], grid, drafter_config, labels=config.loss.labels,
                                   vocab_chunk=config.loss.vocab_chunk)

@@ -25,6 +25,7 @@ from dflash_jax.errors import ConfigError
 from dflash_jax.models.dflash import LABEL_SOURCES
 from dflash_jax.models.drafter import LAYER_TYPES, REMAT_POLICIES, DrafterConfig, default_target_layer_ids
 from dflash_jax.ops.backends import ATTENTION_CHOICES
+from dflash_jax.ops.gated_delta import MATMUL_CHOICES
 from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
 from dflash_jax.train.config import RENAMED, base_config, field_paths
 
@@ -98,6 +99,8 @@ def validate_config(config: ConfigDict) -> None:
              f"config.attention_impl must be one of {ATTENTION_CHOICES}, got {config.attention_impl!r}")
     validate_target_layout(config)
     _require(config.remat in REMAT_POLICIES, f"config.remat must be one of {list(REMAT_POLICIES)}, got {config.remat!r}")
+    _require(config.target_matmul_dtype in MATMUL_CHOICES,
+             f"config.target_matmul_dtype must be one of {MATMUL_CHOICES}, got {config.target_matmul_dtype!r}")
     for field in ("target_dtype", "compute_dtype"):
         _require(config[field] in DTYPES, f"config.{field} must be one of {DTYPES}, got {config[field]!r}")
     _require(loss.noise_std >= 0, f"config.loss.noise_std must be >= 0, got {loss.noise_std}")
@@ -195,8 +198,9 @@ def check_fields(config: ConfigDict) -> None:
 
 
 def validate_target_layout(config: ConfigDict) -> None:
-    _require(config.target_layout in TARGET_LAYOUTS,
-             f"config.target_layout must be one of {list(TARGET_LAYOUTS)}, got {config.target_layout!r}")
+    choices = ["auto", *TARGET_LAYOUTS]
+    _require(config.target_layout in choices,
+             f"config.target_layout must be one of {choices}, got {config.target_layout!r}")
 
 
 def validate_data_files(config: ConfigDict) -> None:

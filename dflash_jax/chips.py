@@ -1,0 +1,63 @@
+"""Published peaks of the accelerators a plan is made for (design §13): what the roofline divides by.
+
+Link bandwidths are what one device can send at once in a collective, derived from the published figures:
+- TPU ICI: a ring over one torus axis uses that axis's two ports, each carrying bidirectional-per-chip / ports
+  of which half leaves the chip, so a device sends bidirectional / ports (a collective spanning several torus
+  axes may do better; the plan assumes one).
+- TPU DCN: the host's NICs shared by its chips.
+- NVLink: half the bidirectional per-GPU figure (NVSwitch connects every pair of GPUs of a host at it).
+- GPU network: one 400 Gb/s ConnectX-7 NIC per GPU (DGX/HGX H100 and H200 systems).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+GB = 1e9
+
+
+class Chip(NamedTuple):
+    name: str  # as in --topology gpu:H200x8x4
+    kinds: tuple[str, ...]  # substrings of jax's device_kind (lower case) naming this chip, most specific first
+    bf16_flops: float  # dense, per second
+    hbm_bytes: float  # capacity
+    hbm_bandwidth: float  # bytes per second
+    local_link: str  # the link within a slice or host, and one device's send bandwidth on it
+    local_bandwidth: float
+    remote_link: str  # the link between slices or hosts
+    remote_bandwidth: float
+    source: str
+
+
+CHIPS = (
+    # v6e: 918 TFLOP/s, 32 GB at 1640 GB/s, 800 GB/s bidirectional ICI over 4 ports (2D torus), 4 x 200 Gb/s
+    # NICs per host of 8 chips.
+    Chip("v6e", ("tpu v6 lite", "tpu v6e"), 918e12, 32e9, 1640 * GB, "ici", 800 * GB / 4, "dcn", 4 * 200e9 / 8 / 8,
+         "https://cloud.google.com/tpu/docs/v6e"),
+    # v5e: 197 TFLOP/s, 16 GB at 819 GB/s, 400 GB/s bidirectional ICI over 4 ports, 2 x 100 Gb/s NICs per host
+    # of 8 chips.
+    Chip("v5e", ("tpu v5 lite", "tpu v5e"), 197e12, 16e9, 819 * GB, "ici", 400 * GB / 4, "dcn", 2 * 100e9 / 8 / 8,
+         "https://cloud.google.com/tpu/docs/v5e"),
+    # v5p (after v5e: "tpu v5" is also in v5e's kind): 459 TFLOP/s, 95 GiB at 2765 GB/s, 1200 GB/s
+    # bidirectional ICI over 6 ports (3D torus), DCN 50 Gb/s per chip.
+    Chip("v5p", ("tpu v5p", "tpu v5"), 459e12, 95 * 2**30, 2765 * GB, "ici", 1200 * GB / 6, "dcn", 50e9 / 8,
+         "https://cloud.google.com/tpu/docs/v5p"),
+    # H200 SXM: 989 TFLOP/s dense bf16 (1979 with sparsity), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s
+    # bidirectional.
+    Chip("H200", ("h200",), 989e12, 141e9, 4800 * GB, "nvlink", 900 * GB / 2, "network", 400e9 / 8,
+         "https://www.nvidia.com/en-us/data-center/h200/"),
+    # H100 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional.
+    Chip("H100", ("h100",), 989e12, 80e9, 3350 * GB, "nvlink", 900 * GB / 2, "network", 400e9 / 8,
+         "https://www.nvidia.com/en-us/data-center/h100/"),
+)
+
+
+def chip_named(name: str) -> Chip | None:
+    """The chip of --topology gpu:<name>x... (case-insensitive), or None."""
+    return next((chip for chip in CHIPS if chip.name.lower() == name.lower()), None)
+
+
+def chip_of_kind(device_kind: str) -> Chip | None:
+    """The chip whose device kind this is (jax's `device.device_kind`), or None."""
+    kind = device_kind.lower()
+    return next((chip for chip in CHIPS if any(name in kind for name in chip.kinds)), None)

@@ -1,0 +1,357 @@
+"""What one device does in a compiled program, read from its optimized HLO text (design §13): matmul FLOPs,
+HBM bytes and the bytes each collective moves, with every loop body counted as many times as it runs.
+
+XLA's own `cost_analysis()` counts a while loop's body once (a scanned layer stack of 64 layers as one layer)
+and does not split communication by kind or by the mesh axes it crosses; both decide the step time of a pod.
+
+- Loops: a computation runs (sum over its callers) caller's count x the while loop's trip count: XLA's
+  `known_trip_count` annotation, else the `index < N` of its condition (TPU programs carry no annotation); a
+  loop with neither counts once and is reported in `unknown_loops`.
+- FLOPs: 2 x output elements x contracted size for each `dot`; for a `convolution` (TPU lowers many dots to
+  one), 2 x output elements x kernel elements / kernel output features (HloCostAnalysis's count). Elementwise
+  work and custom calls (Pallas kernels such as splash attention) are not counted; `custom_calls` says how many
+  ran.
+- HBM bytes: operands plus outputs of every instruction outside fusion bodies (what a fusion reads and writes
+  reaches memory; its insides do not), dynamic slices and in-place updates counting only the slice, the same
+  approximation as XLA's "bytes accessed".
+- Collectives, per device, for a group of n devices (ring algorithms, the bytes each device sends): all-gather
+  (n-1) x its operand; reduce-scatter and all-to-all (n-1)/n of the operand; all-reduce 2 (n-1)/n (a
+  reduce-scatter then an all-gather); collective-permute its operand. Each is keyed by the mesh axes its groups
+  span and by whether a group leaves a granule (a TPU slice, a GPU host): the link it crosses.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_ITEM_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+               "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+# Instructions that move no data of their own (aliases, control flow whose bodies are counted, markers).
+_NO_TRAFFIC = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional",
+               "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "async-start", "async-update",
+               "async-done", "all-gather-done", "all-reduce-done", "collective-permute-done", "copy-done",
+               "send-done", "recv-done", "add-dependency", "domain"}
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|c64|c128)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY )?%(\S+) ")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+class Collective(NamedTuple):
+    kind: str  # one of COLLECTIVE_KINDS
+    axes: tuple[str, ...]  # the mesh axes its device groups span
+    remote: bool  # a group spans granules (TPU slices, GPU hosts): the slow link
+
+
+class HloCost(NamedTuple):
+    flops: float  # matmul FLOPs of one device, loop bodies times their trip counts
+    hbm_bytes: float
+    collective_bytes: dict[Collective, float]  # bytes one device sends, by kind, axes and link
+    custom_calls: int  # kernel calls run (their FLOPs are not in `flops`)
+    unknown_loops: int  # while loops without a known trip count (counted once)
+
+
+class _Instruction(NamedTuple):
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    attributes: str
+
+
+def _array_bytes(shape: str) -> float:
+    """Bytes of an array or tuple shape text (every array inside it)."""
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * _ITEM_BYTES[dtype]
+               for dtype, dims in _ARRAY.findall(shape))
+
+
+def _dims(shape: str) -> list[int]:
+    match = _ARRAY.search(shape)
+    return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
+def _closing(text: str, start: int) -> int:
+    """Index of the bracket closing the one opened at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += text[i] in "([{"
+        depth -= text[i] in ")]}"
+        if depth == 0:
+            return i
+    raise ValueError(f"unbalanced brackets in HLO line: {text[:200]}")
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]] if text.strip() else parts
+
+
+def _parse_instruction(line: str) -> _Instruction | None:
+    body = _COMMENT.sub("", line).strip().removeprefix("ROOT ")
+    if not body.startswith("%") or " = " not in body:
+        return None
+    name, rest = body[1:].split(" = ", 1)
+    shape_end = _closing(rest, 0) + 1 if rest.startswith("(") else rest.index(" ")
+    shape, rest = rest[:shape_end], rest[shape_end:].lstrip()
+    open_paren = rest.index("(")
+    close_paren = _closing(rest, open_paren)
+    operands = [part.split()[-1].lstrip("%") for part in _split_top_level(rest[open_paren + 1:close_paren])
+                if part.split()]
+    return _Instruction(name, shape, rest[:open_paren], operands, rest[close_paren + 1:])
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
+    """Instructions by computation name, and the entry computation's name."""
+    computations: dict[str, list[_Instruction]] = {}
+    current, entry = None, None
+    for line in hlo.splitlines():
+        if line and not line[0].isspace():
+            header = _HEADER.match(line) if line.rstrip().endswith("{") else None
+            if header is not None:
+                current = header.group(1)
+                computations[current] = []
+                entry = current if line.startswith("ENTRY") else entry
+            elif line.rstrip() == "}":
+                current = None
+            continue  # else the rest of a string that held a line break (op_name metadata)
+        if current is not None and (instruction := _parse_instruction(line)) is not None:
+            computations[current].append(instruction)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry
+
+
+def _callees(instruction: _Instruction) -> list[tuple[str, str]]:
+    """(role, computation) pairs an instruction calls: role "body"/"condition" (a while loop), "fused" (a
+    fusion's body), "scalar" (a reduction's per-element function) or "called"."""
+    found = []
+    for role, names in re.findall(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|"
+                                  r"false_computation)=(\{[^}]*\}|%[^\s,]+)", instruction.attributes):
+        for name in re.findall(r"%([^\s,{}]+)", names):
+            if role == "calls":
+                role = "fused" if instruction.opcode == "fusion" else "called"
+            found.append(("scalar" if role == "to_apply" else role, name))
+    return found
+
+
+def _constant(instruction: _Instruction | None) -> int | None:
+    match = re.fullmatch(r"(-?\d+)", instruction.operands[0]) if instruction and instruction.opcode == "constant" \
+        else None
+    return int(match.group(1)) if match else None
+
+
+def _trip_count(loop: _Instruction, computations: dict[str, list[_Instruction]],
+                defined: dict[str, _Instruction]) -> int | None:
+    """XLA's known_trip_count; else, for a loop whose condition is `index < N` (TPU prints no annotation),
+    N minus the index's start in the loop's initial tuple (0 when that is not a constant)."""
+    if (known := _TRIP_COUNT.search(loop.attributes)) is not None:
+        return int(known.group(1))
+    condition = dict(_callees(loop)).get("condition")
+    for instruction in computations.get(condition, []):
+        if instruction.opcode == "compare" and "direction=LT" in instruction.attributes:
+            bound = _constant(next((i for i in computations[condition] if i.name == instruction.operands[1]), None))
+            if bound is None:
+                return None
+            initial = defined.get(loop.operands[0])
+            start = _constant(defined.get(initial.operands[0])) if initial and initial.opcode == "tuple" else None
+            return bound - (start or 0)
+    return None
+
+
+def _multiplicities(computations: dict[str, list[_Instruction]], entry: str) -> tuple[dict[str, float], set[str], int]:
+    """How many times each computation runs per call of the entry, the fusion bodies, and the number of
+    loops whose trip count is unknown (counted once). Callers are visited before their callees (a depth-first
+    order of the call graph, reversed), so each computation's count is complete when it is handed on."""
+    defined = {i.name: i for instructions in computations.values() for i in instructions}
+    calls: dict[str, list[tuple[str, float]]] = {}
+    fused = set()
+    for name, instructions in computations.items():
+        calls[name] = []
+        for instruction in instructions:
+            trip = _trip_count(instruction, computations, defined) if instruction.opcode == "while" else 1
+            for role, callee in _callees(instruction):
+                if role != "scalar" and callee in computations:
+                    calls[name].append((callee, float(trip or 1)))
+                    fused.update([callee] if role == "fused" else [])
+    order, seen = [], set()
+
+    def visit(name: str) -> None:
+        seen.add(name)
+        for callee, _ in calls[name]:
+            if callee not in seen:
+                visit(callee)
+        order.append(name)
+
+    visit(entry)
+    runs: dict[str, float] = defaultdict(float, {entry: 1.0})
+    for name in reversed(order):
+        for callee, factor in calls[name]:
+            runs[callee] += runs[name] * factor
+    reached = set(order)
+    return runs, fused & reached, sum(1 for name in reached for i in computations[name]
+                                      if i.opcode == "while" and _trip_count(i, computations, defined) is None)
+
+
+def _dot_flops(instruction: _Instruction, shapes: dict[str, str]) -> float:
+    outputs = math.prod(_dims(instruction.shape))
+    if instruction.opcode == "dot":
+        lhs = _dims(shapes[instruction.operands[0]])
+        contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", instruction.attributes)
+        contracted = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
+        return 2.0 * outputs * contracted
+    kernel = _dims(shapes[instruction.operands[1]])
+    labels = re.search(r"dim_labels=\w+_(\w+)->", instruction.attributes)
+    out_features = kernel[labels.group(1).index("o")] if labels else 1
+    return 2.0 * outputs * math.prod(kernel) / out_features
+
+
+def _sliced_parameters(body: list[_Instruction], computations: dict[str, list[_Instruction]]) -> dict[int, float]:
+    """Parameter number -> bytes read, for a fusion body's parameters that are only sliced inside it (directly,
+    or in a fusion nested in it)."""
+    numbers = {i.name: int(i.operands[0]) for i in body if i.opcode == "parameter"}
+    users: dict[str, list[_Instruction]] = defaultdict(list)
+    for instruction in body:
+        for operand in instruction.operands:
+            users[operand].append(instruction)
+    sliced = {}
+    for name, number in numbers.items():
+        read = 0.0
+        for use in users.get(name, []) or [None]:
+            if use is not None and use.opcode in ("dynamic-slice", "slice") and use.operands[0] == name:
+                read += _array_bytes(use.shape)
+                continue
+            inner = {} if use is None or use.opcode != "fusion" else _sliced_parameters(
+                computations.get(dict(_callees(use)).get("fused"), []), computations)
+            position = use.operands.index(name) if use is not None and name in use.operands else None
+            if position not in inner:
+                break
+            read += inner[position]
+        else:
+            sliced[number] = read
+    return sliced
+
+
+def _traffic(instruction: _Instruction, shapes: dict[str, str], computations: dict[str, list[_Instruction]]) -> float:
+    """HBM bytes an instruction outside fusion bodies reads and writes: its operands and output, except that a
+    dynamic slice reads only the slice, and a dynamic update (alone or as a fusion's root: the scans' stacked
+    outputs) writes its update into the buffer in place, as XLA's cost analysis counts them."""
+    root = instruction
+    operands = [_array_bytes(shapes.get(operand, "")) for operand in instruction.operands]
+    if instruction.opcode == "fusion":
+        body = computations.get(dict(_callees(instruction)).get("fused"), [])
+        root = body[-1] if body else instruction  # the ROOT instruction is printed last
+        for i, read in _sliced_parameters(body, computations).items():  # a fusion reading only a slice of an operand
+            if i < len(operands):
+                operands[i] = min(operands[i], read)
+    output = _array_bytes(instruction.shape)
+    if root.opcode == "dynamic-slice" and root is instruction:
+        return 2 * output + sum(operands[1:])
+    if root.opcode == "dynamic-update-slice":
+        update = _array_bytes(shapes.get(root.operands[1], ""))
+        buffer = next((i for i, o in enumerate(instruction.operands) if shapes.get(o) == instruction.shape), None)
+        kept = sum(size for i, size in enumerate(operands) if i != buffer)
+        return kept + 2 * update if root is not instruction else 2 * update + sum(operands[2:])
+    return output + sum(operands)
+
+
+def _iota(text: str) -> np.ndarray:
+    """A device list in XLA's iota form, "[d0,d1,...]" optionally followed by "T(p0,p1,...)"."""
+    match = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text.strip())
+    if match is None:
+        raise ValueError(f"unrecognised device list {text!r}")
+    dims = [int(d) for d in match.group(1).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if match.group(2):
+        ids = ids.transpose([int(p) for p in match.group(2).split(",")])
+    return ids.reshape(-1)
+
+
+def replica_groups(attributes: str) -> list[list[int]]:
+    """The device groups of a collective: explicit ({{0,1},{2,3}}), iota ([2,2]<=[4]T(1,0)) or mesh form
+    (mesh['axis_0'=2,'axis_1'=4], device_ids=([8]) {'axis_1'}); collective-permute's source-target pairs."""
+    if (pairs := re.search(r"source_target_pairs=\{(.*?)\}\}", attributes)) is not None:
+        return [[int(x) for x in pair.split(",")] for pair in re.findall(r"\{(\d+,\d+)", pairs.group(0))]
+    if (explicit := re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attributes)) is not None:
+        return [[int(x) for x in group.split(",") if x] for group in re.findall(r"\{([0-9,]*)\}", explicit.group(1))]
+    if (iota := re.search(r"replica_groups=\[(\d+),(\d+)\]<=(\[[0-9,]+\](?:T\([0-9,]+\))?)", attributes)) is not None:
+        return _iota(iota.group(3)).reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))? \{([^}]*)\}", attributes)
+    if mesh is None:
+        raise ValueError(f"unrecognised replica groups in {attributes[:300]!r}")
+    axes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))}
+    devices = math.prod(axes.values())
+    ids = _iota(mesh.group(2)) if mesh.group(2) else np.arange(devices)
+    # Every axis split into (major, listed sub-axis, minor) parts: "'a':(k)m" is the sub-axis of size m
+    # with stride k (Shardy's notation); a whole axis is its own sub-axis.
+    dims, grouped = [], []
+    listed = dict.fromkeys(axes)
+    for item in re.findall(r"'(\w+)'(?::\((\d+)\)(\d+))?", mesh.group(3)):
+        listed[item[0]] = (int(item[1]), int(item[2])) if item[1] else (1, axes[item[0]])
+    for name, size in axes.items():
+        if listed[name] is None:
+            dims.append(size)
+            continue
+        stride, sub = listed[name]
+        dims.extend([size // (stride * sub), sub, stride])
+        grouped.append(len(dims) - 2)
+    grid = ids.reshape(dims)
+    kept = [d for d in range(len(dims)) if d not in grouped]
+    return grid.transpose(kept + grouped).reshape(-1, math.prod(dims[d] for d in grouped)).tolist()
+
+
+def _collective_bytes(kind: str, operand_bytes: float, group: int) -> float:
+    if kind == "all-gather":
+        return (group - 1) * operand_bytes
+    if kind == "all-reduce":
+        return 2.0 * (group - 1) / group * operand_bytes
+    if kind == "collective-permute":
+        return operand_bytes
+    return (group - 1) / group * operand_bytes  # reduce-scatter, all-to-all
+
+
+def hlo_cost(hlo: str, mesh_axes: dict[str, int], granule_of: Callable[[int], int] = lambda device: 0) -> HloCost:
+    """The cost of one call of the compiled SPMD program `hlo` for one device. mesh_axes: the mesh's axis sizes
+    in order (device i of a group is the mesh's i-th device in row-major order, jit's device assignment);
+    granule_of: the slice or host of the mesh's i-th device (groups spanning two are `remote`)."""
+    computations, entry = _computations(hlo)
+    runs, fused, unknown = _multiplicities(computations, entry)
+    shapes = {i.name: i.shape for instructions in computations.values() for i in instructions}
+    names, sizes = list(mesh_axes), list(mesh_axes.values())
+    flops = hbm = 0.0
+    calls = 0
+    moved: dict[Collective, float] = defaultdict(float)
+    for name, instructions in computations.items():
+        count = runs.get(name, 0.0)
+        if count == 0:
+            continue
+        for instruction in instructions:
+            opcode = instruction.opcode
+            if opcode in ("dot", "convolution"):
+                flops += count * _dot_flops(instruction, shapes)
+            calls += int(count) * (opcode == "custom-call")
+            if name not in fused and opcode not in _NO_TRAFFIC:
+                hbm += count * _traffic(instruction, shapes, computations)
+            kind = opcode.removesuffix("-start")
+            if kind not in COLLECTIVE_KINDS:
+                continue
+            groups = replica_groups(instruction.attributes)
+            coordinates = [np.array(np.unravel_index(group, sizes)) for group in groups]
+            axes = tuple(names[a] for a in range(len(names)) if any(len(set(c[a])) > 1 for c in coordinates))
+            remote = any(len({granule_of(device) for device in group}) > 1 for group in groups)
+            operand_bytes = sum(_array_bytes(shapes[operand]) for operand in instruction.operands)
+            group_size = 2 if kind == "collective-permute" else max(len(group) for group in groups)
+            moved[Collective(kind, axes, remote)] += count * _collective_bytes(kind, operand_bytes, group_size)
+    return HloCost(flops, hbm, dict(moved), calls, unknown)

@@ -1,0 +1,129 @@
+"""`dflash-jax plan --compare`: the target layouts and meshes a topology allows, each compiled and planned
+(plan.py), ranked by predicted step time among those that fit (design §13).
+
+Candidates: every layout of sharding.TARGET_LAYOUTS (--layouts) times every tensor size of --tensor_sizes
+that divides a slice or host; within one, the rest of its devices on fsdp; across slices or hosts (TPU
+multi-slice, a GPU cluster) the data axis (mesh.dcn_data), so only data parallelism crosses the slow links. A
+candidate whose target alone exceeds the memory budget, or whose rows do not split over its (data, fsdp)
+shards, is listed with the reason and not compiled. The ranking is by the step time with no overlap (the
+roofline's upper end), then with perfect overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from flax import nnx
+from ml_collections import ConfigDict
+
+from dflash_jax.chips import Chip, chip_of_kind
+from dflash_jax.errors import ConfigError
+from dflash_jax.ops.backends import resolve_attention_impl
+from dflash_jax.plan import GIB, Plan, plan_train_step, target_bytes_by_layout
+from dflash_jax.roofline import format_bytes, format_seconds
+from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
+from dflash_jax.train import validate
+from dflash_jax.weights.families import family_of
+
+
+class Candidate(NamedTuple):
+    layout: str
+    mesh: dict[str, int]  # data, fsdp, tensor within one slice or host, and dcn_data
+    plan: Plan | None  # None when it was not compiled
+    reason: str  # why not, or why it does not fit
+
+
+def candidate_meshes(devices: int, granules: int, tensor_sizes: tuple[int, ...]) -> list[dict[str, int]]:
+    per_granule = devices // granules
+    return [dict(data=1, fsdp=per_granule // tensor, tensor=tensor, dcn_data=granules)
+            for tensor in tensor_sizes if tensor <= per_granule and per_granule % tensor == 0]
+
+
+def compare_plans(config: ConfigDict, target_config, devices: list, granules: int, layouts: tuple[str, ...],
+                  tensor_sizes: tuple[int, ...], hbm_gib: float | None = None, chip: Chip | None = None,
+                  devices_per_host: int | None = None) -> list[Candidate]:
+    """Every candidate planned (or the reason it was not), best first."""
+    chip = chip or chip_of_kind(devices[0].device_kind)
+    found = []
+    for sizes in candidate_meshes(len(devices), granules, tensor_sizes):
+        candidate_config = ConfigDict(config.to_dict())
+        candidate_config.mesh.update(sizes)
+        rows = (sizes["data"] * sizes["dcn_data"]) * sizes["fsdp"]
+        micro_batch = config.data.batch_size // config.grad_accum_steps
+        if micro_batch % rows:
+            found.extend(Candidate(layout, sizes, None, f"{micro_batch} rows per micro-batch do not split over "
+                                                        f"{rows} (data, fsdp) shards") for layout in layouts)
+            continue
+        mesh = make_mesh(**sizes, devices=devices)
+        by_layout = _target_bytes(config, target_config, mesh)
+        budget = hbm_gib if hbm_gib is not None else (chip.hbm_bytes / GIB if chip else None)
+        for layout in layouts:
+            if budget is not None and by_layout[layout] > budget * GIB:
+                found.append(Candidate(layout, sizes, None, f"the target alone takes "
+                                                            f"{by_layout[layout] / GIB:.1f} GiB per device"))
+                continue
+            candidate_config.target_layout = layout
+            try:
+                plan = plan_train_step(candidate_config, target_config, mesh, hbm_gib, chip, devices_per_host)
+            except ConfigError as error:  # e.g. heads that tensor does not divide
+                found.append(Candidate(layout, sizes, None, str(error)))
+                continue
+            fits = plan.hbm_bytes is None or plan.total_bytes <= plan.hbm_bytes
+            found.append(Candidate(layout, sizes, plan, "" if fits else
+                                   f"needs {plan.total_bytes / GIB:.1f} GiB of {plan.hbm_bytes / GIB:.1f}"))
+    return sorted(found, key=_rank)
+
+
+def _target_bytes(config: ConfigDict, target_config, mesh) -> dict[str, int]:
+    attention_impl = resolve_attention_impl(config.attention_impl, mesh.devices.flat[0].platform)
+    target = family_of(target_config).abstract_model(
+        target_config, param_dtype=validate.dtype_of(config.target_dtype), attention_impl=attention_impl, mesh=mesh)
+    return target_bytes_by_layout(nnx.state(target), mesh)
+
+
+def _rank(candidate: Candidate) -> tuple:
+    plan = candidate.plan
+    if plan is None or candidate.reason or plan.roofline is None:
+        return (1, candidate.plan is None, math.inf, math.inf)
+    fastest, slowest = plan.roofline.step_seconds
+    return (0, False, slowest, fastest)
+
+
+def _mesh_text(sizes: dict[str, int]) -> str:
+    return ",".join(f"{axis}={size}" for axis, size in sizes.items())
+
+
+def format_comparison(candidates: list[Candidate]) -> str:
+    lines = ["| layout | mesh (per slice or host) | memory per device | bytes per device on each link | step "
+             "(overlap - none) | MFU | bound | note |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for candidate in candidates:
+        plan, mesh = candidate.plan, _mesh_text(candidate.mesh)
+        if plan is None or plan.roofline is None:
+            lines.append(f"| {candidate.layout} | {mesh} | | | | | | {candidate.reason or 'no chip peaks'} |")
+            continue
+        line = plan.roofline
+        fastest, slowest = line.step_seconds
+        links = ", ".join(f"{name} {format_bytes(size)}" for name, size in line.link_bytes.items())
+        lines.append(f"| {candidate.layout} | {mesh} | {format_bytes(plan.total_bytes)} | {links} | "
+                     f"{format_seconds(fastest)} - {format_seconds(slowest)} | {line.mfu(slowest):.0%} - "
+                     f"{line.mfu(fastest):.0%} | {line.bound} | {candidate.reason} |")
+    best = candidates[0] if candidates and _rank(candidates[0])[0] == 0 else None
+    if best is None:
+        lines.append("no candidate fits")
+    else:
+        flags = " ".join(f"--config.mesh.{axis}={size}" for axis, size in best.mesh.items())
+        lines.append(f"best: --config.target_layout={best.layout} {flags}")
+    return "\n".join(lines)
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
+
+
+def check_layouts(text: str) -> tuple[str, ...]:
+    layouts = tuple(part.strip() for part in text.split(","))
+    unknown = [layout for layout in layouts if layout not in TARGET_LAYOUTS]
+    if unknown:
+        raise ConfigError(f"--layouts: unknown layouts {unknown}; the layouts are {list(TARGET_LAYOUTS)}")
+    return layouts
