@@ -24,14 +24,17 @@ from ml_collections import ConfigDict
 from transformers import AutoTokenizer
 
 from dflash_jax import cli
-from dflash_jax.errors import ConfigError, DataError
+from dflash_jax.data.corpus import check_input_files
+from dflash_jax.errors import ConfigError
 from dflash_jax.eval.examples import stop_token_ids
-from dflash_jax.weights.targets import load_target
+from dflash_jax.paths import absolute
 from dflash_jax.regeneration.decode import BatchDecoder, Sampling
 from dflash_jax.regeneration.job import Summary, regenerate
 from dflash_jax.regeneration.output import ResumableJsonl
 from dflash_jax.sharding import BATCH_AXES
 from dflash_jax.train.validate import dtype_of, mesh_from_config
+from dflash_jax.weights.hub import pretrained_dir
+from dflash_jax.weights.targets import load_target
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _CONFIG = cli.define_config_flag(FLAGS)
@@ -73,17 +76,15 @@ def run(config: ConfigDict, prompts: list[str], out: str, *, max_new_tokens: int
         sampling = Sampling(temperature, top_p, seed)
     except ValueError as error:
         raise ConfigError(f"--{error}") from None
-    for path in prompts:
-        if not os.path.isfile(path):
-            raise DataError(path, "prompt file not found")
-    settings = {"prompts": [os.path.abspath(p) for p in prompts], "target_dir": config.target_dir,
+    check_input_files(prompts, "--prompts")
+    settings = {"prompts": [absolute(p) for p in prompts], "target_dir": config.target_dir,
                 "target_dtype": config.target_dtype, "max_new_tokens": max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed,
                 "chat_template_kwargs": config.data.chat_template_kwargs}
     output = ResumableJsonl(out, settings)  # refuses a foreign file or other settings before the long load
 
     target, target_config = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
     stops = stop_token_ids(config.target_dir, tokenizer)
     decoder = BatchDecoder(target, max_new_tokens=max_new_tokens, stop_token_ids=stops, sampling=sampling, mesh=mesh)
     log.info("regenerating %s -> %s with %s (%s, mesh %s, batch %d, %s)", ", ".join(prompts), out,

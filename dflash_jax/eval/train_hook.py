@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from dflash_jax.eval.examples import read_examples
 from dflash_jax.eval.exact_tau import DEFAULT_BUDGETS, evaluate_drafter
 from dflash_jax.eval.report import flat_metrics
+from dflash_jax.weights.hub import pretrained_dir
 from dflash_jax.weights.targets import read_target_config
 
 
@@ -22,7 +23,7 @@ def make_train_evaluator(config: ConfigDict, *, budgets: Sequence[int] = DEFAULT
     generation, so it works for every target kind; `greedy_agreement` says how closely they follow the
     target's greedy decoding. The examples are tokenized once, here; the forward compiles at the first call.
     """
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
     examples = read_examples(config.data.eval_files, tokenizer, config.eval_prompts, max_continuation=max_continuation,
                              chat_template_kwargs=config.data.chat_template_kwargs,
                              max_positions=read_target_config(config.target_dir).max_position_embeddings)

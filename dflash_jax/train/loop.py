@@ -37,6 +37,7 @@ from dflash_jax.train.step import make_step, process_rows, put_batch
 from dflash_jax.train.tracking import Trackers
 from dflash_jax.train.workdir import MetricsLog, append_config_history, drop_metrics_after, workdir_held
 from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE, workdir_path
+from dflash_jax.weights.hub import pretrained_dir
 from dflash_jax.weights.targets import load_target
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
              config.target_layout, attention_impl)
     target, target_config = load_target(config.target_dir, param_dtype=validate.dtype_of(config.target_dtype),
                                         mesh=mesh, attention_impl=attention_impl, target_layout=config.target_layout)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
     _check_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)
     log.info("drafter: %s (attention: %s)", drafter_config, attention_impl)

@@ -32,6 +32,7 @@ from etils import epath
 from ml_collections import ConfigDict
 
 from dflash_jax.errors import CheckpointError, WorkdirLockedError
+from dflash_jax.paths import is_url
 from dflash_jax.train import distributed
 
 log = logging.getLogger(__name__)
@@ -309,11 +310,6 @@ class MetricsLog:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-
-
-def is_url(path: str | os.PathLike) -> bool:
-    """Whether `path` is an object store's (gs://bucket/...), not a local one."""
-    return "://" in os.fspath(path)
 
 
 def read_metrics(workdir: epath.Path) -> list[dict[str, Any]]:
