@@ -14,7 +14,6 @@ config.data.eval_files); `generate` continues each prompt with the target's own 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jax
 from absl import flags
@@ -31,9 +30,11 @@ from dflash_jax.eval.exact_tau import DEFAULT_BUDGETS, evaluate_drafter
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, generator_shapes
 from dflash_jax.eval.report import format_result, format_speed
 from dflash_jax.models.drafter import Drafter, DrafterConfig
+from dflash_jax.paths import as_path
 from dflash_jax.sharding import replicated
 from dflash_jax.train.validate import dtype_of, mesh_from_config
 from dflash_jax.weights.drafter_files import load_drafter
+from dflash_jax.weights.hub import pretrained_dir
 from dflash_jax.weights.targets import load_target, read_target_config
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
@@ -85,7 +86,7 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
         raise ConfigError("give --workdir (a training run) or --drafter (an exported drafter directory)")
     # The prompts are read (and refused, if bad) before the target's weights load, which takes minutes.
     target_config = read_target_config(config.target_dir)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
     files = prompts or config.data.eval_files
     examples = read_examples(files, tokenizer, num_prompts or config.eval_prompts, max_continuation=max_new_tokens,
                              chat_template_kwargs=config.data.chat_template_kwargs,
@@ -138,7 +139,7 @@ def main() -> None:
                   prompts=_PROMPTS.value, num_prompts=_NUM_PROMPTS.value, continuation=_CONTINUATION.value,
                   max_new_tokens=_MAX_NEW.value, budgets=tuple(int(b) for b in _BUDGETS.value), speed=_SPEED.value)
     if _JSON.value:
-        Path(_JSON.value).write_text(json.dumps(results, indent=2) + "\n")
+        as_path(_JSON.value).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

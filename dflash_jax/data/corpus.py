@@ -20,8 +20,9 @@ import numpy as np
 from tqdm import tqdm
 
 from dflash_jax.data.records import Record
-from dflash_jax.data.sources import WeightedSource
+from dflash_jax.data.sources import WeightedSource, filesystem
 from dflash_jax.errors import DataError
+from dflash_jax.paths import is_url
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +31,16 @@ def check_input_files(paths: Sequence[str | os.PathLike], what: str) -> None:
     """DataError naming the path and `what` (the flag or config field) for a JSONL path that is missing, a
     directory or unreadable (the files read line by line: evaluation records, prompts)."""
     for path in paths:
-        if not os.path.exists(path):
+        if is_url(path):
+            fs, inside = filesystem(os.fspath(path), what)
+            exists, is_dir, readable = fs.exists(inside), fs.isdir(inside), True  # unreadable: the read says so
+        else:
+            exists, is_dir, readable = os.path.exists(path), os.path.isdir(path), os.access(path, os.R_OK)
+        if not exists:
             raise DataError(os.fspath(path), f"no such file ({what})")
-        if os.path.isdir(path):
+        if is_dir:
             raise DataError(os.fspath(path), f"is a directory, not a JSONL file ({what})")
-        if not os.access(path, os.R_OK):
+        if not readable:
             raise DataError(os.fspath(path), f"not readable by this user ({what})")
 
 

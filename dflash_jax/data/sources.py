@@ -68,7 +68,7 @@ def parse_entry(entry: str, what: str) -> tuple[str, str | None, float]:
 
 
 def _expand(path: str, split: str | None, what: str) -> list[Any]:
-    fs, root = _filesystem(path, what)
+    fs, root = filesystem(path, what)
     local = "file" in fs.protocol
     if any(char in path for char in _GLOB_CHARS) and not fs.exists(root):
         matches = sorted(fs.glob(root))
@@ -89,7 +89,7 @@ def _expand(path: str, split: str | None, what: str) -> list[Any]:
     raise DataError(path, f"no such file ({what})")
 
 
-def _filesystem(path: str, what: str) -> tuple[Any, str]:
+def filesystem(path: str, what: str) -> tuple[Any, str]:
     """The fsspec filesystem of a path or URL (gs://, s3://, ...) and the path within it."""
     import fsspec  # noqa: PLC0415
 

@@ -19,6 +19,8 @@ from dflash_jax.data.corpus import check_input_files
 from dflash_jax.errors import DataError
 from dflash_jax.eval.exact_tau import Example
 from dflash_jax.eval.generate import SpeculativeGenerator
+from dflash_jax.paths import open_input
+from dflash_jax.weights.hub import pretrained_dir
 
 
 def read_examples(files: Sequence[str | os.PathLike], tokenizer: PreTrainedTokenizerBase, limit: int, *,
@@ -36,7 +38,7 @@ def read_examples(files: Sequence[str | os.PathLike], tokenizer: PreTrainedToken
     check_input_files(files, what)
     examples = []
     for path in files:
-        with open(path, "rb") as f:  # decoded line by line, so a non-UTF-8 byte is reported at its line
+        with open_input(path) as f:  # decoded line by line, so a non-UTF-8 byte is reported at its line
             for line_number, raw in enumerate(f, start=1):
                 if len(examples) == limit:
                     return examples
@@ -92,7 +94,7 @@ def with_greedy_continuations(generator: SpeculativeGenerator, examples: Sequenc
 def stop_token_ids(target_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """The target's end-of-generation ids: generation_config.json's eos_token_id, else the tokenizer's eos."""
     try:
-        eos = GenerationConfig.from_pretrained(target_dir).eos_token_id
+        eos = GenerationConfig.from_pretrained(pretrained_dir(target_dir)).eos_token_id
     except OSError:  # no generation_config.json
         eos = None
     if eos is None:

@@ -11,6 +11,7 @@ from dflash_jax.eval.examples import read_examples, stop_token_ids, with_greedy_
 from dflash_jax.eval.exact_tau import DEFAULT_BUDGETS, evaluate_drafter
 from dflash_jax.eval.generate import SpeculativeGenerator, generator_shapes
 from dflash_jax.eval.report import flat_metrics
+from dflash_jax.weights.hub import pretrained_dir
 from dflash_jax.weights.targets import read_target_config
 
 
@@ -24,7 +25,7 @@ def make_train_evaluator(config: ConfigDict, *, budgets: Sequence[int] = DEFAULT
     frozen), or with config.eval_continuation = "data" the records' own, cut to that length. The examples
     are tokenized once, here; the forward compiles at the first call.
     """
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
     max_new_tokens, generate = config.eval_max_new_tokens, config.eval_continuation == "generate"
     examples = read_examples(config.data.eval_files, tokenizer, config.eval_prompts, max_continuation=max_new_tokens,
                              chat_template_kwargs=config.data.chat_template_kwargs,

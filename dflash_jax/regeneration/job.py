@@ -10,6 +10,7 @@ records are appended to the output. SIGTERM/SIGINT stop the job after the batch 
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from dflash_jax.paths import open_input
 from dflash_jax.regeneration.decode import BatchDecoder
 from dflash_jax.regeneration.output import ResumableJsonl
 from dflash_jax.regeneration.records import Regeneration, parse_prompt_record
@@ -45,7 +47,7 @@ class Summary:
 def read_prompt_records(files: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
     """(path:line, record) of every non-blank line, in file order."""
     for path in files:
-        with open(path, encoding="utf-8") as handle:
+        with io.TextIOWrapper(open_input(path), encoding="utf-8") as handle:
             for number, line in enumerate(handle, start=1):
                 if line.strip():
                     where = f"{path}:{number}"
@@ -55,7 +57,7 @@ def read_prompt_records(files: Sequence[str]) -> Iterator[tuple[str, dict[str, A
 def count_records(files: Sequence[str]) -> int:
     total = 0
     for path in files:
-        with open(path, encoding="utf-8") as handle:
+        with io.TextIOWrapper(open_input(path), encoding="utf-8") as handle:
             total += sum(1 for line in handle if line.strip())
     return total
 

@@ -35,8 +35,9 @@ from dflash_jax.train.loss import acceptance_metrics
 from dflash_jax.train.state import init_train_state, state_spec
 from dflash_jax.train.step import make_step, process_rows, put_batch
 from dflash_jax.train.tracking import Trackers
-from dflash_jax.train.workdir import METRICS_FILE, append_config_history, drop_metrics_after, workdir_held
+from dflash_jax.train.workdir import MetricsLog, append_config_history, drop_metrics_after, workdir_held
 from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE, workdir_path
+from dflash_jax.weights.hub import pretrained_dir
 from dflash_jax.weights.targets import load_target
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
              config.target_layout, attention_impl)
     target, target_config = load_target(config.target_dir, param_dtype=validate.dtype_of(config.target_dtype),
                                         mesh=mesh, attention_impl=attention_impl, target_layout=config.target_layout)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
     _check_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)
     log.info("drafter: %s (attention: %s)", drafter_config, attention_impl)
@@ -135,12 +136,12 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
     tokens_per_step = config.data.batch_size * config.data.seq_len
 
     # One metrics file per run: the other processes compute the same (replicated) records and drop them.
-    metrics_file = (workdir / METRICS_FILE).open("a") if main else open(os.devnull, "a")
+    metrics_log = MetricsLog(workdir) if main else None
     trackers = Trackers(workdir, config, start_step) if main else None  # TensorBoard, W&B (tracking.py)
 
     def write_metrics(record: dict[str, Any]) -> None:
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
+        if metrics_log is not None:
+            metrics_log.write(record)
         if trackers is not None:
             trackers.write(record["step"], record)
     pending: list[dict[str, jax.Array]] = []  # device metrics since the last log line (no host sync per step)
@@ -199,7 +200,8 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
     finally:
         progress.close()
         checkpointer.close()
-        metrics_file.close()
+        if metrics_log is not None:
+            metrics_log.close()
         if trackers is not None:
             trackers.close()
         batches.close()

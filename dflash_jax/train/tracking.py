@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import numbers
-from pathlib import Path
+import os
 from typing import Any
 
+from etils import epath
 from ml_collections import ConfigDict
 
 from dflash_jax.errors import ConfigError
+from dflash_jax.paths import as_path, cache_root, is_url
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +48,13 @@ class Trackers:
     """The TensorBoard writer and the W&B run of one training run (either may be off). `start_step` is the
     step the run resumes from (0 for a fresh run)."""
 
-    def __init__(self, workdir: str | Path, config: ConfigDict, start_step: int):
-        workdir = Path(workdir)
+    def __init__(self, workdir: str | os.PathLike, config: ConfigDict, start_step: int):
+        workdir = as_path(workdir)  # a bucket workdir's event files go there through tensorboardX's gs:// writer
         self._tensorboard = self._wandb = None
         if config.tensorboard:
             from tensorboardX import SummaryWriter
             # purge_step: hide what a previous run logged at steps >= start_step + 1 (see the module docstring).
-            self._tensorboard = SummaryWriter(str(workdir / TENSORBOARD_DIR),
+            self._tensorboard = SummaryWriter(os.fspath(workdir / TENSORBOARD_DIR),
                                               purge_step=start_step + 1 if start_step else None)
         if config.wandb_project:
             self._wandb = _wandb_run(workdir, config)
@@ -73,7 +75,7 @@ class Trackers:
             self._wandb.finish()
 
 
-def _wandb_run(workdir: Path, config: ConfigDict):
+def _wandb_run(workdir: epath.Path, config: ConfigDict):
     """A W&B run for the workdir: the same one again when a resumed run finds its id there."""
     try:
         import wandb
@@ -84,4 +86,5 @@ def _wandb_run(workdir: Path, config: ConfigDict):
     id_file.write_text(run_id + "\n")
     log.info("logging to W&B project %s, run %s", config.wandb_project, run_id)
     return wandb.init(project=config.wandb_project, entity=config.wandb_entity, name=workdir.name, id=run_id,
-                      resume="allow", dir=str(workdir), config=config.to_dict())
+                      resume="allow", config=config.to_dict(),
+                      dir=os.fspath(cache_root() / "wandb" if is_url(workdir) else workdir))  # W&B writes locally

@@ -2,7 +2,8 @@
 
     lock.json               held by the run training in it (process 0), so that a second trainer is refused
     config_history.jsonl    the resolved config of every start (time, step), appended, never rewritten
-    metrics.jsonl           one record per logged step; on resume the steps after the checkpoint are dropped
+    metrics.jsonl           one record per logged step; on resume the steps after the checkpoint are dropped;
+                            appended locally, rewritten whole on an object store (`MetricsLog`)
     errors.log              the full traces behind one-line messages (e.g. an unreadable checkpoint)
 
 Paths are `etils.epath.Path`s, as Orbax's are, so a workdir may be local or a bucket (gs://...).
@@ -31,6 +32,7 @@ from etils import epath
 from ml_collections import ConfigDict
 
 from dflash_jax.errors import CheckpointError, WorkdirLockedError
+from dflash_jax.paths import is_url
 from dflash_jax.train import distributed
 
 log = logging.getLogger(__name__)
@@ -176,7 +178,7 @@ class WorkdirLock:
     def _create(self) -> bool:
         """Creates the lock file only if there is none (atomically on a local filesystem; an object store has
         no exclusive create, so there the file is written and read back)."""
-        if "://" not in os.fspath(self.path):
+        if not is_url(self.path):
             try:
                 descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
@@ -295,6 +297,34 @@ def drop_metrics_after(workdir: epath.Path, step: int) -> None:
         partial = workdir / (METRICS_FILE + ".tmp")
         partial.write_text("".join(kept))
         partial.replace(path)
+
+
+class MetricsLog:
+    """metrics.jsonl as the run writes it, one record at a time, each on the store when `write` returns.
+
+    On a local disk the file is appended to and flushed per record. An object store has no append (gcsfs's
+    "a" mode starts a new, empty object: every resume would lose the earlier records) and an open object
+    reaches the store only when closed (a kill would lose the run's). There, the whole object, the records so
+    far and the new one, is uploaded at each record; an upload replaces the object at once, so a reader sees
+    the old records or the new ones, never a torn line (design §7)."""
+
+    def __init__(self, workdir: epath.Path):
+        self.path = workdir / METRICS_FILE
+        self._file = None if is_url(self.path) else self.path.open("a")
+        self._text = "" if self._file is not None or not self.path.exists() else self.path.read_text()
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record) + "\n"
+        if self._file is not None:
+            self._file.write(line)
+            self._file.flush()
+        else:
+            self._text += line
+            self.path.write_text(self._text)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 def read_metrics(workdir: epath.Path) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models.drafter import Drafter, DrafterConfig
+from dflash_jax.paths import as_path
 from dflash_jax.train.workdir import library_logs_captured, newest_readable
 from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.output_dir import FILE_MODE, check_output_dir, prepare_output_dir, write_text
@@ -278,11 +279,8 @@ def drafter_from_torch_layout(tensors: Mapping[str, np.ndarray], config: Drafter
 
 
 def workdir_path(workdir: str | os.PathLike) -> epath.Path:
-    """A run directory as every reader and writer of it addresses it: an `epath.Path` (what Orbax uses), so
-    that a bucket URI such as gs://bucket/run stays one (pathlib would turn it into the local path
-    gs:/bucket/run); local paths are made absolute, as Orbax requires."""
-    text = os.fspath(workdir)
-    return epath.Path(text) if "://" in text else epath.Path(os.path.expanduser(text)).absolute()
+    """A run directory as every reader and writer of it addresses it (dflash_jax/paths.py)."""
+    return as_path(workdir)
 
 
 def restore_drafter(workdir: str | os.PathLike, step: int | None) -> tuple[Drafter, DrafterConfig, int]:

@@ -1,7 +1,7 @@
 """Models named by a Hugging Face Hub repo id (`Qwen/Qwen3-8B`) wherever a directory is expected.
 
-`local_dir` turns a name into a directory: an existing local directory or a bucket URI is used as it is;
-otherwise a name shaped `owner/name` is a Hub repo, fetched with `huggingface_hub.snapshot_download` into the
+`local_dir` turns a name into a directory: an existing local directory is used as it is; a bucket URI's
+model files are copied into a local cache (dflash_jax/paths.py) and that copy is used; otherwise a name shaped `owner/name` is a Hub repo, fetched with `huggingface_hub.snapshot_download` into the
 Hugging Face cache (HF_HOME / HF_HUB_CACHE) or found there, and its snapshot directory is returned. With
 HF_HUB_OFFLINE=1 only the cache is looked at. Only what loading needs is downloaded: configs, tokenizer
 files and safetensors weights (not PyTorch .bin or GGUF copies). Anything else is one CheckpointError line.
@@ -13,16 +13,25 @@ import os
 import re
 
 from dflash_jax.errors import CheckpointError
+from dflash_jax.paths import is_url, local_copy
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the Hub spells repo ids
 MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+def pretrained_dir(name: str | os.PathLike) -> str:
+    """What a transformers `from_pretrained` (tokenizer, generation config) is given for `name`: a bucket
+    URI's local copy (it reads local directories and Hub ids only), anything else as it is."""
+    return local_dir(name) if is_url(name) else os.fspath(name)
 
 
 def local_dir(name: str | os.PathLike, what: str = "model") -> str:
     """A directory holding the model `name` names (see the module docstring); `what` ("target", "drafter")
     goes into the error message."""
     name = os.fspath(name)
-    if "://" in name or os.path.isdir(name) or not REPO_ID.match(name):
+    if is_url(name):
+        return local_copy(name, MODEL_FILES)
+    if os.path.isdir(name) or not REPO_ID.match(name):
         return name  # a path: whoever reads it reports what is missing there
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,

@@ -28,6 +28,7 @@ from orbax.checkpoint import v1 as ocp
 from tqdm import tqdm
 
 from dflash_jax.errors import CheckpointError
+from dflash_jax.paths import as_path, is_url
 from dflash_jax.sharding import state_shardings
 from dflash_jax.weights.families import resolve
 from dflash_jax.weights.mapping import WeightRule
@@ -118,9 +119,11 @@ def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: 
 
     With a mesh each variable is restored directly onto its sharding from the logical-axis rules (each
     device reads only its shard; `target_layout` as in `load_target`); without one, onto the first device.
-    Stored weights are cast to the model's dtypes (`param_dtype`, fp32 where the model insists).
+    Stored weights are cast to the model's dtypes (`param_dtype`, fp32 where the model insists). A directory
+    in a bucket has its small files read from a local copy and its arrays read in place (dflash_jax/paths.py).
     """
-    directory = Path(directory)
+    params_dir = (as_path(directory) if is_url(directory) else Path(directory)) / PARAMS_DIR
+    directory = Path(local_dir(directory, "target"))
     marker = read_json(directory / MARKER_FILE)
     if marker.get("format") != FORMAT or marker.get("version") != VERSION:
         raise CheckpointError(f"{directory / MARKER_FILE}: format {marker.get('format')!r} version "
@@ -137,7 +140,6 @@ def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: 
     targets = {leaf_name(path): jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[path])
                for path, v in variables.items()}
 
-    params_dir = directory / PARAMS_DIR
     stored = ocp.metadata(params_dir).metadata
     missing, unexpected = sorted(set(targets) - set(stored)), sorted(set(stored) - set(targets))
     wrong = [f"{name} {tuple(stored[name].shape)} (config.json needs {targets[name].shape})"

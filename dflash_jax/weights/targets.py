@@ -34,9 +34,9 @@ def load_target(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: M
     model_type, a bad config field, missing, unexpected or mis-shaped tensors) raises CheckpointError naming
     the file and what is wrong. checkpoint_dir may also be a Hugging Face Hub repo id (weights/hub.py).
     """
-    checkpoint_dir = local_dir(checkpoint_dir, "target")
+    name, checkpoint_dir = checkpoint_dir, local_dir(checkpoint_dir, "target")
     if is_orbax_target(checkpoint_dir):
-        return load_orbax_target(checkpoint_dir, param_dtype=param_dtype, mesh=mesh, attention_impl=attention_impl,
+        return load_orbax_target(name, param_dtype=param_dtype, mesh=mesh, attention_impl=attention_impl,
                                  target_layout=target_layout)
     family, config = resolve(read_config(checkpoint_dir), Path(checkpoint_dir) / "config.json")
     reader = CheckpointReader(checkpoint_dir)

@@ -1,0 +1,76 @@
+"""Paths the commands take, local or at a URL (gs://bucket/..., any scheme fsspec knows) (design §7.1).
+
+Input files read once in order (evaluation records, prompts) are streamed from their URL (`open_input`). A
+workdir is addressed as an `etils.epath.Path` (`as_path`), as Orbax addresses its checkpoints, so its small
+files are read and written in the bucket itself. A model directory at a URL (a target, a drafter to start from
+or evaluate) is read through `local_copy`: its top-level files are downloaded once into a local cache and read
+from there, since the safetensors and tokenizer readers take local files only (an Orbax target's arrays, in a
+subdirectory, stay in the bucket: Orbax reads them there, each host its own shards).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+from etils import epath
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether `path` names an object in a store (gs://bucket/...), not a local file."""
+    return "://" in os.fspath(path)
+
+
+def as_path(path: str | os.PathLike) -> epath.Path:
+    """`path` as one `epath.Path`: a URL stays one (pathlib would turn gs://bucket/run into the local path
+    gs:/bucket/run); a local path is made absolute, as Orbax requires."""
+    text = os.fspath(path)
+    return epath.Path(text) if is_url(text) else epath.Path(os.path.expanduser(text)).absolute()
+
+
+def open_input(path: str | os.PathLike) -> BinaryIO:
+    """`path` opened for reading bytes, from the start to the end (evaluation and prompt files are read
+    once, in order: one request streams a URL's object)."""
+    if not is_url(path):
+        return open(path, "rb")
+    import fsspec  # noqa: PLC0415
+
+    return fsspec.open(os.fspath(path), "rb").open()
+
+
+def absolute(path: str | os.PathLike) -> str:
+    """`path` as recorded in a run's settings: a URL as it is, a local path made absolute."""
+    return os.fspath(path) if is_url(path) else os.path.abspath(path)
+
+
+def cache_root() -> Path:
+    """Where `local_copy` keeps its copies: $DFLASH_JAX_CACHE, else ~/.cache/dflash_jax."""
+    return Path(os.environ.get("DFLASH_JAX_CACHE") or Path.home() / ".cache" / "dflash_jax")
+
+
+def local_copy(url: str, patterns: Sequence[str]) -> str:
+    """A local directory holding the files directly under `url` whose names match one of `patterns`; each is
+    downloaded only if the cache lacks it or holds another version of it (size and checksum or ETag, as the
+    store lists them, kept beside the copy). Written under a name of this process and renamed, so that
+    processes sharing a host (and the cache) never read a half-written file."""
+    import fsspec  # noqa: PLC0415 (only bucket paths need it)
+
+    fs, root = fsspec.core.url_to_fs(url)
+    local = cache_root() / "urls" / url.replace("://", "/", 1).rstrip("/")
+    local.mkdir(parents=True, exist_ok=True)
+    for entry in fs.ls(root, detail=True):
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if entry["type"] != "file" or not any(fnmatch.fnmatch(name, pattern) for pattern in patterns):
+            continue
+        destination, stamp = local / name, local / f".{name}.version"
+        version = f"{entry['size']} {entry.get('md5Hash') or entry.get('ETag') or entry.get('etag') or ''}"
+        if destination.is_file() and stamp.is_file() and stamp.read_text() == version:
+            continue
+        partial = local / f".{name}.{os.getpid()}.partial"
+        fs.get_file(entry["name"], os.fspath(partial))
+        os.replace(partial, destination)
+        stamp.write_text(version)
+    return os.fspath(local)
