@@ -52,6 +52,7 @@ def step_config(tiny: bool, remat: str, peak_tflops: float | None):
     config.target_dir, config.data.train_files = "(random weights)", ("(random rows)",)
     config.data.seq_len, config.data.anchor_stride, config.data.batch_size = 4096, 8, 16
     config.drafter.mask_token_id = 151669  # an unused row of Qwen3's embedding, as a tokenizer's mask token
+    config.total_steps = 1000  # the schedule's length (the benchmark times a few of its steps)
     config.remat = remat
     config.peak_tflops_per_device = peak_tflops  # None: the device kind's (flops.PEAK_TFLOPS)
     if tiny:
