@@ -21,7 +21,7 @@ $(VENV)/.installed: $(VENV)/.base-installed
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 -m "not slow and not tpu_plan" tests
+	$(PY) -m pytest -q -n 2 -m "not slow and not tpu_plan" --durations=25 tests
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow tests

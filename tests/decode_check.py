@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5, Qwen3_5Config
 
 CALLS = (1, 3, 1, 1, 2, 1)  # tokens per decode call: single tokens and short blocks
@@ -83,3 +84,12 @@ def _hybrid(vocab: int, seed: int) -> Qwen3_5:
                                  layer_types=(LINEAR_ATTENTION, FULL_ATTENTION) * 2, linear_num_key_heads=2,
                                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                                  max_position_embeddings=256), rngs=nnx.Rngs(seed))
+
+
+def tiny_drafter(vocab: int, block_size: int) -> Drafter:
+    """A random one-layer drafter for the 4-layer tiny targets (hidden 64, features after layers 0 and 3)."""
+    return Drafter(DrafterConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                                 layer_types=("full_attention",), block_size=block_size, target_layer_ids=(0, 3),
+                                 num_target_layers=4, mask_token_id=vocab - 1, vocab_size=vocab,
+                                 max_position_embeddings=256), rngs=nnx.Rngs(0))

@@ -14,10 +14,9 @@ from flax import nnx
 
 from dflash_jax.eval.exact_tau import DraftScorer, Example, score_response
 from dflash_jax.eval.generate import SpeculativeGenerator, continue_text
-from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.models.qwen3_5 import FULL_ATTENTION
 from dflash_jax.models.target import NO_SEGMENT
-from tests.decode_check import tiny_hybrid_target
+from tests.decode_check import tiny_drafter, tiny_hybrid_target
 
 VOCAB, BLOCK, NEW_TOKENS = 96, 4, 23
 PROMPT_LENGTHS = (3, 7, 12)
@@ -30,11 +29,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def drafter():
-    return Drafter(DrafterConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                                 layer_types=("full_attention",), block_size=BLOCK, target_layer_ids=(0, 3),
-                                 num_target_layers=4, mask_token_id=VOCAB - 1, vocab_size=VOCAB,
-                                 max_position_embeddings=256), rngs=nnx.Rngs(0))
+    return tiny_drafter(VOCAB, BLOCK)
 
 
 @pytest.fixture(scope="module")
