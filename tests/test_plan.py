@@ -244,8 +244,8 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the
     chip) on v5p slices of 8 and 32 chips: with the activations pinned to their rows, a chip's temporaries
     are its own rows' activations plus one layer's gathered weights, whatever the number of chips. On 32 chips
     `plan --compare` (fsdp and tensor layouts, fsdp = 32) ranks both by predicted step time: the fsdp layout
-    all-gathers the target's weights over ICI every step, the tensor layout (a whole copy per chip at tensor = 1)
-    does not; nothing crosses DCN on one slice."""
+    all-gathers the target's weights over ICI every step on top of the drafter's, the tensor layout (a whole copy
+    per chip at tensor = 1) only the drafter's; nothing crosses DCN on one slice."""
     _libtpu_or_skip()
     config, target_config = _qwen27b(4)
     config.drafter.target_layer_ids = (0, 1, 2)
@@ -271,7 +271,9 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the
     gathered = {layout: sum(size for key, size in plan.cost.collective_bytes.items()
                             if key.kind == "all-gather" and "fsdp" in key.axes) for layout, plan in plans.items()}
     whole = plans["tensor"].target_bytes  # tensor = 1: the whole target on each chip
-    assert gathered["fsdp"] >= 0.9 * whole * 31 / 32 > 10 * gathered["tensor"], (gathered, whole)
+    # Both layouts gather the FSDP-sharded drafter's weights; the fsdp layout gathers the target's on top
+    # (measured: 15.6 GB against 5.8 GB per chip, the target 8.1 GB).
+    assert gathered["fsdp"] - gathered["tensor"] >= 0.9 * whole * 31 / 32, (gathered, whole)
     for plan in plans.values():
         assert plan.roofline.link_bytes["dcn"] == 0 and plan.roofline.link_bytes["ici"] > 0
         # The compiler's count leaves out the splash kernels and adds padded and masked work (a 4-chip compile
