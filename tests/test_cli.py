@@ -48,6 +48,8 @@ def test_print_config_shows_the_file_with_its_overrides():
         4, 3, 128)
 
 
+# slow: a fresh interpreter importing the package outside the checkout (make test's budget)
+@pytest.mark.slow
 def test_a_packaged_recipe_is_named_without_its_path(tmp_path):
     """`--config qwen27b` is the installed package's copy of configs/qwen27b.py (dflash_jax.configs), so an
     installed dflash-jax has the recipes; run from elsewhere than the repository, as a pip user would."""

@@ -170,7 +170,7 @@ def test_the_qwen_recipes_run_on_any_slice_without_a_batch_override(devices):
         c.target_dir, c.data.train_files = "/ckpt/target", ("train.jsonl",)
         validate_config(c)
         # the recipes' mesh: fsdp over every device (-1)
-        assert dict(c.mesh) == {"data": 1, "fsdp": -1, "tensor": 1}
+        assert dict(c.mesh) == {"data": 1, "fsdp": -1, "tensor": 1, "dcn_data": 1}
         resolved = resolve_batch_size(c, devices)
         assert resolved.data.batch_size == devices and c.data.batch_size is None
         validate_batch_layout(resolved, devices)

@@ -66,6 +66,8 @@ def test_given_total_steps_take_precedence_over_epochs(tmp_path, caplog):
     assert epochs.resolve_total_steps(config, epath.Path(tmp_path), loader=None, main=True) is config
 
 
+# slow: a stopped and a resumed train command (make test's budget); the step count itself is in make test
+@pytest.mark.slow
 def test_a_resumed_epochs_run_keeps_its_step_count_and_logs_its_epoch(tmp_path, monkeypatch):
     config = tiny_config(make_target(tmp_path / "target"), write_corpus(tmp_path / "train.jsonl", count=60),
                          total_steps=None, epochs=0.8, log_every=1, checkpoint_every=2, eval_every=2,

@@ -135,6 +135,8 @@ def test_two_processes_train_like_one_with_the_same_mesh(files, straight, tmp_pa
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), two_state, one_state)
 
 
+# slow: two processes compile and stop on 2 cores (make test's budget); the straight run stays in make test
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_after_the_same_step_and_one_checkpoint(files, straight, tmp_path):
     command = train_command(*files, tmp_path / "run")
     processes = start_two_processes(command)

@@ -62,6 +62,8 @@ def test_stop_at_step_10_and_rerun_matches_a_straight_run(files, tmp_path, optim
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), resumed_state, straight_state)
 
 
+# slow: three train commands one after another (make test's budget)
+@pytest.mark.slow
 def test_a_second_trainer_is_refused_and_sigterm_exits_75_after_the_checkpoint_and_the_rerun_resumes(
         files, tmp_path):
     target_dir, train_file = files
