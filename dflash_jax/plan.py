@@ -197,7 +197,15 @@ def mesh_granules(mesh, devices_per_host: int | None) -> list[int]:
     devices = list(mesh.devices.flat)
     if devices_per_host:
         return [device.id // devices_per_host for device in devices]
-    return [getattr(device, "slice_index", device.process_index) for device in devices]
+    return [granule_of(device) for device in devices]
+
+
+def granule_of(device) -> int:
+    """A TPU's slice (ICI joins every host of a slice; a deviceless topology's devices carry no slice index and
+    form one slice), else the device's process (its host)."""
+    if device.platform == "tpu":
+        return getattr(device, "slice_index", 0)
+    return device.process_index
 
 
 def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | None = None, chip: Chip | None = None,
@@ -350,7 +358,7 @@ def main() -> None:
     if _COMPARE.value:
         from dflash_jax import plan_compare  # it plans each candidate with this module's plan_train_step
 
-        granules = cluster.hosts if cluster else len({getattr(d, "slice_index", d.process_index) for d in devices})
+        granules = cluster.hosts if cluster else len({granule_of(d) for d in devices})
         candidates = plan_compare.compare_plans(
             config, target_config, devices, granules, plan_compare.check_layouts(_LAYOUTS.value),
             plan_compare.parse_sizes(_TENSOR_SIZES.value), _HBM_GIB.value or config.hbm_gib, chip, per_host)
