@@ -28,7 +28,6 @@ exactly once.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -49,7 +48,7 @@ from dflash_jax.regeneration.output import ResumableJsonl
 from dflash_jax.regeneration.server_client import Retry, Server, ServerUnreachable
 from dflash_jax.regeneration import server_job
 from dflash_jax.sharding import BATCH_AXES
-from dflash_jax.train.validate import dtype_of, mesh_from_config
+from dflash_jax.train.validate import dtype_of, mesh_from_config, parse_chat_template_kwargs
 from dflash_jax.weights.hub import pretrained_dir
 from dflash_jax.weights.targets import load_target
 
@@ -195,13 +194,7 @@ def _served_model(servers: list[Server], name: str | None) -> dict:
 def _template_kwargs(config: ConfigDict | None) -> dict | None:
     if _TEMPLATE_KWARGS.value is None:
         return config.data.chat_template_kwargs if config is not None else None
-    try:
-        kwargs = json.loads(_TEMPLATE_KWARGS.value)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"--chat_template_kwargs: not JSON ({error})") from None
-    if not isinstance(kwargs, dict):
-        raise ConfigError(f"--chat_template_kwargs must be a JSON object, got {_TEMPLATE_KWARGS.value!r}")
-    return kwargs
+    return parse_chat_template_kwargs(_TEMPLATE_KWARGS.value, "--chat_template_kwargs")
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import difflib
 import json
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,24 +50,30 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def resolve_chat_template_kwargs(config: ConfigDict) -> None:
-    """config.data.chat_template_kwargs as a dict: a command-line value is text (ml_collections cannot take a
-    dict there), a JSON object or a Python dict literal; None stays None. ConfigError for anything else."""
-    value = config.data.chat_template_kwargs
+def parse_chat_template_kwargs(value: Any, what: str) -> dict[str, Any] | None:
+    """Arguments of the chat template as a dict: a dict, or text holding a JSON object or a Python dict literal
+    (a command line gives text); None stays None. ConfigError naming `what` (the flag or field) otherwise."""
     if value is None:
-        return
+        return None
+    parsed = value
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            parsed = json.loads(value)
         except json.JSONDecodeError:
             try:
-                value = ast.literal_eval(value)
+                parsed = ast.literal_eval(value)
             except (ValueError, SyntaxError):
                 pass
-    _require(isinstance(value, dict) and all(isinstance(key, str) for key in value),
-             f"config.data.chat_template_kwargs must be a JSON object such as '{{\"enable_thinking\": false}}', "
-             f"got {config.data.chat_template_kwargs!r}")
-    config.data.chat_template_kwargs = dict(value)
+    _require(isinstance(parsed, dict) and all(isinstance(key, str) for key in parsed),
+             f"{what} must be a JSON object such as '{{\"enable_thinking\": false}}', got {value!r}")
+    return dict(parsed)
+
+
+def resolve_chat_template_kwargs(config: ConfigDict) -> None:
+    """config.data.chat_template_kwargs as a dict, in place (ml_collections cannot take a dict on the command
+    line, so there it is text)."""
+    config.data.chat_template_kwargs = parse_chat_template_kwargs(config.data.chat_template_kwargs,
+                                                                  "config.data.chat_template_kwargs")
 
 
 def validate_config(config: ConfigDict) -> None:
