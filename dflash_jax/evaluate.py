@@ -4,11 +4,14 @@ untrained baseline; optionally (--speed) the decode tokens/s of plain greedy, sp
     dflash-jax evaluate --config configs/qwen3_8b.py --workdir /ckpt/run1 \
         [--prompts eval.jsonl] [--json out.json] [--drafter EXPORT_DIR] [--step N] [--num_prompts 32] \
         [--continuation generate|data] [--max_new_tokens N] [--budgets 8,22] [--speed] [--config.<key>=...]
+    dflash-jax evaluate ... --benchmark gsm8k,math500,humaneval,mbpp,mt-bench,alpaca [--num_prompts 128]
 
 `python -m dflash_jax.evaluate` is the same command. The drafter is the latest (or --step) checkpoint of the
 training workdir, or an exported z-lab directory (--drafter). Prompts: JSONL records as for training (default
 config.data.eval_files); `generate` continues each prompt with the target's own decode-cached greedy decoding
-(either target family), `data` uses the record's completion / last assistant turn.
+(either target family), `data` uses the record's completion / last assistant turn. --benchmark instead
+builds the prompts of the published DFlash/DDTree benchmarks (eval/benchmarks.py) and prints a table of τ per
+benchmark on the target's greedy answers (design §9.5).
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from transformers import AutoTokenizer
 
 from dflash_jax import cli
 from dflash_jax.errors import ConfigError
+from dflash_jax.eval import benchmarks as bench
 from dflash_jax.eval.examples import read_examples, stop_token_ids, with_greedy_continuations
 from dflash_jax.eval.ddtree_decode import DDTreeGenerator
 from dflash_jax.eval.exact_tau import DEFAULT_BUDGETS, evaluate_drafter
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, generator_shapes
-from dflash_jax.eval.report import format_result, format_speed
+from dflash_jax.eval.report import format_benchmark_table, format_result, format_speed
 from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.paths import as_path
 from dflash_jax.sharding import replicated
@@ -46,8 +50,13 @@ _DRAFTER = flags.DEFINE_string("drafter", None, "An exported drafter directory (
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of --workdir (default: the latest).", flag_values=FLAGS)
 _PROMPTS = flags.DEFINE_list("prompts", None, "JSONL prompt files (default: config.data.eval_files).",
                              flag_values=FLAGS)
-_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Records to evaluate (default: config.eval_prompts).",
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Records to evaluate (default: config.eval_prompts); with "
+                                    f"--benchmark, prompts per benchmark (default {bench.SAMPLES}).",
                                     flag_values=FLAGS)
+_BENCHMARK = flags.DEFINE_list("benchmark", None, "Benchmarks instead of --prompts, any of "
+                               f"{','.join(bench.BENCHMARKS)}; NAME=PATH reads NAME's dataset from a local file or "
+                               "directory instead of its Hub id's snapshot in the local Hugging Face cache.",
+                               flag_values=FLAGS)
 _CONTINUATION = flags.DEFINE_enum("continuation", None, ["generate", "data"],
                                   "generate: the target's greedy continuation; data: the record's own (default: "
                                   "config.eval_continuation, as the train-time evaluation).", flag_values=FLAGS)
@@ -72,11 +81,14 @@ def placed(drafter: Drafter, config: DrafterConfig, dtype, sharding) -> Drafter:
 def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = None, step: int | None = None,
         prompts: list[str] | None = None, num_prompts: int | None = None, continuation: str | None = None,
         max_new_tokens: int | None = None, budgets: tuple[int, ...] = DEFAULT_BUDGETS, speed: bool = False,
-        log=print) -> dict:
+        benchmarks: list[str] | None = None, log=print) -> dict:
     """Everything the CLI prints, as a dict (see the module docstring). Prompts, continuations and budgets
     default to the train-time evaluation's (config.data.eval_files, eval_prompts, eval_continuation,
     eval_max_new_tokens; `train_hook`), so both measure the same τ."""
-    continuation = config.eval_continuation if continuation is None else continuation
+    if benchmarks and (prompts or continuation == "data"):
+        raise ConfigError("--benchmark makes its own prompts and scores the target's answers to them: it takes "
+                          "neither --prompts nor --continuation=data")
+    continuation = "generate" if benchmarks else config.eval_continuation if continuation is None else continuation
     max_new_tokens = config.eval_max_new_tokens if max_new_tokens is None else max_new_tokens
     if max_new_tokens < 1:
         raise ConfigError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -88,10 +100,16 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
     target_config = read_target_config(config.target_dir)
     tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
     files = prompts or config.data.eval_files
-    examples = read_examples(files, tokenizer, num_prompts or config.eval_prompts, max_continuation=max_new_tokens,
-                             chat_template_kwargs=config.data.chat_template_kwargs,
-                             max_positions=target_config.max_position_embeddings,
-                             generated=max_new_tokens if continuation == "generate" or speed else 0)
+    if benchmarks:
+        suites = bench.read_benchmarks(benchmarks, num_prompts or bench.SAMPLES)
+        template_kwargs = bench.template_kwargs(config.data.chat_template_kwargs)
+        lengths = bench.first_turn_lengths(suites, tokenizer, template_kwargs, max_new_tokens,
+                                           target_config.max_position_embeddings)
+    else:
+        examples = read_examples(files, tokenizer, num_prompts or config.eval_prompts,
+                                 max_continuation=max_new_tokens, chat_template_kwargs=config.data.chat_template_kwargs,
+                                 max_positions=target_config.max_position_embeddings,
+                                 generated=max_new_tokens if continuation == "generate" or speed else 0)
     # The drafter is small: it loads, and is checked against the target's config, before the target does.
     drafter, drafter_config, source = load_drafter(workdir, drafter_dir, step)
     expected = (target_config.num_hidden_layers, target_config.vocab_size, target_config.hidden_size)
@@ -106,14 +124,20 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
                             attention_impl=config.attention_impl)
     compute = dtype_of(config.compute_dtype)
     drafter = placed(drafter, drafter_config, compute, replicated(mesh))
-    baseline = placed(Drafter(drafter_config, rngs=nnx.Rngs(0)), drafter_config, compute, replicated(mesh))
-
     stops = stop_token_ids(config.target_dir, tokenizer)
+    if benchmarks:
+        scores = _benchmark_scores(suites, target, drafter, tokenizer, template_kwargs, max(lengths), stops,
+                                   max_new_tokens=max_new_tokens, budgets=budgets, speed=speed,
+                                   max_positions=target_config.max_position_embeddings,
+                                   vocab_chunk=config.loss.vocab_chunk, log=log)
+        log(format_benchmark_table(scores))
+        return {"target_dir": config.target_dir, "drafter": source, "max_new_tokens": max_new_tokens,
+                "benchmarks": scores}
+
+    baseline = placed(Drafter(drafter_config, rngs=nnx.Rngs(0)), drafter_config, compute, replicated(mesh))
     plain = None
     if continuation == "generate" or speed:
-        # Room for a verification pass of the block or of the largest DDTree, whichever is wider.
-        shapes = generator_shapes([len(e.prompt_ids) for e in examples], max_new_tokens,
-                                  max(drafter_config.block_size, 1 + max(budgets)))
+        shapes = _shapes(examples, max_new_tokens, drafter_config, budgets)
         plain = SpeculativeGenerator(target, None, **shapes)
     if continuation == "generate":
         log(f"generating greedy continuations of {len(examples)} prompts (up to {max_new_tokens} tokens)")
@@ -125,19 +149,57 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
         results[name] = evaluate_drafter(target, model, examples, budgets=budgets, vocab_chunk=config.loss.vocab_chunk)
         log(format_result(f"{name} drafter", results[name]))
     if speed:
-        speculative = SpeculativeGenerator(target, drafter, **shapes)
-        tree = DDTreeGenerator(target, drafter, budget=max(budgets), **shapes)
+        speculative, tree = _drafting_decoders(target, drafter, shapes, budgets)
         results["speed"], _, _ = benchmark(plain, speculative, [e.prompt_ids for e in examples], max_new_tokens,
                                            stops, ddtree=tree)
         log(format_speed(results["speed"]))
     return results
 
 
+def _shapes(examples, max_new_tokens: int, drafter_config: DrafterConfig, budgets) -> dict[str, int]:
+    """Generator shapes that fit every prompt, with room for a verification pass of the block or of the
+    largest DDTree, whichever is wider: one compile per decoder."""
+    return generator_shapes([len(e.prompt_ids) for e in examples], max_new_tokens,
+                            max(drafter_config.block_size, 1 + max(budgets)))
+
+
+def _drafting_decoders(target, drafter: Drafter, shapes: dict[str, int], budgets):
+    """The speculative and the DDTree (largest budget) generators that --speed times beside plain greedy."""
+    return (SpeculativeGenerator(target, drafter, **shapes),
+            DDTreeGenerator(target, drafter, budget=max(budgets), **shapes))
+
+
+def _benchmark_scores(suites, target, drafter: Drafter, tokenizer, template_kwargs: dict, longest_prompt: int,
+                      stops, *, max_new_tokens: int, budgets, speed: bool, max_positions: int, vocab_chunk: int,
+                      log) -> dict:
+    """Per benchmark (design §9.5): the target's greedy answers to every turn, the drafter's exact and DDTree τ
+    on them and, with `speed`, the three decoders timed on the same prompts (built once for all benchmarks)."""
+    answers = bench.GreedyAnswers(target, max_new_tokens, stops, longest_prompt)
+    turns, scores = {}, {}
+    for suite in suites:
+        log(f"{suite.name}: the target's greedy answers to {len(suite.conversations)} prompts ({suite.source})")
+        turns[suite.name] = bench.answered_turns(suite, tokenizer, template_kwargs, answers, max_new_tokens,
+                                                 max_positions)
+        scores[suite.name] = {"dataset": suite.source, "prompts": len(suite.conversations),
+                              **evaluate_drafter(target, drafter, turns[suite.name], budgets=budgets,
+                                                 vocab_chunk=vocab_chunk)}
+    if speed:
+        shapes = _shapes([e for examples in turns.values() for e in examples], max_new_tokens, drafter.config,
+                         budgets)
+        plain = SpeculativeGenerator(target, None, **shapes)
+        speculative, tree = _drafting_decoders(target, drafter, shapes, budgets)
+        for name, examples in turns.items():
+            scores[name]["speed"], _, _ = benchmark(plain, speculative, [e.prompt_ids for e in examples],
+                                                    max_new_tokens, stops, ddtree=tree)
+    return scores
+
+
 def main() -> None:
     absl_logging.set_verbosity(absl_logging.WARNING)
     results = run(_CONFIG.value, workdir=_WORKDIR.value, drafter_dir=_DRAFTER.value, step=_STEP.value,
                   prompts=_PROMPTS.value, num_prompts=_NUM_PROMPTS.value, continuation=_CONTINUATION.value,
-                  max_new_tokens=_MAX_NEW.value, budgets=tuple(int(b) for b in _BUDGETS.value), speed=_SPEED.value)
+                  max_new_tokens=_MAX_NEW.value, budgets=tuple(int(b) for b in _BUDGETS.value), speed=_SPEED.value,
+                  benchmarks=_BENCHMARK.value)
     if _JSON.value:
         as_path(_JSON.value).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -29,6 +29,7 @@ from dflash_jax.errors import DataError
 JSONL_SUFFIXES = tuple(base + zip_ for base in (".jsonl", ".json") for zip_ in ("", *COMPRESSED))
 DATA_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
 _GLOB_CHARS = ("*", "?", "[")
+SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")  # what `save_to_disk` writes into its directory
 
 
 @dataclass(frozen=True)
@@ -76,16 +77,18 @@ def _expand(path: str, split: str | None, what: str) -> list[Any]:
             raise DataError(path, f"no file matches this pattern ({what})")
         return [source for match in matches for source in _expand(_name(fs, match), split, what)]
     if fs.isdir(root):
-        if any(fs.exists(f"{root}/{name}") for name in ("state.json", "dataset_dict.json")):
-            return [_saved_dataset(path, split, what)]
+        if any(fs.exists(f"{root}/{name}") for name in SAVED_DATASET_FILES):
+            dataset, name = saved_dataset(path, split, what)
+            return [DatasetSource(name, dataset)]
         files = sorted(file for file in fs.find(root) if file.endswith(DATA_SUFFIXES))
         if not files:
             raise DataError(path, f"directory holds no saved dataset and no JSONL or Parquet files ({what})")
         return [_open_file(_name(fs, file), None if local else fs, what) for file in files]
     if fs.exists(root):
         return [_open_file(path, None if local else fs, what)]
-    if local and _looks_like_dataset_id(path):
-        return [_cached_dataset(path, split, what)]
+    if local and looks_like_dataset_id(path):
+        split = split or "train"
+        return [DatasetSource(f"{path}:{split}", cached_dataset(path, split, what))]
     raise DataError(path, f"no such file ({what})")
 
 
@@ -112,34 +115,44 @@ def _open_file(path: str, fs: Any, what: str) -> Any:
     return JsonlSource(path, fs)  # any other name is read as JSON Lines
 
 
-def _saved_dataset(path: str, split: str | None, what: str) -> DatasetSource:
+def saved_dataset(path: str, split: str | None, what: str) -> tuple[Any, str]:
+    """A `save_to_disk` directory's `datasets.Dataset` (of a DatasetDict: `split`, default train) and its name in
+    messages."""
     import datasets  # noqa: PLC0415 (imported only for Hugging Face datasets)
 
     dataset = datasets.load_from_disk(path)
-    name = path
     if isinstance(dataset, datasets.DatasetDict):
-        dataset, name = _split(dataset, split, path, what), f"{path}:{split or 'train'}"
-    return DatasetSource(name, dataset)
+        return _split(dataset, split, path, what), f"{path}:{split or 'train'}"
+    return dataset, path
 
 
-def _cached_dataset(dataset_id: str, split: str | None, what: str) -> DatasetSource:
-    import datasets  # noqa: PLC0415
+def cached_dataset(dataset_id: str, split: str, what: str, config_name: str | None = None) -> Any:
+    """`split` of a dataset id's snapshot in the local Hugging Face cache, as a `datasets.Dataset`; config_name
+    picks one of the configs a repo's README declares (e.g. openai/gsm8k's `main`)."""
     from huggingface_hub import snapshot_download  # noqa: PLC0415
 
-    # Only the local Hugging Face cache is read: training never downloads data behind the user's back. The
-    # snapshot's data files are then loaded as `datasets` loads any data directory (splits from file names).
-    split = split or "train"
+    # Only the local Hugging Face cache is read: no command downloads data behind the user's back.
     try:
         directory = snapshot_download(dataset_id, repo_type="dataset", local_files_only=True)
     except Exception as e:  # huggingface_hub raises several kinds for "not cached" and "not a repo id"
         raise DataError(dataset_id, f"not a file, and not a dataset in the local Hugging Face cache "
                                     f"({type(e).__name__}; download it first, e.g. `hf download {dataset_id} "
                                     f"--repo-type dataset`) ({what})") from None
+    where = f"{dataset_id}{f' ({config_name})' if config_name else ''}:{split}"
+    return load_dataset(where, what, directory, config_name, split=split)
+
+
+def load_dataset(where: str, what: str, *args: Any, **kwargs: Any) -> Any:
+    """`datasets.load_dataset(*args, **kwargs)` (a data directory such as a cache snapshot, configs from its
+    README and splits from its file names; or a builder such as "json" with data_files); a failure to read (an
+    unknown split or config, unreadable files) is a DataError naming `where`. Its Arrow cache is built once per
+    machine."""
+    import datasets  # noqa: PLC0415
+
     try:
-        dataset = datasets.load_dataset(directory, split=split)
-    except (ValueError, datasets.exceptions.DatasetGenerationError) as e:  # an unknown split, unreadable files
-        raise DataError(f"{dataset_id}:{split}", f"{' '.join(str(e).split())[:300]} ({what})") from None
-    return DatasetSource(f"{dataset_id}:{split}", dataset)
+        return datasets.load_dataset(*args, **kwargs)
+    except (ValueError, datasets.exceptions.DatasetGenerationError) as e:
+        raise DataError(where, f"{' '.join(str(e).split())[:300]} ({what})") from None
 
 
 def _split(dataset_dict: Any, split: str | None, path: str, what: str) -> Any:
@@ -150,6 +163,6 @@ def _split(dataset_dict: Any, split: str | None, path: str, what: str) -> Any:
     return dataset_dict[split]
 
 
-def _looks_like_dataset_id(path: str) -> bool:
+def looks_like_dataset_id(path: str) -> bool:
     parts = path.split("/")
     return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and "\\" not in path

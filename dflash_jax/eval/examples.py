@@ -47,7 +47,7 @@ def read_examples(files: Sequence[str | os.PathLike], tokenizer: PreTrainedToken
                 if line.strip():
                     document = tokenize_record(parse_record(line, where), tokenizer, where, chat_template_kwargs)
                     example = _split(document.input_ids, document.loss_mask, where, max_continuation)
-                    _check_positions(example, where, generated, max_positions)
+                    check_positions(example, where, generated, max_positions)
                     examples.append(example)
     if not examples:
         raise DataError(", ".join(map(os.fspath, files)), f"no records to evaluate on ({what})")
@@ -62,7 +62,7 @@ def _text(raw: bytes, where: str) -> str:
                         f"must be UTF-8") from None
 
 
-def _check_positions(example: Example, where: str, generated: int, max_positions: int | None) -> None:
+def check_positions(example: Example, where: str, generated: int, max_positions: int | None) -> None:
     continuation = generated or len(example.continuation_ids)
     if max_positions is not None and len(example.prompt_ids) + continuation > max_positions:
         raise DataError(where, f"the prompt's {len(example.prompt_ids)} tokens plus {continuation} continuation "

@@ -47,3 +47,25 @@ def format_speed(report: dict) -> str:
             lines.append(f"  {title}{budget}: τ = {figures['tau']:.3f} (pooled), speedup {figures['speedup']:.2f}x "
                          f"over plain greedy, {figures['outputs_differing_from_plain']} outputs differing from it")
     return "\n".join(lines)
+
+
+def format_benchmark_table(scores: dict[str, dict]) -> str:
+    """`evaluate --benchmark`'s figures as a Markdown table, a row per benchmark as in the published DFlash and
+    DDTree tables: prompts and responses (turns), τ (pooled) and τ per response, DDTree τ per budget and, when
+    timed, decode tokens/s of plain greedy, speculative and DDTree decoding with the speed-ups over plain."""
+    first = next(iter(scores.values()))
+    budgets = list(first["ddtree_tau"])
+    header = ["benchmark", "prompts", "responses", "τ", "τ per response", *(f"DDTree τ ({b})" for b in budgets)]
+    if "speed" in first:
+        tree_budget = first["speed"]["ddtree"]["budget"]
+        header += ["plain tok/s", "speculative tok/s", "speed-up", f"DDTree ({tree_budget}) tok/s", "DDTree speed-up"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for name, score in scores.items():
+        cells = [name, str(score["prompts"]), str(score["responses"]), f"{score['tau']:.2f}",
+                 f"{score['tau_per_response']:.2f}", *(f"{score['ddtree_tau'][b]:.2f}" for b in budgets)]
+        if "speed" in score:
+            speed, rates = score["speed"], score["speed"]["tokens_per_second"]
+            cells += [f"{rates['plain']:.1f}", f"{rates['speculative']:.1f}", f"{speed['speedup']:.2f}×",
+                      f"{rates['ddtree']:.1f}", f"{speed['ddtree']['speedup']:.2f}×"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
