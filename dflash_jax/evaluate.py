@@ -84,7 +84,8 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
         benchmarks: list[str] | None = None, log=print) -> dict:
     """Everything the CLI prints, as a dict (see the module docstring). Prompts, continuations and budgets
     default to the train-time evaluation's (config.data.eval_files, eval_prompts, eval_continuation,
-    eval_max_new_tokens; `train_hook`), so both measure the same τ."""
+    eval_max_new_tokens; `train_hook`), so both measure the same τ. `benchmarks` (`--benchmark` entries) puts
+    the trained drafter's figures per benchmark under "benchmarks" instead (num_prompts: samples of each)."""
     if benchmarks and (prompts or continuation == "data"):
         raise ConfigError("--benchmark makes its own prompts and scores the target's answers to them: it takes "
                           "neither --prompts nor --continuation=data")
