@@ -46,10 +46,6 @@ from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.safetensors_dir import read_config
 
 GIB = 2**30
-# HBM per chip in GiB (nominal) of the device kinds a plan is usually made for, matched in order against the
-# device kind ("TPU v5" is v5p, "TPU v5 lite" v5e, "TPU v6 lite" v6e); --hbm_gib overrides.
-HBM_GIB = (("v6 lite", 32), ("v6e", 32), ("v5 lite", 16), ("v5e", 16), ("v5p", 95), ("tpu v5", 95), ("v4", 32),
-           ("h200", 141), ("h100", 80), ("a100", 80))
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _CONFIG = cli.define_config_flag(FLAGS)
@@ -109,7 +105,9 @@ def slice_topology(name: str) -> str:
     if math.prod(dims) != chips:
         raise UserError(f"--topology {name}: {chips} chips is not a power-of-two slice; give libtpu's form, e.g. "
                         f"{generation}:2x2x2")
-    return f"{generation}:{'x'.join(map(str, sorted(dims)))}"
+    # libtpu's names put the axes ascending, a 3D slice's unit axis last (v5p-8: 2x2x1, v5p-16: 2x2x2).
+    dims = sorted(dims, key=lambda size: (size == 1, size))
+    return f"{generation}:{'x'.join(map(str, dims))}"
 
 
 class GpuCluster(NamedTuple):
@@ -226,8 +224,6 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
     by_layout = target_bytes_by_layout(target_state, mesh)
     kind = mesh.devices.flat[0].device_kind
     chip = chip or chip_of_kind(kind)
-    if hbm_gib is None:
-        hbm_gib = next((gib for name, gib in HBM_GIB if name in kind.lower()), None)
     if hbm_gib is None and chip is not None:
         hbm_gib = chip.hbm_bytes / GIB
     if config.target_layout == "auto":

@@ -20,7 +20,7 @@ from ml_collections import ConfigDict
 from dflash_jax.chips import Chip, chip_of_kind
 from dflash_jax.errors import ConfigError
 from dflash_jax.ops.backends import resolve_attention_impl
-from dflash_jax.plan import GIB, Plan, plan_train_step, target_bytes_by_layout
+from dflash_jax.plan import GIB, Plan, granule_of, plan_train_step, target_bytes_by_layout
 from dflash_jax.roofline import format_bytes, format_seconds
 from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
 from dflash_jax.train import validate
@@ -47,10 +47,11 @@ def compare_plans(config: ConfigDict, target_config, devices: list, granules: in
     chip = chip or chip_of_kind(devices[0].device_kind)
     found = []
     for sizes in candidate_meshes(len(devices), granules, tensor_sizes):
-        candidate_config = ConfigDict(config.to_dict())
-        candidate_config.mesh.update(sizes)
         rows = (sizes["data"] * sizes["dcn_data"]) * sizes["fsdp"]
-        micro_batch = config.data.batch_size // config.grad_accum_steps
+        # data.rows_per_device: each candidate's batch is that many rows per (data, fsdp) shard of its own.
+        candidate_config = validate.resolve_batch_size(ConfigDict(config.to_dict()), rows)
+        candidate_config.mesh.update(sizes)
+        micro_batch = candidate_config.data.batch_size // config.grad_accum_steps
         if micro_batch % rows:
             found.extend(Candidate(layout, sizes, None, f"{micro_batch} rows per micro-batch do not split over "
                                                         f"{rows} (data, fsdp) shards") for layout in layouts)
@@ -73,6 +74,30 @@ def compare_plans(config: ConfigDict, target_config, devices: list, granules: in
             found.append(Candidate(layout, sizes, plan, "" if fits else
                                    f"needs {plan.total_bytes / GIB:.1f} GiB of {plan.hbm_bytes / GIB:.1f}"))
     return sorted(found, key=_rank)
+
+
+def is_default_mesh(config: ConfigDict) -> bool:
+    """A mesh left as base_config gives it (data 1, fsdp -1, tensor 1, dcn_data 1): train chooses one (design §13)."""
+    return dict(config.mesh) == dict(data=1, fsdp=-1, tensor=1, dcn_data=1)
+
+
+def choose_mesh(config: ConfigDict, target_config, devices: list, hbm_gib: float, chip: Chip,
+                tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[ConfigDict, Candidate, str]:
+    """For a mesh left at its defaults: every candidate of `devices` (the data axis across their slices or hosts),
+    in config.target_layout or, when "auto", every layout; the config with the best's mesh and layout, the best,
+    and the comparison's table. A ConfigError when none fits."""
+    layouts = TARGET_LAYOUTS if config.target_layout == "auto" else (config.target_layout,)
+    granules = len({granule_of(device) for device in devices})
+    candidates = compare_plans(config, target_config, devices, granules, layouts, tensor_sizes, hbm_gib, chip)
+    table = format_comparison(candidates)
+    if not candidates or _rank(candidates[0])[0] != 0:
+        raise ConfigError(f"no mesh of the {len(devices)} devices fits the train step in {hbm_gib:.1f} GiB per "
+                          f"device:\n{table}")
+    best = candidates[0]
+    chosen = ConfigDict(config.to_dict())
+    chosen.mesh.update(best.mesh)
+    chosen.target_layout = best.layout
+    return chosen, best, table
 
 
 def _target_bytes(config: ConfigDict, target_config, mesh) -> dict[str, int]:

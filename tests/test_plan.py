@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import re
 
 import jax
@@ -14,11 +15,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dflash_jax.chips import chip_named
 from dflash_jax.errors import UserError
 from dflash_jax.hlo_cost import Collective, hlo_cost, replica_groups
 from dflash_jax.plan import (check_budget, format_plan, gpu_cluster, mesh_granules, plan_train_step, slice_topology,
                              target_architecture, topology_devices)
 from dflash_jax.plan_compare import compare_plans, format_comparison
+from dflash_jax.roofline import format_bytes
 from dflash_jax.sharding import auto_target_layout, make_mesh
 from dflash_jax.train import flops, validate
 from dflash_jax.train.loop import train
@@ -217,6 +220,7 @@ def test_gpu_cluster_topology_puts_data_parallelism_across_hosts():
 def test_slice_names_map_to_libtpu_topologies():
     assert slice_topology("v5p-64") == "v5p:2x4x4"  # 32 chips: v5p counts TensorCores
     assert slice_topology("v5p-16") == "v5p:2x2x2"
+    assert slice_topology("v5p-8") == "v5p:2x2x1"  # 4 chips: libtpu refuses 1x2x2
     assert slice_topology("v6e-64") == "v6e:8x8"
     assert slice_topology("v5e-8") == "v5e:2x4"
     assert slice_topology("v5p:4x4x4") == "v5p:4x4x4"
@@ -292,3 +296,25 @@ def test_train_with_plan_only_stops_before_reading_weights(files, tmp_path):
     config.hbm_gib = 1e-4
     with pytest.raises(UserError, match="over the 0.0 GiB budget"):
         train(config, tmp_path / "run")
+
+
+def test_train_runs_a_default_mesh_as_the_best_candidate_of_the_comparison(files, tmp_path, monkeypatch, caplog):
+    """config.mesh left at its defaults on devices of a known chip (the 8 CPU devices taken as H200s): train
+    plans the candidate meshes for its layout (2 rows: fsdp 8 and 4 cannot split them and are not compiled),
+    logs the ranking and runs the best, whose plan it keeps."""
+    monkeypatch.setattr("dflash_jax.train.loop.chip_of_kind", lambda kind: chip_named("H200"))
+    config = tiny_config(files["target"], files["corpus"],
+                         **{"data.batch_size": 2, "plan_only": True, "hbm_gib": 1.0, "target_layout": "fsdp"})
+    config.mesh.update(data=1, fsdp=-1, tensor=1, dcn_data=1)
+    with caplog.at_level(logging.INFO, logger="dflash_jax.train.loop"):
+        summary = train(config, tmp_path / "run")
+    assert "config.mesh left at its defaults" in caplog.text
+    for fsdp, tensor in ((8, 1), (4, 2)):
+        assert (f"| fsdp | data=1,fsdp={fsdp},tensor={tensor},dcn_data=1 | | | | | | 2 rows per micro-batch do not "
+                f"split over {fsdp} (data, fsdp) shards |") in caplog.text
+    best = re.search(r"^\| fsdp \| (data=1,fsdp=(\d),tensor=(\d),dcn_data=1) \| ([\d.]+ [KMG]i?B) \|", caplog.text,
+                     re.M)
+    assert best is not None and int(best.group(2)) * int(best.group(3)) == 8
+    flags = " ".join(f"--config.mesh.{part}" for part in best.group(1).split(","))
+    assert f"best: --config.target_layout=fsdp {flags}" in caplog.text  # the first row is the best
+    assert best.group(4) == format_bytes(summary["plan_total_gib"] * 2**30)  # its plan is the run's
