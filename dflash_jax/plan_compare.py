@@ -21,7 +21,7 @@ from dflash_jax.chips import Chip, chip_of_kind
 from dflash_jax.errors import ConfigError
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.plan import GIB, Plan, granule_of, plan_train_step, target_bytes_by_layout
-from dflash_jax.roofline import format_bytes, format_seconds
+from dflash_jax.roofline import format_bytes, format_run, format_seconds
 from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
 from dflash_jax.train import validate
 from dflash_jax.weights.families import family_of
@@ -42,7 +42,7 @@ def candidate_meshes(devices: int, granules: int, tensor_sizes: tuple[int, ...])
 
 def compare_plans(config: ConfigDict, target_config, devices: list, granules: int, layouts: tuple[str, ...],
                   tensor_sizes: tuple[int, ...], hbm_gib: float | None = None, chip: Chip | None = None,
-                  devices_per_host: int | None = None) -> list[Candidate]:
+                  devices_per_host: int | None = None, epoch_tokens: int | None = None) -> list[Candidate]:
     """Every candidate planned (or the reason it was not), best first."""
     chip = chip or chip_of_kind(devices[0].device_kind)
     found = []
@@ -66,7 +66,8 @@ def compare_plans(config: ConfigDict, target_config, devices: list, granules: in
                 continue
             candidate_config.target_layout = layout
             try:
-                plan = plan_train_step(candidate_config, target_config, mesh, hbm_gib, chip, devices_per_host)
+                plan = plan_train_step(candidate_config, target_config, mesh, hbm_gib, chip, devices_per_host,
+                                       epoch_tokens)
             except ConfigError as error:  # e.g. heads that tensor does not divide
                 found.append(Candidate(layout, sizes, None, str(error)))
                 continue
@@ -121,18 +122,20 @@ def _mesh_text(sizes: dict[str, int]) -> str:
 
 def format_comparison(candidates: list[Candidate]) -> str:
     lines = ["| layout | mesh (per slice or host) | memory per device | bytes per device on each link | step "
-             "(overlap - none) | MFU | bound | note |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "(overlap - none) | MFU | tokens/s | run | bound | note |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for candidate in candidates:
         plan, mesh = candidate.plan, _mesh_text(candidate.mesh)
         if plan is None or plan.roofline is None:
-            lines.append(f"| {candidate.layout} | {mesh} | | | | | | {candidate.reason or 'no chip peaks'} |")
+            lines.append(f"| {candidate.layout} | {mesh} | | | | | | | | {candidate.reason or 'no chip peaks'} |")
             continue
         line = plan.roofline
         fastest, slowest = line.step_seconds
         links = ", ".join(f"{name} {format_bytes(size)}" for name, size in line.link_bytes.items())
         lines.append(f"| {candidate.layout} | {mesh} | {format_bytes(plan.total_bytes)} | {links} | "
                      f"{format_seconds(fastest)} - {format_seconds(slowest)} | {line.mfu(slowest):.0%} - "
-                     f"{line.mfu(fastest):.0%} | {line.bound} | {candidate.reason} |")
+                     f"{line.mfu(fastest):.0%} | {line.tokens_per_step / slowest:,.0f} - "
+                     f"{line.tokens_per_step / fastest:,.0f} | {format_run(line)} | {line.bound} | {candidate.reason} |")
     best = candidates[0] if candidates and _rank(candidates[0])[0] == 0 else None
     if best is None:
         lines.append("no candidate fits")

@@ -21,9 +21,9 @@ from dflash_jax.hlo_cost import Collective, hlo_cost, replica_groups
 from dflash_jax.plan import (check_budget, format_plan, gpu_cluster, mesh_granules, plan_train_step, slice_topology,
                              target_architecture, topology_devices)
 from dflash_jax.plan_compare import compare_plans, format_comparison
-from dflash_jax.roofline import format_bytes
+from dflash_jax.roofline import Roofline, format_bytes, format_run
 from dflash_jax.sharding import auto_target_layout, make_mesh
-from dflash_jax.train import flops, validate
+from dflash_jax.train import epochs, flops, validate
 from dflash_jax.train.loop import train
 from dflash_jax.weights.targets import load_target
 from tests.command import REPO, dflash_jax, user_error
@@ -310,7 +310,7 @@ def test_train_runs_a_default_mesh_as_the_best_candidate_of_the_comparison(files
         summary = train(config, tmp_path / "run")
     assert "config.mesh left at its defaults" in caplog.text
     for fsdp, tensor in ((8, 1), (4, 2)):
-        assert (f"| fsdp | data=1,fsdp={fsdp},tensor={tensor},dcn_data=1 | | | | | | 2 rows per micro-batch do not "
+        assert (f"| fsdp | data=1,fsdp={fsdp},tensor={tensor},dcn_data=1 | | | | | | | | 2 rows per micro-batch do not "
                 f"split over {fsdp} (data, fsdp) shards |") in caplog.text
     best = re.search(r"^\| fsdp \| (data=1,fsdp=(\d),tensor=(\d),dcn_data=1) \| ([\d.]+ [KMG]i?B) \|", caplog.text,
                      re.M)
@@ -318,3 +318,13 @@ def test_train_runs_a_default_mesh_as_the_best_candidate_of_the_comparison(files
     flags = " ".join(f"--config.mesh.{part}" for part in best.group(1).split(","))
     assert f"best: --config.target_layout=fsdp {flags}" in caplog.text  # the first row is the best
     assert best.group(4) == format_bytes(summary["plan_total_gib"] * 2**30)  # its plan is the run's
+
+
+def test_the_run_time_is_its_steps_or_else_the_time_per_billion_tokens():
+    """A run of config.epochs has no length until the corpus is counted: the plan then gives the time per billion
+    tokens, and with --epoch_tokens the epochs' steps (train/epochs.py's count)."""
+    seconds = {"compute": 2.0, "hbm": 1.0, "nvlink": 0.5, "network": 0.0}  # steps of 2 s - 3.5 s
+    line = Roofline(chip_named("H200"), seconds, {"nvlink": 0.0, "network": 0.0}, 1.0, 10**6, None)
+    assert format_run(line) == "33.3 min-58.3 min per billion tokens"  # 1000 steps
+    steps = epochs.steps_for_epochs(6, 2 * 10**9, 10**6)
+    assert format_run(line._replace(steps=steps)) == "12000 steps in 6.7 h-11.7 h"
