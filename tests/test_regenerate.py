@@ -206,7 +206,7 @@ def test_setup_errors_are_one_line(tmp_path):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "x"}, {"completion": "no prompt"}])
     config = tiny_config(target_dir, prompts)
     config.mesh.data = 2
-    with pytest.raises(ValueError, match="batch_size .3. must be a positive multiple of the mesh's data x fsdp"):
+    with pytest.raises(ValueError, match="batch_size .3. must be a positive multiple of the decode mesh's data size .8"):
         regenerate.run(config, [str(prompts)], str(tmp_path / "out.jsonl"), max_new_tokens=4, batch_size=3)
     with pytest.raises(ValueError, match="--temperature must be >= 0"):
         regenerate.run(config, [str(prompts)], str(tmp_path / "out.jsonl"), max_new_tokens=4, batch_size=8,
