@@ -9,19 +9,22 @@ sends every record to OpenAI-compatible servers (`vllm serve`, SGLang) of the ta
 /v1/chat/completions turn by turn, prompt records to /v1/completions, at most --concurrency requests in
 flight per server, transient failures retried with backoff (dflash_jax/regeneration/server_job.py). Sampling
 the flags do not give is the served model's default (its generation_config); --tokenizer defaults to the
-model the server reports (its `root`), or the config's target when --config is given. In JAX on this host's
-devices (greedy unless --temperature is given):
+model the server reports (its `root`), or the config's target when --config is given. In JAX on the
+accelerators of every process of the job (greedy unless --temperature is given):
 
     dflash-jax regenerate --config configs/qwen3_8b.py --prompts prompts.jsonl --out train.jsonl \
         [--max_new_tokens 2048] [--batch_size 64] [--temperature 0] [--top_p 1] [--seed 0] [--config.<key>=...]
 
 `python -m dflash_jax.regenerate` is the same command. The target is config.target_dir (a Hugging Face or Orbax
-directory; Qwen3 dense or the Qwen3.5/3.6 hybrid) in config.target_dtype, its weights and the batch split over the
-mesh of config.mesh. Either path renders chats with --chat_template_kwargs (default:
+directory; Qwen3 dense or the Qwen3.5/3.6 hybrid) in config.target_dtype, on each process's own devices: its heads,
+MLP and vocabulary split over config.mesh.tensor of them (the "tensor" layout: no weight all-gather per token),
+the batch's rows over the rest (`decode_mesh`). Several processes (the same command on every host, joined by
+jax.distributed as `train` is, config.distributed) each decode their share of the records; process 0 merges
+them into --out (regeneration/shares.py). Either path renders chats with --chat_template_kwargs (default:
 config.data.chat_template_kwargs, e.g. {"enable_thinking": False}). Input records are the training formats
 (`{"prompt"}` or `{"messages"}`; responses optional, see dflash_jax/regeneration/records.py); the output is
 training JSONL, the same from either path. Rerun the same command to continue a stopped job (SIGTERM/SIGINT
-stop it with exit code 75, in JAX after the batch in flight, through servers at once, keeping the records
+stop it with exit code 75, in JAX after the window in flight, through servers at once, keeping the records
 finished before the first unfinished one): records already written are kept, the rest are appended, each
 exactly once.
 """
@@ -65,7 +68,8 @@ _PROMPTS = flags.DEFINE_list("prompts", None, "JSONL prompt files ({'prompt'} or
 _OUT = flags.DEFINE_string("out", None, "Output JSONL (training records); resumed if it exists.", flag_values=FLAGS)
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 2048, "Most tokens per response (a stop token ends it sooner).",
                                 flag_values=FLAGS)
-_BATCH = flags.DEFINE_integer("batch_size", 64, "Prompts decoded together (a multiple of the mesh's data x fsdp).",
+_BATCH = flags.DEFINE_integer("batch_size", 64, "Rows decoded together on each process (a multiple of its devices / "
+                              "config.mesh.tensor); finished rows are refilled with the next prompts.",
                               flag_values=FLAGS)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.", flag_values=FLAGS)
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the most likely tokens holding this mass.",
@@ -87,7 +91,7 @@ _TEMPLATE_KWARGS = flags.DEFINE_string("chat_template_kwargs", None, "JSON objec
                                        "config.data.chat_template_kwargs.", flag_values=FLAGS)
 flags.mark_flags_as_required(["prompts", "out"], flag_values=FLAGS)
 
-STOPPED_EXIT_CODE = os.EX_TEMPFAIL  # stopped by a signal after writing the batch in flight: rerun to continue
+STOPPED_EXIT_CODE = os.EX_TEMPFAIL  # stopped by a signal after writing the window in flight: rerun to continue
 
 log = logging.getLogger("dflash_jax.regenerate")
 
@@ -153,6 +157,8 @@ def run(config: ConfigDict, prompts: list[str], out: str, *, max_new_tokens: int
         problem, merged_done = distributed.gather_json([problem, merged_done])[0]
         if problem:
             raise UserError(problem)
+        if merged_done == count_records(prompts):  # merged by an earlier run, its parts removed
+            return Summary(records_done=merged_done)
         output = ResumableJsonl(shares.part_path(out, process, processes),
                                 {**settings, "process": process, "processes": processes})
 

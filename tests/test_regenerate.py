@@ -208,7 +208,7 @@ def test_setup_errors_are_one_line(tmp_path):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "x"}, {"completion": "no prompt"}])
     config = tiny_config(target_dir, prompts)
     config.mesh.data = 2
-    with pytest.raises(ValueError, match="batch_size .3. must be a positive multiple of the decode mesh's data size .8"):
+    with pytest.raises(ValueError, match="batch_size .3. must be a positive multiple of the decode mesh's data size"):
         regenerate.run(config, [str(prompts)], str(tmp_path / "out.jsonl"), max_new_tokens=4, batch_size=3)
     with pytest.raises(ValueError, match="--temperature must be >= 0"):
         regenerate.run(config, [str(prompts)], str(tmp_path / "out.jsonl"), max_new_tokens=4, batch_size=8,
@@ -243,7 +243,8 @@ def test_refilled_rows_and_buckets_decode_as_uncached_greedy(tmp_path):
 @pytest.mark.slow  # three processes start, load and compile: about 55 s on 2 shared cores (make test-slow)
 def test_two_processes_write_every_record_once_as_one_process(tmp_path):
     """`regenerate` as two processes of four CPU devices (jax.distributed): each decodes its share into a part
-    file, process 0 merges them; the output equals the one-process run's byte for byte, parts removed."""
+    file, process 0 merges them; the output equals the one-process run's byte for byte, parts removed, and
+    a rerun of the finished job changes nothing."""
     target_dir = make_target(tmp_path / "target", num_layers=2)
     records = [{"prompt": f"Hello world number {i} " + "please " * (i % 5), "i": i} for i in range(11)] + RECORDS
     prompts = write_jsonl(tmp_path / "prompts.jsonl", records)
@@ -265,3 +266,6 @@ def test_two_processes_write_every_record_once_as_one_process(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("two.")) == [
         "two.jsonl", "two.jsonl" + PROGRESS_SUFFIX]
     assert json.loads((tmp_path / ("two.jsonl" + PROGRESS_SUFFIX)).read_text())["records_done"] == len(records)
+    outputs_of(start_two_processes([*module, *args, f"--out={tmp_path / 'two.jsonl'}"]))  # a rerun: all done
+    assert (tmp_path / "two.jsonl").read_text() == expected
+    assert not list(tmp_path.glob("two.jsonl.part-*"))

@@ -207,13 +207,13 @@ class BatchDecoder:
                                               for name in Rows._fields if name != "cache"})
 
     def _empty_fn(self, state, capacity: int) -> Rows:
-        """A batch with no row decoding, its cache at column 0 (a refill needs the column past its prompt)."""
+        """A batch with no row decoding, its cache at column 0 (the first refill moves it to the bucket width)."""
         target = nnx.merge(self._graphdef, state)
         batch = self.batch_size
         zeros = jnp.zeros((batch,), jnp.int32)
-        return self._rows_on_mesh(target, Rows(target.init_cache(batch, capacity), jnp.zeros((batch, self.max_new_tokens),
-                                       jnp.int32), zeros, zeros, zeros, jnp.zeros((batch, self._key_words), jnp.uint32),
-                                       jnp.zeros((batch,), bool)))
+        return self._rows_on_mesh(target, Rows(
+            target.init_cache(batch, capacity), jnp.zeros((batch, self.max_new_tokens), jnp.int32), zeros, zeros,
+            zeros, jnp.zeros((batch, self._key_words), jnp.uint32), jnp.zeros((batch,), bool)))
 
     def _next_tokens(self, target, hidden: jax.Array, key_data: jax.Array, steps: jax.Array) -> jax.Array:
         """[b] next token from the final-normed hidden states [b, H] of each row's last position; row r
