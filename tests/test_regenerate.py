@@ -235,7 +235,10 @@ def test_refilled_rows_and_buckets_decode_as_uncached_greedy(tmp_path):
 
     decoder = BatchDecoder(model, batch_size=2, max_new_tokens=MAX_NEW, stop_token_ids=stops)
     assert decoder.refill_rows == 1
+    shifts, shift = [], decoder._shift  # a spy: each column shift still runs
+    decoder._shift = lambda *args: shifts.append(int(args[2])) or shift(*args)
     responses = decoder.decode(prompts, [()] * len(prompts))
+    assert shifts and min(shifts) > 0
     assert len({len(r) for r in responses}) > 2
     assert responses == [cut(tokens) for tokens in greedy]
 

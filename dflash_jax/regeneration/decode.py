@@ -1,17 +1,18 @@
 """Continuous batching with the target's decode cache (design §14): prompts in, each one's continuation out.
 
-Prompts are bucketed by length: a bucket holds the prompts of up to W tokens, W a power of two from 128, and
-decodes them through one fixed-shape batch of `batch_size` rows whose cache has W + 2 * max_new_tokens
-columns, so each bucket compiles once. A prompt is left-padded to W (the padding a segment of its own, so no
-text token attends to it and the Gated DeltaNet layers start their conv and recurrent state fresh at the
-first text token; positions count from that token), prefilled in a group of `refill_rows` prompts and placed
-into free rows of the batch (slots.py). The batch then decodes one token per row per step, every row at the
-same cache column, in a `lax.while_loop` that returns to the host once `refill_rows` more rows have produced
-a stop token or `max_new_tokens` tokens; their responses are taken and the next prompts refill those rows,
-so the batch stays full until the bucket runs out of prompts. When a refill would leave a row less than
-max_new_tokens columns, the cache's columns are first shifted left past the oldest row's prompt (the second
-max_new_tokens of room makes that always enough). The target is either model family (`Qwen3`, `Qwen3_5`):
-both take the same cached `__call__` (models/target.py).
+Prompts are bucketed by length: a bucket holds the prompts of up to W tokens, W a power of two from 128. One
+fixed-shape batch of `batch_size` rows decodes them all, its cache of W_max + 2 * max_new_tokens columns
+(W_max: the widest bucket present), so each set of widths compiles once. A prompt is left-padded to its W
+(the padding a segment of its own, so no text token attends to it and the Gated DeltaNet layers start their
+conv and recurrent state fresh at the first text token; positions count from that token), prefilled in a
+group of `refill_rows` prompts of one bucket and placed into free rows of the batch (slots.py). The batch
+then decodes one token per row per step, every row at the same cache column, in a `lax.while_loop` that
+returns to the host once `refill_rows` more rows have produced a stop token or `max_new_tokens` tokens; their
+responses are taken and the next prompts (narrow buckets first) refill those rows, so the batch stays full
+until the prompts run out. When a refill would leave a row less than max_new_tokens columns, the cache's
+columns are first shifted left past the oldest row's prompt (the second max_new_tokens of room makes that
+always enough). The target is either model family (`Qwen3`, `Qwen3_5`): both take the same cached
+`__call__` (models/target.py).
 
 Greedy decoding takes the argmax of the fp32 logits, as the training labels and the speculative generator
 do (ops/lm_head.py `fp32_logits`). Sampling (temperature > 0, optional top-p) draws each row's step-s token
@@ -96,8 +97,8 @@ class BatchDecoder:
     """Jitted continuous batching for one target: `decode(prompts, sample_keys)` -> token lists.
 
     `batch_size` rows, split over the mesh's batch axes (data, fsdp) when a mesh is given, with the target's
-    weights where `load_target(mesh=...)` put them. Three compiles per prompt bucket: the refill, the decode
-    loop and the column shift.
+    weights where `load_target(mesh=...)` put them. Compiles: a refill per bucket width, and the decode loop
+    and the column shift per widest bucket.
     """
 
     def __init__(self, target: nnx.Module, *, batch_size: int, max_new_tokens: int, stop_token_ids: Sequence[int],
@@ -114,7 +115,7 @@ class BatchDecoder:
         self.sampling, self.mesh = sampling, mesh
         self._key_words = jax.random.key_data(jax.random.key(0)).shape[-1]  # a sampling key's uint32 words
         self._graphdef, self._state = nnx.split(target)
-        self._empty = jax.jit(self._empty_fn, static_argnums=(1,))
+        self._empty = jax.jit(self._empty_fn, static_argnums=(1, 2))
         self._refill = jax.jit(self._refill_fn, donate_argnums=(1,))
         self._run = jax.jit(self._run_fn, donate_argnums=(1,))
         self._shift = jax.jit(self._shift_fn, donate_argnums=(1,))
@@ -124,23 +125,20 @@ class BatchDecoder:
         token if one came. Row r samples with the seed's key folded with the integers sample_keys[r] (e.g.
         record index and turn); greedy decoding ignores them."""
         results: list[list[int]] = [[] for _ in prompts]
-        buckets = collections.defaultdict(list)
-        for index, prompt in enumerate(prompts):
-            buckets[bucket_width(len(prompt))].append(index)
-        for width in sorted(buckets):
-            self._decode_bucket(width, [(i, prompts[i], tuple(sample_keys[i])) for i in buckets[width]], results)
-        return results
-
-    def _decode_bucket(self, width: int, items: list[tuple[int, Sequence[int], tuple[int, ...]]],
-                       results: list[list[int]]) -> None:
-        """Decode `items` (result index, prompt, sample key) of one bucket, refilling rows as they finish."""
+        if not prompts:
+            return results
         batch, limit, group = self.batch_size, self.max_new_tokens, self.refill_rows
-        capacity = width + 2 * limit
-        state = self._empty(self._state, capacity)
-        pending = collections.deque(items)
+        # Narrow buckets first: the rows one frees are refilled from the next, so the batch never drains
+        # between buckets.
+        pending = collections.deque(sorted(((bucket_width(len(p)), i, p, tuple(k))
+                                            for i, (p, k) in enumerate(zip(prompts, sample_keys))),
+                                           key=lambda item: item[:2]))
+        widest = pending[-1][0]
+        capacity = widest + 2 * limit
+        state = self._empty(self._state, widest, capacity)
         holder: list[int | None] = [None] * batch  # the result index each row decodes
         first_column = [0] * batch  # where each row's prompt begins in the cache
-        length = width  # the cache's current column (state.cache.length)
+        length = widest  # the cache's current column (state.cache.length)
         while True:
             active, counts = jax.device_get((state.active, state.counts))
             finished = [row for row in range(batch) if holder[row] is not None and not active[row]]
@@ -152,18 +150,21 @@ class BatchDecoder:
             free = [row for row in range(batch) if holder[row] is None]
             if pending and free and length + limit > capacity:  # make room: drop columns no row needs
                 busy = [first_column[row] for row in range(batch) if holder[row] is not None]
-                shift = min(busy) if busy else length - width
+                shift = min(busy + [length - widest])  # the widest prompt must still fit before the column
                 state = self._shift(self._state, state, jnp.int32(shift))
                 length -= shift
                 first_column = [column - shift for column in first_column]
             while pending and free:
-                taken = [pending.popleft() for _ in range(min(group, len(pending)))]
+                width = pending[0][0]
+                taken = []
+                while pending and pending[0][0] == width and len(taken) < min(group, len(free)):
+                    taken.append(pending.popleft())
                 rows, free = free[:len(taken)], free[len(taken):]
                 state = self._refill_rows(state, rows, taken, width)
-                for row, (index, _, _) in zip(rows, taken):
+                for row, (_, index, _, _) in zip(rows, taken):
                     holder[row], first_column[row] = index, length - width
             if all(index is None for index in holder):
-                return
+                return results
             wanted = min(group, len(pending)) if pending else batch
             state = self._run(self._state, state, jnp.int32(wanted), jnp.int32(capacity))
             length = int(state.cache.length)
@@ -172,8 +173,8 @@ class BatchDecoder:
         """`state` with `rows` holding the prefilled prompts of `taken`; the group is padded to refill_rows
         with copies of its first prompt, written to row index batch_size (dropped)."""
         padding = self.refill_rows - len(taken)
-        prompts = [prompt for _, prompt, _ in taken]
-        keys = [key for _, _, key in taken]
+        prompts = [prompt for _, _, prompt, _ in taken]
+        keys = [key for _, _, _, key in taken]
         arrays = left_padded(prompts + prompts[:1] * padding, width)
         paths = np.asarray(keys + keys[:1] * padding, np.uint32).reshape(self.refill_rows, len(keys[0]))
         rows = np.asarray(rows + [self.batch_size] * padding, np.int32)
@@ -206,13 +207,13 @@ class BatchDecoder:
         return state._replace(cache=cache, **{name: split(getattr(state, name), 0)
                                               for name in Rows._fields if name != "cache"})
 
-    def _empty_fn(self, state, capacity: int) -> Rows:
-        """A batch with no row decoding, its cache at column 0 (the first refill moves it to the bucket width)."""
+    def _empty_fn(self, state, widest: int, capacity: int) -> Rows:
+        """A batch with no row decoding, its cache at column `widest`: room before it for any prompt."""
         target = nnx.merge(self._graphdef, state)
         batch = self.batch_size
         zeros = jnp.zeros((batch,), jnp.int32)
         return self._rows_on_mesh(target, Rows(
-            target.init_cache(batch, capacity), jnp.zeros((batch, self.max_new_tokens), jnp.int32), zeros, zeros,
+            target.init_cache(batch, capacity)._replace(length=jnp.int32(widest)), jnp.zeros((batch, self.max_new_tokens), jnp.int32), zeros, zeros,
             zeros, jnp.zeros((batch, self._key_words), jnp.uint32), jnp.zeros((batch,), bool)))
 
     def _next_tokens(self, target, hidden: jax.Array, key_data: jax.Array, steps: jax.Array) -> jax.Array:
@@ -235,7 +236,6 @@ class BatchDecoder:
         """Prefill the prompts [k, W] and place them in `rows` [k] with their first token (design §14)."""
         target = nnx.merge(self._graphdef, state)
         group, width = ids.shape
-        cache = rows_state.cache._replace(length=jnp.maximum(rows_state.cache.length, width))
         out = target(ids, positions, segment_ids, cache=target.init_cache(group, width))
         key_data = jax.random.key_data(jax.vmap(self._row_key)(paths))
         first = self._next_tokens(target, out.hidden[:, -1], key_data, jnp.zeros((group,), jnp.int32))
@@ -245,7 +245,7 @@ class BatchDecoder:
             return array.at[rows].set(new, mode="drop")
 
         return self._rows_on_mesh(target, Rows(
-            slots.place_rows(target, cache, out.cache, rows),
+            slots.place_rows(target, rows_state.cache, out.cache, rows),
             put(rows_state.tokens, jnp.zeros((group, self.max_new_tokens), jnp.int32).at[:, 0].set(first)),
             put(rows_state.counts, ones), put(rows_state.last, first), put(rows_state.positions, positions[:, -1] + 1),
             put(rows_state.key_data, key_data), put(rows_state.active, ~self._finished(first, ones))))
