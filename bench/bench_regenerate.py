@@ -11,7 +11,8 @@ response runs to the limit). --stop-text T makes T's token a stop token too (a c
 generation_config lists it), so responses end at varied lengths as real ones do: with ".", a tenth within 4
 tokens, half by 68, a fifth at the limit of 128. Every run is the command in a fresh process on one CPU
 device, into a fresh output file, with a scratch persistent compilation cache that a first untimed run per
-version and batch size fills, so the timed runs load their programs instead of compiling them. --before runs a
+version and batch size fills (every program, however quick to compile), so the timed runs load their programs
+instead of compiling them: the figures are a long job's steady state. --before runs a
 checkout of another version (e.g. `git worktree add /tmp/before main`) the same way, alternating with this one
 in every round so that a change of the machine's load hits both. tokens/s is the command's own figure
 (generated tokens over the decoding time: prefill and decode, tokenization and writing excluded); wall is the
@@ -44,7 +45,8 @@ def run_once(checkout: Path, target: Path, prompts: Path, out: Path, batch_size:
              cache: Path) -> tuple[int, float, float]:
     """(generated tokens, tokens/s, wall seconds) of one run of the command from `checkout`."""
     env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}  # one CPU device
-    env.update(PYTHONPATH=str(checkout), JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache))
+    env.update(PYTHONPATH=str(checkout), JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # every program, also those compiled in < 1 s
     began = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "dflash_jax.regenerate", "--config",
                           str(checkout / "configs" / "toy.py"), f"--config.target_dir={target}",

@@ -218,7 +218,7 @@ def test_setup_errors_are_one_line(tmp_path):
                        progress=False)
 
 
-@pytest.mark.slow  # about 20 s on 2 shared cores (make test-slow); test_greedy_responses_* refills rows too
+@pytest.mark.slow  # about 14 s on 2 shared cores (make test-slow); test_greedy_responses_* refills rows too
 def test_refilled_rows_and_buckets_decode_as_uncached_greedy(tmp_path):
     """Seven prompts of two buckets (up to 128 tokens and 129-256) through a batch of two rows refilled one
     at a time, responses of different lengths: rows are refilled mid-decode, the cache's columns shift, and
@@ -243,7 +243,7 @@ def test_refilled_rows_and_buckets_decode_as_uncached_greedy(tmp_path):
     assert responses == [cut(tokens) for tokens in greedy]
 
 
-@pytest.mark.slow  # three processes start, load and compile: about 55 s on 2 shared cores (make test-slow)
+@pytest.mark.slow  # five processes start, load and compile: about 85 s on 2 shared cores (make test-slow)
 def test_two_processes_write_every_record_once_as_one_process(tmp_path):
     """`regenerate` as two processes of four CPU devices (jax.distributed): each decodes its share into a part
     file, process 0 merges them; the output equals the one-process run's byte for byte, parts removed, and
