@@ -212,9 +212,10 @@ class BatchDecoder:
         target = nnx.merge(self._graphdef, state)
         batch = self.batch_size
         zeros = jnp.zeros((batch,), jnp.int32)
+        cache = target.init_cache(batch, capacity)._replace(length=jnp.int32(widest))
         return self._rows_on_mesh(target, Rows(
-            target.init_cache(batch, capacity)._replace(length=jnp.int32(widest)), jnp.zeros((batch, self.max_new_tokens), jnp.int32), zeros, zeros,
-            zeros, jnp.zeros((batch, self._key_words), jnp.uint32), jnp.zeros((batch,), bool)))
+            cache, jnp.zeros((batch, self.max_new_tokens), jnp.int32), zeros, zeros, zeros,
+            jnp.zeros((batch, self._key_words), jnp.uint32), jnp.zeros((batch,), bool)))
 
     def _next_tokens(self, target, hidden: jax.Array, key_data: jax.Array, steps: jax.Array) -> jax.Array:
         """[b] next token from the final-normed hidden states [b, H] of each row's last position; row r
