@@ -54,9 +54,13 @@ class ResumableJsonl:
                                             f"file records ({self.bytes}); it was changed by something else")
         os.truncate(self.path, self.bytes)
 
-    def append(self, records: list[dict[str, Any]], records_consumed: int) -> None:
+    def append(self, records: list[dict[str, Any] | None], records_consumed: int) -> None:
         """Write `records` (one line each), then record that `records_consumed` more inputs are done."""
-        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+        self.append_lines([json.dumps(r, ensure_ascii=False) + "\n" for r in records], records_consumed)
+
+    def append_lines(self, lines: list[str], records_consumed: int) -> None:
+        """`append` of lines already encoded, each ending in a newline."""
+        data = "".join(lines).encode()
         descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             view = memoryview(data)
@@ -66,7 +70,7 @@ class ResumableJsonl:
         finally:
             os.close(descriptor)
         self.records_done += records_consumed
-        self.lines += len(records)
+        self.lines += len(lines)
         self.bytes += len(data)
         progress = {"settings": self.settings, "records_done": self.records_done, "lines": self.lines,
                     "bytes": self.bytes}
