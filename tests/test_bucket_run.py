@@ -42,7 +42,9 @@ def evaluate(workdir: str, target: str, corpus: str, out: str) -> None:
 
 
 def losses(metrics: str) -> dict[int, float]:
-    return {record["step"]: record["loss"] for record in map(json.loads, metrics.splitlines())}
+    records = [json.loads(line) for line in metrics.splitlines()]
+    assert len({record["step"] for record in records}) == len(records), metrics  # each step logged once
+    return {record["step"]: record["loss"] for record in records}
 
 
 def figures(evaluation: bytes) -> dict:
