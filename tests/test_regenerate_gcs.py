@@ -1,6 +1,7 @@
 """`regenerate --out gs://...` against a real GCS-protocol server on loopback (tests/gcs_fixture.py): the output
 and its progress file are staged locally and uploaded whole (object stores have no append, design §7.1), and a
-rerun resumes from what the store holds, to the local output byte for byte, every record once."""
+rerun resumes from what the store holds, to the local output byte for byte, every record once; several
+processes' parts beside a bucket output merge there."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_jax.paths import cached_path
-from dflash_jax.regeneration import output
+from dflash_jax.regeneration import output, shares
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
 from tests.gcs_fixture import gcs_server
 from tests.openai_server import OpenAIServer
@@ -66,3 +67,21 @@ def test_regenerating_through_a_server_into_a_bucket_equals_the_local_output(tmp
             summary = run_server([server], prompts, OUT, tmp_path / "tokenizer", concurrency=2)
         assert summary.written == len(records) - done
         assert fs.cat_file("regen/out.jsonl") == (tmp_path / "local.jsonl").read_bytes()
+
+
+def test_the_parts_of_several_processes_merge_in_the_bucket(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path / "cache"))
+    with gcs_server() as fs:
+        fs.mkdir("regen")
+        parts = [ResumableJsonl(shares.part_path(OUT, p, 2), {"process": p}) for p in range(2)]
+        parts[0].append([{"i": 0}, None], records_consumed=2)  # records 0 and 2 (2: not written)
+        parts[1].append([{"i": 1}, {"i": 3}], records_consumed=2)  # records 1 and 3
+        for part in parts:
+            part.close()
+        with pytest.raises(ValueError, match="has parts of a run with another number of processes"):
+            shares.check_no_foreign_parts(OUT, 3)
+        merged = ResumableJsonl(OUT, {})
+        shares.merge_parts(merged, 2, total=4)
+        merged.close()
+        assert fs.cat_file("regen/out.jsonl") == b'{"i": 0}\n{"i": 1}\n{"i": 3}\n'
+        assert sorted(fs.ls("regen")) == ["regen/out.jsonl", f"regen/out.jsonl{PROGRESS_SUFFIX}"]  # parts gone

@@ -98,7 +98,8 @@ class ResumableJsonl:
             self._upload()
 
     def close(self) -> None:
-        """Upload what the store lacks of an output at a URL, and drop the staged copies; nothing locally."""
+        """Upload what the store lacks of an output at a URL and drop the staged copies (a local output: nothing
+        to do)."""
         if self._unsent:
             self._upload()
         for staged in self._staged:
