@@ -53,7 +53,7 @@ def figures(evaluation: bytes) -> dict:
     return {name: results[name] for name in ("trained", "untrained")}
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # six commands one after another: 381 s on 2 cores shared at load average 12 (make test-slow)
 def test_training_resuming_evaluating_and_exporting_in_a_bucket_match_the_local_run(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path / "cache"))  # the command's copy of the target
     target, corpus = make_target(tmp_path / "target"), write_corpus(tmp_path / "train.jsonl", count=40)
