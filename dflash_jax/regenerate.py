@@ -175,14 +175,20 @@ def run(config: ConfigDict, prompts: list[str], out: str, *, max_new_tokens: int
              "greedy" if sampling.temperature == 0 else f"temperature {sampling.temperature}, top_p {sampling.top_p}")
     if output.records_done:
         log.info("resuming: %d records done, %d lines in %s", output.records_done, output.lines, output.path)
-    summary = regenerate(decoder, tokenizer, prompts, output,
-                         max_prompt_tokens=target_config.max_position_embeddings - max_new_tokens,
-                         chat_template_kwargs=config.data.chat_template_kwargs, progress=progress,
-                         process=process, processes=processes)
+    try:
+        summary = regenerate(decoder, tokenizer, prompts, output,
+                             max_prompt_tokens=target_config.max_position_embeddings - max_new_tokens,
+                             chat_template_kwargs=config.data.chat_template_kwargs, progress=progress,
+                             process=process, processes=processes)
+    finally:
+        output.close()  # a bucket's output (or part) complete in the store before process 0 merges
     if processes > 1:
         summary = _joined(summary, distributed.gather_json(dataclasses.asdict(summary)), merged_done)
         if process == 0 and not summary.stopped_by:
-            shares.merge_parts(merged, processes, count_records(prompts))
+            try:
+                shares.merge_parts(merged, processes, count_records(prompts))
+            finally:
+                merged.close()
     return summary
 
 
@@ -234,9 +240,12 @@ def run_server(urls: list[str], prompts: list[str], out: str, *, max_new_tokens:
              "the model's default sampling" if temperature is None else f"temperature {temperature}")
     if output.records_done:
         log.info("resuming: %d records done, %d lines in %s", output.records_done, output.lines, out)
-    return server_job.regenerate_through_servers(servers, target_tokenizer, prompts, output, sampling,
-                                                 concurrency=concurrency, max_model_len=card.get("max_model_len"),
-                                                 progress=progress)
+    try:
+        return server_job.regenerate_through_servers(servers, target_tokenizer, prompts, output, sampling,
+                                                     concurrency=concurrency, max_model_len=card.get("max_model_len"),
+                                                     progress=progress)
+    finally:
+        output.close()
 
 
 def _served_model(servers: list[Server], name: str | None) -> dict:

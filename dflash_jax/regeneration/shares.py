@@ -12,22 +12,26 @@ stay until it is complete), so every record is written exactly once.
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+
+from etils import epath
 
 from dflash_jax.errors import DataError
+from dflash_jax.paths import as_path
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
 
 MERGE_CHUNK = 4096  # input records per append of the merge
 
 
-def part_path(out: str | Path, process: int, processes: int) -> Path:
-    out = Path(out)
+def part_path(out: str | os.PathLike, process: int, processes: int) -> epath.Path:
+    """Beside OUT, local or in a bucket (design §7.1: there, each a staged file of its own)."""
+    out = as_path(out)
     return out.with_name(f"{out.name}.part-{process}-of-{processes}")
 
 
-def check_no_foreign_parts(out: str | Path, processes: int) -> None:
+def check_no_foreign_parts(out: str | os.PathLike, processes: int) -> None:
     """Refuse to start over parts a run with another process count left (its shares differ from ours)."""
-    out = Path(out)
+    out = as_path(out)
     expected = {part_path(out, p, processes).name for p in range(processes)} if processes > 1 else set()
     foreign = sorted(p.name for p in out.parent.glob(f"{out.name}.part-*-of-*")
                      if not p.name.endswith(PROGRESS_SUFFIX) and p.name not in expected)
@@ -40,7 +44,7 @@ def merge_parts(output: ResumableJsonl, processes: int, total: int) -> None:
     """Append records output.records_done..total-1 of the parts to `output` in input order, then remove the
     parts. Every part must hold its whole share."""
     parts = [part_path(output.path, p, processes) for p in range(processes)]
-    handles = [open(part, encoding="utf-8") for part in parts]
+    handles = [part.open(encoding="utf-8") for part in parts]
     try:
         for process, handle in enumerate(handles):  # the lines of records already merged
             for _ in range(len(range(process, output.records_done, processes))):
