@@ -27,9 +27,9 @@ class FakeScorer:
     def __init__(self, outputs: dict[int, tuple[np.ndarray, np.ndarray]]):
         self.outputs = outputs
 
-    def __call__(self, sequence):
-        greedy, drafts = self.outputs[len(sequence)]
-        return greedy, drafts[:, :, None], np.zeros(drafts.shape + (1,))
+    def score(self, sequences):
+        return [(greedy, drafts[:, :, None], np.zeros(drafts.shape + (1,)))
+                for greedy, drafts in (self.outputs[len(sequence)] for sequence in sequences)]
 
 
 def hand_built(sequence: np.ndarray, runs: dict[int, int], extra: tuple[tuple[int, int], ...] = ()) -> np.ndarray:
