@@ -104,6 +104,10 @@ def measure(name: str, target, drafter, examples, rounds: int, rows: int, before
     return {variant: (float(np.median(r)), min(r), max(r)) for variant, r in rates.items()}
 
 
+def loads(averages) -> str:
+    return ", ".join(f"{x:.1f}" for x in averages)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="toy,qwen3_8b")
@@ -126,8 +130,8 @@ def main():
         table.append((name, len(examples), min(lengths), max(lengths), rates))
         del target, drafter
     print(f"\n{os.cpu_count()} CPUs, mesh of {jax.device_count()} {jax.devices()[0].platform} devices, {args.rounds} "
-          f"rounds, after = {args.rows} rows per forward; load average before {', '.join(f'{x:.1f}' for x in load_before)}, after "
-          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+          f"rounds, after = {args.rows} rows per forward; load average before {loads(load_before)}, after "
+          f"{loads(os.getloadavg())}\n")
     print("| shape | devices | prompts | tokens a text | before, prompts/s | after, prompts/s | speed-up |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, count, shortest, longest, rates in table:

@@ -95,22 +95,25 @@ def test_train_hook_measures_what_evaluate_measures(setup):
 
 # slow: two processes start, compile and generate on 2 cores (about a minute; make test's budget)
 @pytest.mark.slow
-def test_two_processes_evaluate_like_one(setup, tmp_path):
+def test_two_processes_evaluate_like_one(setup, tmp_path, monkeypatch):
     """`python -m dflash_jax.evaluate` as two processes of four CPU devices (jax.distributed): each generates and
     scores its share of the prompts (two and one) on its own devices, and process 0 writes what one process of
-    eight devices reports."""
+    eight devices reports. The command keeps its compiles in config.compilation_cache_dir."""
     config, export, _ = setup
     config = config.copy_and_resolve_references()
     config.mesh.fsdp = -1  # every device: one process's rows over eight, each process's over its four
     one = evaluate.run(config, workdir=None, drafter_dir=str(export), budgets=(4, 8), log=lambda _: None)
     command = [sys.executable, "-m", "dflash_jax.evaluate", "--config", str(REPO / "configs" / "tiny.py"),
                "--drafter", str(export), "--budgets=4,8", "--json", str(tmp_path / "two.json"),
+               f"--config.compilation_cache_dir={tmp_path / 'cache'}",
                *(f"--config.{key}={value}" for key, value in (
                    ("target_dir", config.target_dir), ("data.eval_files", config.data.eval_files[0]),
                    ("eval_prompts", config.eval_prompts), ("eval_max_new_tokens", config.eval_max_new_tokens),
                    ("target_dtype", "float32"), ("compute_dtype", "float32"),
                    ("loss.vocab_chunk", config.loss.vocab_chunk)))]
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tiny programs compile fast
     outputs = outputs_of(start_two_processes(command))
+    assert any((tmp_path / "cache").iterdir())
     assert "generating greedy continuations of 2 prompts (up to 12 tokens) on each of 2 processes" in outputs[0]
     assert "drafter: τ = " in outputs[0] and "drafter: τ = " not in outputs[1]  # process 0 alone prints
     two = json.loads((tmp_path / "two.json").read_text())
