@@ -48,14 +48,14 @@ class Example(NamedTuple):
 
 class DraftScorer:
     """The target over texts and the drafter at every anchor of them, several texts (rows) per jitted forward
-    (design §9.1). Texts are grouped by length bucket (padded to a multiple of `length_bucket`); a bucket's
-    texts go `rows` at a time, the last batch padded with empty rows, so every bucket compiles once. The
-    compiled forward is shared by every scorer of the same models, settings and shapes, so an evaluation
-    repeated during training compiles once.
+    (design §9.5). Texts are grouped by length bucket (padded to a multiple of `length_bucket`); a bucket's
+    texts go in as few batches of at most `rows` as hold them, all of one size, so every bucket compiles once
+    and the last batch, padded with empty rows, wastes little. The compiled forward is shared by every scorer
+    of the same models, settings and shapes, so an evaluation repeated during training compiles once.
 
     Rows are split over the (data, fsdp) axes of the mesh the target's weights lie on, as the train step splits
-    its batch (`rows` is rounded up to a multiple of their size, and a bucket with fewer texts takes fewer
-    rows); the outputs are gathered onto every device, so every process reads every row of the call.
+    its batch (a batch's rows are rounded up to a multiple of their size); the outputs are gathered onto every
+    device, so every process reads every row of the call.
 
     query_chunk_blocks: this forward runs the drafter's XLA attention with this many blocks per query chunk
     (stride 1 means one block per position, so the training value would unroll into very many chunks);
@@ -87,7 +87,9 @@ class DraftScorer:
             buckets.setdefault(round_up(len(sequence), self.length_bucket), []).append(index)
         results = [None] * len(sequences)
         for width, indices in buckets.items():
-            rows = min(self.rows, round_up(len(indices), self._row_split))
+            # Batches of equal size: padding the last one to `rows` would waste up to rows - 1 rows' work.
+            batches = -(-len(indices) // self.rows)
+            rows = round_up(-(-len(indices) // batches), self._row_split)
             for first in range(0, len(indices), rows):
                 batch = indices[first:first + rows]
                 # Padding sits after each text (causal, so it changes nothing before) and in the empty rows,
