@@ -1,13 +1,13 @@
-"""Throughput of exact-τ scoring (`evaluate`'s τ, histograms and DDTree τ; design §9.1) before and after texts
+"""Throughput of exact-τ scoring (`evaluate`'s τ, histograms and DDTree τ; design §9.5) before and after texts
 were batched, side by side on this machine's CPU cores, fp32.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=N .venv/bin/python -m bench.bench_evaluate \
-        [--shapes toy,qwen3_8b] [--rounds 3] [--rows 8] [--before 262705e]
+        [--shapes toy,qwen3_8b] [--rounds 3] [--rows N] [--before 262705e]
 
 "before" is `dflash_jax/eval/exact_tau.py` as it stood at --before (read from git history: one text per jitted
-forward, that row replicated over the mesh); "after" is this checkout's (--rows texts per forward, rows split over
-the mesh's data x fsdp axes). Both run `evaluate_drafter` (budgets 8 and 22, the host's walks and DDTree trees
-included) on the same examples, with the target's weights split over a mesh of every device (fsdp), after an
+forward, that row replicated over the mesh); "after" is this checkout's (--rows texts per forward, default the
+scorer's, rows split over the mesh's data x fsdp axes). Both run `evaluate_drafter` (budgets 8 and 22, the host's
+walks and DDTree trees included) on the same examples, with the target's weights split over a mesh of every device (fsdp), after an
 untimed call that compiles them and checks that both give the same figures; rounds alternate the two (the order
 flips every round) and report the median prompts/s and the range, so machine load hits both alike. The load
 average is printed before and after.
@@ -112,7 +112,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="toy,qwen3_8b")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", type=int, default=8, help="texts per forward after")
+    parser.add_argument("--rows", type=int, default=None,
+                        help="texts per forward after (default: the scorer's, one per device on CPU)")
     parser.add_argument("--before", default="262705e", help="the last commit that scored one text per forward")
     parser.add_argument("--toy-prompts", type=int, default=16)
     parser.add_argument("--qwen-prompts", type=int, default=4)
@@ -130,8 +131,8 @@ def main():
         table.append((name, len(examples), min(lengths), max(lengths), rates))
         del target, drafter
     print(f"\n{os.cpu_count()} CPUs, mesh of {jax.device_count()} {jax.devices()[0].platform} devices, {args.rounds} "
-          f"rounds, after = {args.rows} rows per forward; load average before {loads(load_before)}, after "
-          f"{loads(os.getloadavg())}\n")
+          f"rounds, after = {args.rows or 'default'} rows per forward; load average before {loads(load_before)}, "
+          f"after {loads(os.getloadavg())}\n")
     print("| shape | devices | prompts | tokens a text | before, prompts/s | after, prompts/s | speed-up |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, count, shortest, longest, rates in table:

@@ -55,15 +55,17 @@ class DraftScorer:
 
     Rows are split over the (data, fsdp) axes of the mesh the target's weights lie on, as the train step splits
     its batch (a batch's rows are rounded up to a multiple of their size); the outputs are gathered onto every
-    device, so every process reads every row of the call.
+    device, so every process reads every row of the call. rows None: 8 on accelerators, one per device on CPU,
+    where more rows per device score fewer texts a second (bench/RESULTS.md, "Evaluation throughput").
 
     query_chunk_blocks: this forward runs the drafter's XLA attention with this many blocks per query chunk
     (stride 1 means one block per position, so the training value would unroll into very many chunks);
     None keeps the drafter as it is. top_k: log-probs kept per slot (the largest DDTree budget is enough).
     """
 
-    def __init__(self, target, drafter: Drafter, *, top_k: int, rows: int = 8, query_chunk_blocks: int | None = 64,
-                 row_chunk: int = 256, vocab_chunk: int = 8192, length_bucket: int = 128):
+    def __init__(self, target, drafter: Drafter, *, top_k: int, rows: int | None = None,
+                 query_chunk_blocks: int | None = 64, row_chunk: int = 256, vocab_chunk: int = 8192,
+                 length_bucket: int = 128):
         if query_chunk_blocks is not None:
             drafter = _rechunked(drafter, query_chunk_blocks)
         self.length_bucket = length_bucket
@@ -71,6 +73,9 @@ class DraftScorer:
         drafter_def, self._drafter_state = nnx.split(drafter)
         self.mesh = weights_mesh(self._target_state)
         self._row_split = 1 if self.mesh is None else int(np.prod([self.mesh.shape[a] for a in BATCH_AXES]))
+        if rows is None:
+            device = next(iter(jax.tree.leaves(self._target_state)[0].sharding.device_set))
+            rows = 1 if device.platform == "cpu" else 8
         self.rows = round_up(rows, self._row_split)
         self._static = (target_def, drafter_def, min(top_k, drafter.config.vocab_size), row_chunk, vocab_chunk,
                         self.mesh)
@@ -294,7 +299,8 @@ def summarize(responses: Sequence[ResponseScores], block_size: int) -> dict:
 
 
 def evaluate_drafter(target, drafter: Drafter, examples: Sequence[Example], *,
-                     budgets: Sequence[int] = DEFAULT_BUDGETS, rows: int = 8, query_chunk_blocks: int | None = 64,
+                     budgets: Sequence[int] = DEFAULT_BUDGETS, rows: int | None = None,
+                     query_chunk_blocks: int | None = 64,
                      row_chunk: int = 256, vocab_chunk: int = 8192, across_processes: bool = False) -> dict:
     """Exact τ, its histogram, per-slot acceptance and DDTree τ of `drafter` on (prompt, greedy
     continuation) examples; see `summarize` for the keys. `greedy_agreement` below 1 means a continuation
