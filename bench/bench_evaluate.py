@@ -7,10 +7,10 @@ were batched, side by side on this machine's CPU cores, fp32.
 "before" is `dflash_jax/eval/exact_tau.py` as it stood at --before (read from git history: one text per jitted
 forward, that row replicated over the mesh); "after" is this checkout's (--rows texts per forward, default the
 scorer's, rows split over the mesh's data x fsdp axes). Both run `evaluate_drafter` (budgets 8 and 22, the host's
-walks and DDTree trees included) on the same examples, with the target's weights split over a mesh of every device (fsdp), after an
-untimed call that compiles them and checks that both give the same figures; rounds alternate the two (the order
-flips every round) and report the median prompts/s and the range, so machine load hits both alike. The load
-average is printed before and after.
+walks and DDTree trees included) on the same examples, with the target's weights split over a mesh of every
+device (fsdp), after an untimed call that compiles them and checks that both give the same figures; rounds
+alternate the two (the order flips every round) and report the median prompts/s and the range, so machine load
+hits both alike. The load average is printed before and after.
 
 Shapes: `toy`, the bundled toy target with an untrained drafter of configs/toy.py on the first --toy-prompts
 records of its eval data (their own continuations, up to 256 tokens); `qwen3_8b`, a random target and drafter
