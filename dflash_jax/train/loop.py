@@ -223,11 +223,12 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
 
 
 
-def use_compilation_cache(config: ConfigDict, workdir: str | os.PathLike) -> None:
-    """XLA's persistent compilation cache in config.compilation_cache_dir (default <workdir>/compilation_cache).
-    The setting is process-wide and read once, at the first compilation, so the train command sets it before
-    anything compiles; `train` itself leaves it alone."""
-    if config.compilation_cache_dir == "off":
+def use_compilation_cache(config: ConfigDict, workdir: str | os.PathLike | None) -> None:
+    """XLA's persistent compilation cache in config.compilation_cache_dir (default <workdir>/compilation_cache;
+    without a workdir, as `evaluate --drafter`, none unless that is set). The setting is process-wide and read
+    once, at the first compilation, so the train and evaluate commands set it before anything compiles; `train`
+    itself leaves it alone."""
+    if config.compilation_cache_dir == "off" or not (config.compilation_cache_dir or workdir):
         return
     directory = config.compilation_cache_dir or workdir_path(workdir) / "compilation_cache"
     jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
