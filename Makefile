@@ -23,8 +23,10 @@ venv: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 -m "not slow and not tpu_plan" --durations=25 tests
 
+# Two workers, each taking whole files (a file's fixtures, the demo's run among them, are built once). The demo's
+# run is kept in out/demo_test for `make test-vllm TOY_RUN=out/demo_test/run` (.ci/run), which serves its drafter.
 test-slow: $(VENV)/.installed
-	$(PY) -m pytest -q -m slow tests
+	DFLASH_JAX_DEMO_OUT=out/demo_test $(PY) -m pytest -q -n 2 --dist loadfile -m slow --durations=15 tests
 
 # Deviceless TPU compiles of 27B-shaped train steps (tests marked tpu_plan; a few minutes): libtpu, pinned by
 # launch/constraints.txt, in a directory of its own that only these tests put on their path, so the CPU suite
@@ -67,8 +69,10 @@ $(VLLM_VENV)/.installed: tests/vllm/requirements.txt
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+# TOY_RUN=DIR: a finished configs/toy.py workdir (make test-slow's demo) served as the full drafter, not trained again.
+TOY_RUN ?=
 test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
-	$(PY) tests/vllm/make_artifacts.py --out out/vllm
+	$(PY) tests/vllm/make_artifacts.py --out out/vllm $(if $(TOY_RUN),--toy_run $(TOY_RUN))
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) tests/vllm/check_vllm.py out/vllm
 	$(PY) tests/vllm/compare_with_project.py out/vllm
 	$(PY) tests/vllm/check_regenerate_server.py --vllm-python $(VLLM_PY) out/vllm

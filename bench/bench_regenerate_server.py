@@ -67,10 +67,10 @@ def main() -> None:
         # reuses the warm-up's compilation.
         target, _ = load_target(TOY_TARGET, param_dtype=jnp.float32)
         tokenizer = AutoTokenizer.from_pretrained(TOY_TARGET)
-        decoder = BatchDecoder(target, max_new_tokens=args.max_new_tokens,
+        decoder = BatchDecoder(target, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                                stop_token_ids=stop_token_ids(TOY_TARGET, tokenizer))
         rows.append((f"JAX path, batch {args.batch_size}", *timed(
-            lambda out: jax_job(decoder, tokenizer, [str(prompts)], ResumableJsonl(out, {}), batch_size=args.batch_size,
+            lambda out: jax_job(decoder, tokenizer, [str(prompts)], ResumableJsonl(out, {}),
                                 max_prompt_tokens=10**9, progress=False), scratch, "jax")))
         with toy_target_server(args.vllm_python, scratch / "vllm.log", max_num_seqs=args.concurrency) as url:
             rows.append((f"vLLM CPU server, {args.concurrency} in flight", *timed(

@@ -54,7 +54,7 @@ def step_config(tiny: bool, remat: str, peak_tflops: float | None):
     config.drafter.mask_token_id = 151669  # an unused row of Qwen3's embedding, as a tokenizer's mask token
     config.total_steps = 1000  # the schedule's length (the benchmark times a few of its steps)
     config.remat = remat
-    config.peak_tflops_per_device = peak_tflops  # None: the device kind's (flops.PEAK_TFLOPS)
+    config.peak_tflops_per_device = peak_tflops  # None: the device kind's (chips.py)
     if tiny:
         config.data.seq_len, config.data.batch_size = 128, 2
         config.drafter.num_hidden_layers, config.drafter.layer_types = 2, ("full_attention",) * 2

@@ -6,7 +6,7 @@ Link bandwidths are what one device can send at once in a collective, derived fr
   axes may do better; the plan assumes one).
 - TPU DCN: the host's NICs shared by its chips.
 - NVLink: half the bidirectional per-GPU figure (NVSwitch connects every pair of GPUs of a host at it).
-- GPU network: one 400 Gb/s ConnectX-7 NIC per GPU (DGX/HGX H100 and H200 systems).
+- GPU network: one NIC per GPU (400 Gb/s ConnectX-7 in DGX/HGX H100 and H200 systems, 200 Gb/s in DGX A100).
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ CHIPS = (
     # H100 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional.
     Chip("H100", ("h100",), 989e12, 80e9, 3350 * GB, "nvlink", 900 * GB / 2, "network", 400e9 / 8,
          "https://www.nvidia.com/en-us/data-center/h100/"),
+    # A100 SXM 80GB: 312 TFLOP/s dense bf16, 80 GB HBM2e at 2039 GB/s, NVLink 600 GB/s bidirectional; one
+    # 200 Gb/s HDR NIC per GPU (DGX A100).
+    Chip("A100", ("a100",), 312e12, 80e9, 2039 * GB, "nvlink", 600 * GB / 2, "network", 200e9 / 8,
+         "https://www.nvidia.com/en-us/data-center/a100/"),
 )
 
 

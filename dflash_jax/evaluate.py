@@ -11,7 +11,11 @@ training workdir, or an exported z-lab directory (--drafter). Prompts: JSONL rec
 config.data.eval_files); `generate` continues each prompt with the target's own decode-cached greedy decoding
 (either target family), `data` uses the record's completion / last assistant turn. --benchmark instead
 builds the prompts of the published DFlash/DDTree benchmarks (eval/benchmarks.py) and prints a table of τ per
-benchmark on the target's greedy answers (design §9.5).
+benchmark on the target's greedy answers (design §9.6).
+
+On a pod, the same command on every host: the processes join through jax.distributed (config.distributed), each
+evaluates its share of the prompts on its own devices (config.mesh within a host), and the figures join those
+of every process; process 0 prints them and writes --json (design §9.5). --benchmark and --speed run on one host.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ from dflash_jax.errors import ConfigError
 from dflash_jax.eval import benchmarks as bench
 from dflash_jax.eval.examples import read_examples, stop_token_ids, with_greedy_continuations
 from dflash_jax.eval.ddtree_decode import DDTreeGenerator
-from dflash_jax.eval.exact_tau import DEFAULT_BUDGETS, evaluate_drafter
+from dflash_jax.eval.exact_tau import DEFAULT_BUDGETS, evaluate_drafter, process_share
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, generator_shapes
 from dflash_jax.eval.report import format_benchmark_table, format_result, format_speed
 from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.paths import as_path
 from dflash_jax.sharding import replicated
+from dflash_jax.train import distributed
+from dflash_jax.train.loop import use_compilation_cache
 from dflash_jax.train.validate import dtype_of, mesh_from_config
 from dflash_jax.weights.drafter_files import load_drafter
 from dflash_jax.weights.hub import pretrained_dir
@@ -97,6 +103,10 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
         raise ConfigError("config.target_dir is required: the target the drafter was trained against")
     if not (workdir or drafter_dir):
         raise ConfigError("give --workdir (a training run) or --drafter (an exported drafter directory)")
+    if speed and jax.process_count() > 1:
+        raise ConfigError("--speed times the decoders of one process: run it on one host")
+    if benchmarks and jax.process_count() > 1:
+        raise ConfigError("--benchmark answers each conversation's turns in turn on one process: run it on one host")
     # The prompts are read (and refused, if bad) before the target's weights load, which takes minutes.
     target_config = read_target_config(config.target_dir)
     tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
@@ -118,7 +128,8 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
         raise ConfigError(f"the drafter ({source}) was made for a target with (layers, vocab, hidden) = "
                           f"{(drafter_config.num_target_layers, drafter_config.vocab_size, drafter_config.hidden_size)}"
                           f", but {config.target_dir} has {expected}")
-    mesh = mesh_from_config(config)
+    # Each process evaluates its own share of the prompts on its own devices (design §9.5).
+    mesh = mesh_from_config(config, jax.local_devices())
     # config.attention_impl picks the backend of the target's full forward (exact τ); the decode-cached
     # generator and the drafters here run in XLA.
     target, _ = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh,
@@ -135,23 +146,26 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
         return {"target_dir": config.target_dir, "drafter": source, "max_new_tokens": max_new_tokens,
                 "benchmarks": scores}
 
+    share = process_share(examples)
     baseline = placed(Drafter(drafter_config, rngs=nnx.Rngs(0)), drafter_config, compute, replicated(mesh))
     plain = None
     if continuation == "generate" or speed:
         shapes = _shapes(examples, max_new_tokens, drafter_config, budgets)
         plain = SpeculativeGenerator(target, None, **shapes)
     if continuation == "generate":
-        log(f"generating greedy continuations of {len(examples)} prompts (up to {max_new_tokens} tokens)")
-        examples = with_greedy_continuations(plain, examples, max_new_tokens, stops)
+        log(f"generating greedy continuations of {len(share)} prompts (up to {max_new_tokens} tokens)"
+            + (f" on each of {jax.process_count()} processes" if jax.process_count() > 1 else ""))
+        share = with_greedy_continuations(plain, share, max_new_tokens, stops)
 
     results = {"target_dir": config.target_dir, "drafter": source, "prompts": list(files),
                "continuation": continuation, "max_new_tokens": max_new_tokens}
     for name, model in (("trained", drafter), ("untrained", baseline)):
-        results[name] = evaluate_drafter(target, model, examples, budgets=budgets, vocab_chunk=config.loss.vocab_chunk)
+        results[name] = evaluate_drafter(target, model, share, budgets=budgets, vocab_chunk=config.loss.vocab_chunk,
+                                         across_processes=True)
         log(format_result(f"{name} drafter", results[name]))
     if speed:
         speculative, tree = _drafting_decoders(target, drafter, shapes, budgets)
-        results["speed"], _, _ = benchmark(plain, speculative, [e.prompt_ids for e in examples], max_new_tokens,
+        results["speed"], _, _ = benchmark(plain, speculative, [e.prompt_ids for e in share], max_new_tokens,
                                            stops, ddtree=tree)
         log(format_speed(results["speed"]))
     return results
@@ -173,7 +187,7 @@ def _drafting_decoders(target, drafter: Drafter, shapes: dict[str, int], budgets
 def _benchmark_scores(suites, target, drafter: Drafter, tokenizer, template_kwargs: dict, longest_prompt: int,
                       stops, *, max_new_tokens: int, budgets, speed: bool, max_positions: int, vocab_chunk: int,
                       log) -> dict:
-    """Per benchmark (design §9.5): the target's greedy answers to every turn, the drafter's exact and DDTree τ
+    """Per benchmark (design §9.6): the target's greedy answers to every turn, the drafter's exact and DDTree τ
     on them and, with `speed`, the three decoders timed on the same prompts (built once for all benchmarks)."""
     answers = bench.GreedyAnswers(target, max_new_tokens, stops, longest_prompt)
     turns, scores = {}, {}
@@ -197,11 +211,15 @@ def _benchmark_scores(suites, target, drafter: Drafter, tokenizer, template_kwar
 
 def main() -> None:
     absl_logging.set_verbosity(absl_logging.WARNING)
-    results = run(_CONFIG.value, workdir=_WORKDIR.value, drafter_dir=_DRAFTER.value, step=_STEP.value,
+    config = _CONFIG.value
+    distributed.initialize(config.distributed)  # before any other JAX call
+    use_compilation_cache(config, _WORKDIR.value)
+    first = jax.process_index() == 0  # of several processes, one prints and writes
+    results = run(config, workdir=_WORKDIR.value, drafter_dir=_DRAFTER.value, step=_STEP.value,
                   prompts=_PROMPTS.value, num_prompts=_NUM_PROMPTS.value, continuation=_CONTINUATION.value,
                   max_new_tokens=_MAX_NEW.value, budgets=tuple(int(b) for b in _BUDGETS.value), speed=_SPEED.value,
-                  benchmarks=_BENCHMARK.value)
-    if _JSON.value:
+                  benchmarks=_BENCHMARK.value, log=print if first else lambda _: None)
+    if _JSON.value and first:
         as_path(_JSON.value).write_text(json.dumps(results, indent=2) + "\n")
 
 

@@ -5,7 +5,9 @@ workdir is addressed as an `etils.epath.Path` (`as_path`), as Orbax addresses it
 files are read and written in the bucket itself. A model directory at a URL (a target, a drafter to start from
 or evaluate) is read through `local_copy`: its top-level files are downloaded once into a local cache and read
 from there, since the safetensors and tokenizer readers take local files only (an Orbax target's arrays, in a
-subdirectory, stay in the bucket: Orbax reads them there, each host its own shards).
+subdirectory, stay in the bucket: Orbax reads them there, each host its own shards). A file a command grows at a
+URL (metrics.jsonl, regenerate's output) is a `StagedFile`: written locally and uploaded whole, since object
+stores have no append.
 """
 
 from __future__ import annotations
@@ -51,6 +53,34 @@ def cache_root() -> Path:
     return Path(os.environ.get("DFLASH_JAX_CACHE") or Path.home() / ".cache" / "dflash_jax")
 
 
+def cached_path(url: str) -> Path:
+    """The local place of `url`'s copy (or staged upload) in the cache: <cache>/urls/<scheme>/<bucket>/<key>."""
+    return cache_root() / "urls" / url.replace("://", "/", 1).rstrip("/")
+
+
+class StagedFile:
+    """A file at a URL that a command grows (design §7.1): an object store has no append (gcsfs's "a" mode
+    starts a new, empty object) and an open object reaches the store only when closed, so the file is kept
+    locally at `local`, written there with ordinary file calls, and `upload` replaces the object with it whole;
+    an upload replaces the object at once, so a reader sees the old content or the new, never a torn line.
+    `local` starts as the object's content (absent if there is none): the store, not a copy some killed job
+    left in the cache, is what a rerun continues."""
+
+    def __init__(self, url: str):
+        import fsspec  # noqa: PLC0415 (only bucket paths need it)
+
+        self._fs, self._key = fsspec.core.url_to_fs(url)
+        self.local = cached_path(url)
+        self.local.parent.mkdir(parents=True, exist_ok=True)
+        if self._fs.exists(self._key):
+            self._fs.get_file(self._key, os.fspath(self.local))
+        else:
+            self.local.unlink(missing_ok=True)
+
+    def upload(self) -> None:
+        self._fs.put_file(os.fspath(self.local), self._key)
+
+
 def local_copy(url: str, patterns: Sequence[str]) -> str:
     """A local directory holding the files directly under `url` whose names match one of `patterns`; each is
     downloaded only if the cache lacks it or holds another version of it (size and checksum or ETag, as the
@@ -59,7 +89,7 @@ def local_copy(url: str, patterns: Sequence[str]) -> str:
     import fsspec  # noqa: PLC0415 (only bucket paths need it)
 
     fs, root = fsspec.core.url_to_fs(url)
-    local = cache_root() / "urls" / url.replace("://", "/", 1).rstrip("/")
+    local = cached_path(url)
     local.mkdir(parents=True, exist_ok=True)
     for entry in fs.ls(root, detail=True):
         name = entry["name"].rstrip("/").rsplit("/", 1)[-1]

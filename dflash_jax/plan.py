@@ -38,7 +38,7 @@ from dflash_jax.hlo_cost import HloCost, hlo_cost
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.roofline import Roofline, format_roofline, roofline
 from dflash_jax.sharding import TARGET_LAYOUTS, auto_target_layout, batch_sharding, state_shardings
-from dflash_jax.train import flops, validate
+from dflash_jax.train import epochs, flops, validate
 from dflash_jax.train.state import state_spec
 from dflash_jax.train.step import BATCH_KEYS, make_step
 from dflash_jax.weights.families import family_of, resolve
@@ -46,10 +46,6 @@ from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.safetensors_dir import read_config
 
 GIB = 2**30
-# HBM per chip in GiB (nominal) of the device kinds a plan is usually made for, matched in order against the
-# device kind ("TPU v5" is v5p, "TPU v5 lite" v5e, "TPU v6 lite" v6e); --hbm_gib overrides.
-HBM_GIB = (("v6 lite", 32), ("v6e", 32), ("v5 lite", 16), ("v5e", 16), ("v5p", 95), ("tpu v5", 95), ("v4", 32),
-           ("h200", 141), ("h100", 80), ("a100", 80))
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _CONFIG = cli.define_config_flag(FLAGS)
@@ -64,6 +60,9 @@ _COMPARE = flags.DEFINE_bool("compare", False, "Plan every target layout and mes
                               "(plan_compare.py) and rank them by predicted step time.", flag_values=FLAGS)
 _LAYOUTS = flags.DEFINE_string("layouts", ",".join(TARGET_LAYOUTS), "--compare: the target layouts to try.",
                                flag_values=FLAGS)
+_EPOCH_TOKENS = flags.DEFINE_float("epoch_tokens", None, "The corpus's tokens an epoch (train logs them at its "
+                                   "first start), for the run time of config.epochs; without it, the time per "
+                                   "billion tokens.", flag_values=FLAGS)
 _TENSOR_SIZES = flags.DEFINE_string("tensor_sizes", "1,2,4,8", "--compare: the mesh.tensor sizes to try.",
                                     flag_values=FLAGS)
 flags.mark_flags_as_required(["config"], flag_values=FLAGS)
@@ -109,7 +108,9 @@ def slice_topology(name: str) -> str:
     if math.prod(dims) != chips:
         raise UserError(f"--topology {name}: {chips} chips is not a power-of-two slice; give libtpu's form, e.g. "
                         f"{generation}:2x2x2")
-    return f"{generation}:{'x'.join(map(str, sorted(dims)))}"
+    # libtpu's names put the axes ascending, a 3D slice's unit axis last (v5p-8: 2x2x1, v5p-16: 2x2x2).
+    dims = sorted(dims, key=lambda size: (size == 1, size))
+    return f"{generation}:{'x'.join(map(str, dims))}"
 
 
 class GpuCluster(NamedTuple):
@@ -209,11 +210,13 @@ def granule_of(device) -> int:
 
 
 def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | None = None, chip: Chip | None = None,
-                    devices_per_host: int | None = None) -> Plan:
+                    devices_per_host: int | None = None, epoch_tokens: int | None = None) -> Plan:
     """Compile the train step of `config` for `mesh` from abstract arrays and measure it (see `Plan`). chip: the
-    accelerator the roofline uses (default: the devices' kind); devices_per_host: for simulated GPU clusters."""
+    accelerator the roofline uses (default: the devices' kind); devices_per_host: for simulated GPU clusters;
+    epoch_tokens: the corpus's tokens an epoch, which give config.epochs its steps (train/epochs.py)."""
     platform = mesh.devices.flat[0].platform
     attention_impl = resolve_attention_impl(config.attention_impl, platform)
+    config = validate.resolve_batch_size(config, mesh.shape["data"] * mesh.shape["fsdp"])  # rows_per_device
     validate.validate_batch_layout(config, mesh.shape["data"] * mesh.shape["fsdp"])
     validate.validate_target_layout(config)
     config = ConfigDict(config.to_dict())  # a copy: the mask token and the layout may be settled below
@@ -226,8 +229,6 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
     by_layout = target_bytes_by_layout(target_state, mesh)
     kind = mesh.devices.flat[0].device_kind
     chip = chip or chip_of_kind(kind)
-    if hbm_gib is None:
-        hbm_gib = next((gib for name, gib in HBM_GIB if name in kind.lower()), None)
     if hbm_gib is None and chip is not None:
         hbm_gib = chip.hbm_bytes / GIB
     if config.target_layout == "auto":
@@ -250,7 +251,10 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
     cost = hlo_cost(hlo, dict(mesh.shape), granules.__getitem__)
     model_flops = flops.train_step_flops(config, target_config, drafter_config)
     tokens = config.data.batch_size * config.data.seq_len
-    line = None if chip is None else roofline(cost, model_flops / mesh.size, chip, tokens, config.total_steps)
+    steps = config.total_steps
+    if steps is None and config.epochs and epoch_tokens:
+        steps = epochs.steps_for_epochs(config.epochs, epoch_tokens, epochs.tokens_per_step(config))
+    line = None if chip is None else roofline(cost, model_flops / mesh.size, chip, tokens, steps)
     deviceless = " deviceless" if platform != jax.default_backend() else ""
     backend = f"{platform}{deviceless} compiler, {mesh.size} x {kind}" + (
         f" for {chip.name} ({len(set(granules))} hosts of {devices_per_host})" if devices_per_host else "")
@@ -355,17 +359,20 @@ def main() -> None:
     devices = topology_devices(_TOPOLOGY.value)
     cluster = gpu_cluster(_TOPOLOGY.value)
     chip, per_host = (cluster.chip, cluster.per_host) if cluster else (None, None)
+    epoch_tokens = None if _EPOCH_TOKENS.value is None else int(_EPOCH_TOKENS.value)
     if _COMPARE.value:
         from dflash_jax import plan_compare  # it plans each candidate with this module's plan_train_step
 
         granules = cluster.hosts if cluster else len({granule_of(d) for d in devices})
         candidates = plan_compare.compare_plans(
             config, target_config, devices, granules, plan_compare.check_layouts(_LAYOUTS.value),
-            plan_compare.parse_sizes(_TENSOR_SIZES.value), _HBM_GIB.value or config.hbm_gib, chip, per_host)
+            plan_compare.parse_sizes(_TENSOR_SIZES.value), _HBM_GIB.value or config.hbm_gib, chip, per_host,
+            epoch_tokens)
         print(plan_compare.format_comparison(candidates))
         return
     mesh = validate.mesh_from_config(config, devices)
-    plan = plan_train_step(config, target_config, mesh, _HBM_GIB.value or config.hbm_gib, chip, per_host)
+    plan = plan_train_step(config, target_config, mesh, _HBM_GIB.value or config.hbm_gib, chip, per_host,
+                           epoch_tokens)
     print(format_plan(plan))
     check_budget(plan)
 

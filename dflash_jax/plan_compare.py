@@ -20,8 +20,8 @@ from ml_collections import ConfigDict
 from dflash_jax.chips import Chip, chip_of_kind
 from dflash_jax.errors import ConfigError
 from dflash_jax.ops.backends import resolve_attention_impl
-from dflash_jax.plan import GIB, Plan, plan_train_step, target_bytes_by_layout
-from dflash_jax.roofline import format_bytes, format_seconds
+from dflash_jax.plan import GIB, Plan, granule_of, plan_train_step, target_bytes_by_layout
+from dflash_jax.roofline import format_bytes, format_run, format_seconds
 from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
 from dflash_jax.train import validate
 from dflash_jax.weights.families import family_of
@@ -42,15 +42,16 @@ def candidate_meshes(devices: int, granules: int, tensor_sizes: tuple[int, ...])
 
 def compare_plans(config: ConfigDict, target_config, devices: list, granules: int, layouts: tuple[str, ...],
                   tensor_sizes: tuple[int, ...], hbm_gib: float | None = None, chip: Chip | None = None,
-                  devices_per_host: int | None = None) -> list[Candidate]:
+                  devices_per_host: int | None = None, epoch_tokens: int | None = None) -> list[Candidate]:
     """Every candidate planned (or the reason it was not), best first."""
     chip = chip or chip_of_kind(devices[0].device_kind)
     found = []
     for sizes in candidate_meshes(len(devices), granules, tensor_sizes):
-        candidate_config = ConfigDict(config.to_dict())
-        candidate_config.mesh.update(sizes)
         rows = (sizes["data"] * sizes["dcn_data"]) * sizes["fsdp"]
-        micro_batch = config.data.batch_size // config.grad_accum_steps
+        # data.rows_per_device: each candidate's batch is that many rows per (data, fsdp) shard of its own.
+        candidate_config = validate.resolve_batch_size(ConfigDict(config.to_dict()), rows)
+        candidate_config.mesh.update(sizes)
+        micro_batch = candidate_config.data.batch_size // config.grad_accum_steps
         if micro_batch % rows:
             found.extend(Candidate(layout, sizes, None, f"{micro_batch} rows per micro-batch do not split over "
                                                         f"{rows} (data, fsdp) shards") for layout in layouts)
@@ -65,7 +66,8 @@ def compare_plans(config: ConfigDict, target_config, devices: list, granules: in
                 continue
             candidate_config.target_layout = layout
             try:
-                plan = plan_train_step(candidate_config, target_config, mesh, hbm_gib, chip, devices_per_host)
+                plan = plan_train_step(candidate_config, target_config, mesh, hbm_gib, chip, devices_per_host,
+                                       epoch_tokens)
             except ConfigError as error:  # e.g. heads that tensor does not divide
                 found.append(Candidate(layout, sizes, None, str(error)))
                 continue
@@ -73,6 +75,30 @@ def compare_plans(config: ConfigDict, target_config, devices: list, granules: in
             found.append(Candidate(layout, sizes, plan, "" if fits else
                                    f"needs {plan.total_bytes / GIB:.1f} GiB of {plan.hbm_bytes / GIB:.1f}"))
     return sorted(found, key=_rank)
+
+
+def is_default_mesh(config: ConfigDict) -> bool:
+    """A mesh left as base_config gives it (data 1, fsdp -1, tensor 1, dcn_data 1): train chooses one (design §13)."""
+    return dict(config.mesh) == dict(data=1, fsdp=-1, tensor=1, dcn_data=1)
+
+
+def choose_mesh(config: ConfigDict, target_config, devices: list, hbm_gib: float, chip: Chip,
+                tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[ConfigDict, Candidate, str]:
+    """For a mesh left at its defaults: every candidate of `devices` (the data axis across their slices or hosts),
+    in config.target_layout or, when "auto", every layout; the config with the best's mesh and layout, the best,
+    and the comparison's table. A ConfigError when none fits."""
+    layouts = TARGET_LAYOUTS if config.target_layout == "auto" else (config.target_layout,)
+    granules = len({granule_of(device) for device in devices})
+    candidates = compare_plans(config, target_config, devices, granules, layouts, tensor_sizes, hbm_gib, chip)
+    table = format_comparison(candidates)
+    if not candidates or _rank(candidates[0])[0] != 0:
+        raise ConfigError(f"no mesh of the {len(devices)} devices fits the train step in {hbm_gib:.1f} GiB per "
+                          f"device:\n{table}")
+    best = candidates[0]
+    chosen = ConfigDict(config.to_dict())
+    chosen.mesh.update(best.mesh)
+    chosen.target_layout = best.layout
+    return chosen, best, table
 
 
 def _target_bytes(config: ConfigDict, target_config, mesh) -> dict[str, int]:
@@ -96,18 +122,20 @@ def _mesh_text(sizes: dict[str, int]) -> str:
 
 def format_comparison(candidates: list[Candidate]) -> str:
     lines = ["| layout | mesh (per slice or host) | memory per device | bytes per device on each link | step "
-             "(overlap - none) | MFU | bound | note |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "(overlap - none) | MFU | tokens/s | run | bound | note |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for candidate in candidates:
         plan, mesh = candidate.plan, _mesh_text(candidate.mesh)
         if plan is None or plan.roofline is None:
-            lines.append(f"| {candidate.layout} | {mesh} | | | | | | {candidate.reason or 'no chip peaks'} |")
+            lines.append(f"| {candidate.layout} | {mesh} | | | | | | | | {candidate.reason or 'no chip peaks'} |")
             continue
         line = plan.roofline
         fastest, slowest = line.step_seconds
         links = ", ".join(f"{name} {format_bytes(size)}" for name, size in line.link_bytes.items())
         lines.append(f"| {candidate.layout} | {mesh} | {format_bytes(plan.total_bytes)} | {links} | "
                      f"{format_seconds(fastest)} - {format_seconds(slowest)} | {line.mfu(slowest):.0%} - "
-                     f"{line.mfu(fastest):.0%} | {line.bound} | {candidate.reason} |")
+                     f"{line.mfu(fastest):.0%} | {line.tokens_per_step / slowest:,.0f} - "
+                     f"{line.tokens_per_step / fastest:,.0f} | {format_run(line)} | {line.bound} | {candidate.reason} |")
     best = candidates[0] if candidates and _rank(candidates[0])[0] == 0 else None
     if best is None:
         lines.append("no candidate fits")

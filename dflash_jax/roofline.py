@@ -21,7 +21,7 @@ class Roofline(NamedTuple):
     link_bytes: dict[str, float]  # link name -> bytes one device sends per step
     model_flops: float  # per device
     tokens_per_step: int
-    steps: int
+    steps: int | None  # the run's length; None when it is not known (config.epochs without a corpus size)
 
     @property
     def bound(self) -> str:
@@ -36,8 +36,8 @@ class Roofline(NamedTuple):
         return self.model_flops / (self.chip.bf16_flops * step_seconds)
 
 
-def roofline(cost: HloCost, model_flops: float, chip: Chip, tokens_per_step: int, steps: int) -> Roofline:
-    """model_flops: the model count for one device's share of a step; steps: the run's length."""
+def roofline(cost: HloCost, model_flops: float, chip: Chip, tokens_per_step: int, steps: int | None) -> Roofline:
+    """model_flops: the model count for one device's share of a step; steps: the run's length, if known."""
     link_bytes = {chip.local_link: 0.0, chip.remote_link: 0.0}
     for collective, size in cost.collective_bytes.items():
         link_bytes[chip.remote_link if collective.remote else chip.local_link] += size
@@ -51,6 +51,15 @@ def format_duration(seconds: float) -> str:
     if seconds >= 86400:
         return f"{seconds / 86400:.1f} d"
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def format_run(line: Roofline) -> str:
+    """The run's duration for both ends of the step time, or, without a length, the time per billion tokens."""
+    fastest, slowest = line.step_seconds
+    if line.steps is None:
+        steps = 1e9 / line.tokens_per_step
+        return f"{format_duration(fastest * steps)}-{format_duration(slowest * steps)} per billion tokens"
+    return f"{line.steps} steps in {format_duration(fastest * line.steps)}-{format_duration(slowest * line.steps)}"
 
 
 def format_seconds(seconds: float) -> str:
@@ -80,8 +89,7 @@ def format_roofline(line: Roofline, cost: HloCost) -> list[str]:
     lines.append(f"  bound: {line.bound}; step {format_seconds(fastest)} - {format_seconds(slowest)} (perfect overlap "
                  f"- none), MFU {line.mfu(slowest):.0%}-{line.mfu(fastest):.0%}, "
                  f"{line.tokens_per_step / slowest:,.0f}-{line.tokens_per_step / fastest:,.0f} tokens/s, "
-                 f"{line.steps} steps in {format_duration(fastest * line.steps)}-"
-                 f"{format_duration(slowest * line.steps)}")
+                 f"{format_run(line)}")
     if cost.custom_calls:
         lines.append(f"  ({cost.custom_calls} kernel calls per step, whose FLOPs only the model count has)")
     if cost.unknown_loops:

@@ -3,31 +3,33 @@
 # the same command on every worker, stream worker 0's log, delete the slice on request.
 #
 #   launch/tpu_pod.sh [--dry-run] create  NAME --zone ZONE --type v5p-64 [--version V] [--spot] [--queued]
-#   launch/tpu_pod.sh [--dry-run] install NAME --zone ZONE
+#   launch/tpu_pod.sh [--dry-run] install NAME --zone ZONE [--setup CMD]
 #   launch/tpu_pod.sh [--dry-run] train   NAME --zone ZONE CONFIG WORKDIR [--config.key=value ...]
 #   launch/tpu_pod.sh [--dry-run] delete  NAME --zone ZONE [--queued]
 #   launch/tpu_pod.sh [--dry-run] run     NAME --zone ZONE --type v5p-64 [--version V] [--spot] [--queued]
-#                                         [--delete] CONFIG WORKDIR [--config.key=value ...]
+#                                         [--delete] [--setup CMD] CONFIG WORKDIR [--config.key=value ...]
 #
 # `run` does create (unless the slice exists), install and train, and keeps going until the run finishes:
 # when the trainer stops after its checkpoint (exit code 75: a preemption notice) or the slice is lost, it
 # recreates the slice if needed, reinstalls and trains again, which resumes from the checkpoint. `--delete`
 # deletes the slice at the end. --queued asks for the slice through a queued resource (it waits for capacity),
-# --spot for spot capacity; every command takes --project P. `--dry-run` prints the commands instead of
-# running them. The workdir must be a bucket (gs://...) or a mount every worker sees.
+# --spot for spot capacity; every command takes --project P. `--setup CMD` runs a shell command on every worker
+# after each install, e.g. mounting the shared storage that CONFIG's paths name (a recreated slice's workers
+# start without their mounts, so it runs again there). `--dry-run` prints the commands instead of running them.
+# The workdir, target and data must be buckets (gs://...) or mounts every worker sees.
 set -euo pipefail
 
 STOPPED=75  # the trainer's exit code after a stop by signal with its checkpoint saved (README, Failure handling)
 REMOTE_DIR=dflash_jax  # the checkout on each worker, under its home directory
 LOG='$HOME/dflash_train.log' EXIT_FILE='$HOME/dflash_train.exit'  # on each worker; expanded there
-usage() { sed -n '4,9p' "$0" | sed 's/^#  *//' >&2; exit 2; }
+usage() { sed -n '4,10p' "$0" | sed 's/^#  *//' >&2; exit 2; }
 
 dry_run=0
 if [ "${1:-}" = "--dry-run" ]; then dry_run=1; shift; fi
 [ $# -ge 2 ] || usage
 action=$1 name=$2
 shift 2
-zone="" type="" version="" project="" spot=() queued=0 delete_at_end=0
+zone="" type="" version="" project="" spot=() queued=0 delete_at_end=0 setup=""
 while [ $# -gt 0 ]; do
   case $1 in
     --zone) zone=$2; shift 2 ;;
@@ -37,6 +39,7 @@ while [ $# -gt 0 ]; do
     --spot) spot=(--spot); shift ;;
     --queued) queued=1; shift ;;
     --delete) delete_at_end=1; shift ;;
+    --setup) setup=$2; shift 2 ;;
     --*) echo "unknown option $1" >&2; usage ;;
     *) break ;;
   esac
@@ -83,13 +86,14 @@ create() {
   fi
 }
 
-install() {  # this checkout (no .git, venvs, outputs or local libtpu) to every worker, then its install
+install() {  # this checkout (no .git, venvs, outputs or local libtpu) to every worker, its install, then --setup
   local archive=${TMPDIR:-/tmp}/dflash_jax-$name.tar.gz
   run tar -czf "$archive" -C "$(cd "$(dirname "$0")/.." && pwd)" --exclude=.git --exclude='.venv*' --exclude=out \
     --exclude=.libtpu --exclude=__pycache__ .
   run gcloud compute tpus tpu-vm scp "$archive" "$name:dflash_jax.tar.gz" "${where[@]}" --worker=all
   run rm -f "$archive"
   on_workers all "mkdir -p $REMOTE_DIR && tar -xzf dflash_jax.tar.gz -C $REMOTE_DIR && $REMOTE_DIR/launch/install.sh tpu"
+  [ -z "$setup" ] || on_workers all "$setup"
 }
 
 train() {  # start detached on every worker (an ssh that drops does not stop it); follow worker 0 to its exit

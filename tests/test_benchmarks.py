@@ -1,4 +1,4 @@
-"""`evaluate --benchmark` (design §9.5): the prompts against a transcription of z-lab's benchmark.py (and of
+"""`evaluate --benchmark` (design §9.6): the prompts against a transcription of z-lab's benchmark.py (and of
 DDTree's benchmark for Alpaca) on tiny datasets with each benchmark's real columns, read from every kind of
 source (the local Hugging Face cache, JSONL, Parquet, `save_to_disk` directories); bad input refused before any
 model loads; and the command end to end on the bundled toy target with a tiny random drafter."""

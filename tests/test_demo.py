@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -49,7 +50,12 @@ def check_evaluation(results: dict) -> None:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo")
+    # DFLASH_JAX_DEMO_OUT keeps the run for later checks (`make test-vllm TOY_RUN=...` serves its drafter).
+    kept = os.environ.get("DFLASH_JAX_DEMO_OUT")
+    out = Path(kept).absolute() if kept else tmp_path_factory.mktemp("demo")
+    if kept:
+        shutil.rmtree(out, ignore_errors=True)  # a fresh run: an earlier one would be resumed, not trained
+        out.mkdir(parents=True)
     results, workdir = toy_job("configs/toy.py", out)
     export = out / "drafter"
     run("export", "--workdir", str(workdir), "--out", str(export))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.weights.targets import load_target
 from dflash_jax.train import validate
 from dflash_jax.weights.drafter_files import export_drafter, load_drafter_dir
+from tests.test_multihost import REPO, outputs_of, start_two_processes
 from tests.train_fixtures import make_qwen3_5_target, make_target, tiny_config, write_corpus
 
 
@@ -89,6 +91,33 @@ def test_train_hook_measures_what_evaluate_measures(setup):
     assert metrics["greedy_agreement"] == 1.0  # generated, not the records' own continuations
     expected = evaluate.run(config, workdir=None, drafter_dir=str(export), budgets=(4, 8), log=lambda _: None)
     assert metrics == pytest.approx(flat_metrics(expected["trained"]), abs=1e-9)
+
+
+# slow: two processes start, compile and generate on 2 cores (about a minute; make test's budget)
+@pytest.mark.slow
+def test_two_processes_evaluate_like_one(setup, tmp_path, monkeypatch):
+    """`python -m dflash_jax.evaluate` as two processes of four CPU devices (jax.distributed): each generates and
+    scores its share of the prompts (two and one) on its own devices, and process 0 writes what one process of
+    eight devices reports. The command keeps its compiles in config.compilation_cache_dir."""
+    config, export, _ = setup
+    config = config.copy_and_resolve_references()
+    config.mesh.fsdp = -1  # every device: one process's rows over eight, each process's over its four
+    one = evaluate.run(config, workdir=None, drafter_dir=str(export), budgets=(4, 8), log=lambda _: None)
+    command = [sys.executable, "-m", "dflash_jax.evaluate", "--config", str(REPO / "configs" / "tiny.py"),
+               "--drafter", str(export), "--budgets=4,8", "--json", str(tmp_path / "two.json"),
+               f"--config.compilation_cache_dir={tmp_path / 'cache'}",
+               *(f"--config.{key}={value}" for key, value in (
+                   ("target_dir", config.target_dir), ("data.eval_files", config.data.eval_files[0]),
+                   ("eval_prompts", config.eval_prompts), ("eval_max_new_tokens", config.eval_max_new_tokens),
+                   ("target_dtype", "float32"), ("compute_dtype", "float32"),
+                   ("loss.vocab_chunk", config.loss.vocab_chunk)))]
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tiny programs compile fast
+    outputs = outputs_of(start_two_processes(command))
+    assert any((tmp_path / "cache").iterdir())
+    assert "generating greedy continuations of 2 prompts (up to 12 tokens) on each of 2 processes" in outputs[0]
+    assert "drafter: τ = " in outputs[0] and "drafter: τ = " not in outputs[1]  # process 0 alone prints
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two == json.loads(json.dumps(one))
 
 
 def test_setup_errors_are_sentences(setup):

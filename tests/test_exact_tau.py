@@ -3,6 +3,7 @@ KV-cached speculative generator measures, for a briefly trained drafter whose dr
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -10,10 +11,13 @@ import pytest
 from flax import nnx
 
 from dflash_jax.eval.ddtree import accepted_depth, build_tree
-from dflash_jax.eval.exact_tau import DraftScorer, Example, evaluate_drafter, score_response, summarize, walk
+from dflash_jax.eval.exact_tau import (DraftScorer, Example, _score, evaluate_drafter, score_response, score_responses,
+                                      summarize, walk)
+from dflash_jax.evaluate import placed
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, block_token_ids
+from dflash_jax.sharding import make_mesh, replicated
 from dflash_jax.weights.targets import load_target
 from tests.hf_fixtures import qwen3_config, save_qwen3
 from tests.test_generate import BLOCK, VOCAB, drafter_config
@@ -27,9 +31,9 @@ class FakeScorer:
     def __init__(self, outputs: dict[int, tuple[np.ndarray, np.ndarray]]):
         self.outputs = outputs
 
-    def __call__(self, sequence):
-        greedy, drafts = self.outputs[len(sequence)]
-        return greedy, drafts[:, :, None], np.zeros(drafts.shape + (1,))
+    def score(self, sequences):
+        return [(greedy, drafts[:, :, None], np.zeros(drafts.shape + (1,)))
+                for greedy, drafts in (self.outputs[len(sequence)] for sequence in sequences)]
 
 
 def hand_built(sequence: np.ndarray, runs: dict[int, int], extra: tuple[tuple[int, int], ...] = ()) -> np.ndarray:
@@ -191,3 +195,35 @@ def check_stop_tokens_end_responses_as_bonuses(scorer, speculative, examples, ru
         assert [length - 1 for length in stopped.acceptance_lengths] == expected
         checked += 1
     assert checked >= 2
+
+
+def test_batched_scorer_gives_the_one_example_figures(tmp_path):
+    """Several texts per forward (design §9.1), their rows split over a (data, fsdp) mesh: texts of different
+    lengths and a padded final batch give exactly what one text per forward on one device gives, with one
+    compile for the bucket. (Batches on one device: `evaluate_drafter` above.)"""
+    save_qwen3(tmp_path, qwen3_config(vocab_size=VOCAB), seed=5)
+    target = load_target(tmp_path, param_dtype=jnp.float32)[0]
+    drafter = Drafter(drafter_config(), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    # Texts of 5..27 tokens, one bucket of 32: a batch of 4 and one of 3 padded with an empty row.
+    lengths = [(3, 9), (2, 3), (7, 20), (4, 8), (1, 12), (5, 9), (6, 17)]
+    examples = [Example(rng.integers(0, VOCAB, n).astype(np.int32), rng.integers(0, VOCAB, m).astype(np.int32))
+                for n, m in lengths]
+    texts = [np.concatenate([e.prompt_ids, e.continuation_ids]) for e in examples]
+    budgets = (2, 4)
+    one = DraftScorer(target, drafter, top_k=4, rows=1, length_bucket=32)
+    expected = [one(text) for text in texts]
+
+    mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
+    batched = DraftScorer(load_target(tmp_path, param_dtype=jnp.float32, mesh=mesh)[0],
+                          placed(drafter, drafter.config, jnp.float32, replicated(mesh)), top_k=4, rows=3,
+                          length_bucket=32)
+    assert batched.rows == 4  # a multiple of data x fsdp
+    compiled = _score._cache_size()
+    for got, want in zip(batched.score(texts), expected):
+        np.testing.assert_array_equal(got[0], want[0])  # the target's greedy tokens
+        np.testing.assert_array_equal(got[1], want[1])  # the drafts
+        np.testing.assert_allclose(got[2], want[2], rtol=0, atol=1e-6)  # their log-probs
+    assert _score._cache_size() == compiled + 1  # the padded batch included
+    assert summarize(score_responses(batched, examples, budgets), BLOCK) == summarize(
+        [score_response(one, example, budgets) for example in examples], BLOCK)

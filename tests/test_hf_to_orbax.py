@@ -13,9 +13,10 @@ import pytest
 from flax import nnx
 
 from dflash_jax.errors import CheckpointError
+from dflash_jax.paths import cached_path
 from dflash_jax.weights.targets import load_target
 from dflash_jax.sharding import make_mesh, state_shardings
-from dflash_jax.weights.orbax_target import MARKER_FILE, write_orbax_target
+from dflash_jax.weights.orbax_target import MARKER_FILE, PARAMS_DIR, write_orbax_target
 from tests.command import dflash_jax, user_error
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
@@ -87,6 +88,26 @@ def test_restore_onto_an_8_device_mesh_shard_by_shard(qwen3_dirs):
     assert kernel.addressable_shards[0].data.shape == (3, 64 // 4, 96 // 2)
     direct, _ = load_target(qwen3_dirs / "untied", param_dtype=jnp.float32)
     assert_same_model(restored, direct)
+
+
+def test_an_orbax_target_in_a_bucket_restores_shard_by_shard_in_place(qwen3_dirs, tmp_path, monkeypatch):
+    """Its small files copied to the local cache, its arrays read from the bucket (fake-gcs-server on loopback;
+    design §7.1)."""
+    gcs_server = pytest.importorskip("tests.gcs_fixture").gcs_server
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    with gcs_server() as fs:
+        fs.mkdir("models")
+        fs.put(str(qwen3_dirs / "untied_float32"), "models/orbax", recursive=True)
+        restored, _ = load_target("gs://models/orbax", param_dtype=jnp.float32, mesh=make_mesh(fsdp=4, tensor=2))
+    local, _ = load_target(qwen3_dirs / "untied_float32", param_dtype=jnp.float32)
+    local_vars = dict(nnx.to_flat_state(nnx.state(local)))  # (its logits equal the HF target's: above)
+    for path, variable in nnx.to_flat_state(nnx.state(restored)):
+        value = variable.get_value()
+        assert len(value.addressable_shards) == 8, path
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(local_vars.pop(path).get_value()), str(path))
+    assert not local_vars
+    copy = cached_path("gs://models/orbax")
+    assert (copy / MARKER_FILE).is_file() and not (copy / PARAMS_DIR).exists()
 
 
 def test_qwen3_5_target(tmp_path):

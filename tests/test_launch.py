@@ -104,17 +104,22 @@ def test_tpu_pod_run_trains_again_after_a_stop_with_exit_code_75(tmp_path):
     ]
 
 
-def test_tpu_pod_run_recreates_a_preempted_slice_and_resumes(tmp_path):
+def test_tpu_pod_run_recreates_a_preempted_slice_mounts_its_storage_again_and_resumes(tmp_path):
     env = {**fake_commands(tmp_path / "bin", {"gcloud": GCLOUD}), "EXITS": "255 0", "PREEMPTED_AFTER": "1"}
-    result = run("tpu_pod.sh", "run", "pod3", "--zone", "z", "--type", "v5p-8", "--delete", *TRAIN, env=env)
+    mount = "mkdir -p /mnt/shared && gcsfuse my-bucket /mnt/shared"
+    result = run("tpu_pod.sh", "run", "pod3", "--zone", "z", "--type", "v5p-8", "--delete", "--setup", mount, *TRAIN,
+                 env=env)
     assert result.returncode == 0, result.stderr
     assert "slice pod3 is PREEMPTED (exit code 255): recreating it to resume" in result.stderr
-    assert calls(env)[5:] == [
+    assert calls(env)[6:] == [
         "gcloud compute tpus tpu-vm describe", "gcloud compute tpus tpu-vm delete", "gcloud compute tpus tpu-vm create",
         "gcloud compute tpus tpu-vm scp", "gcloud compute tpus tpu-vm ssh",  # install again
+        "gcloud compute tpus tpu-vm ssh",  # --setup again: the new workers' mounts
         "gcloud compute tpus tpu-vm ssh", "gcloud compute tpus tpu-vm ssh",  # train: resumes
         "gcloud compute tpus tpu-vm delete",  # --delete at the end
     ]
+    setups = [line for line in Path(env["CALLS"]).read_text().splitlines() if line.endswith(f"--command={mount}")]
+    assert len(setups) == 2 and all("--worker=all" in line for line in setups)  # after each install
 
 
 def test_tpu_pod_run_stops_on_a_training_failure(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import re
 
 import jax
@@ -14,13 +15,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax.errors import UserError
+from dflash_jax.chips import chip_named
+from dflash_jax.errors import ConfigError, UserError
 from dflash_jax.hlo_cost import Collective, hlo_cost, replica_groups
 from dflash_jax.plan import (check_budget, format_plan, gpu_cluster, mesh_granules, plan_train_step, slice_topology,
                              target_architecture, topology_devices)
 from dflash_jax.plan_compare import compare_plans, format_comparison
+from dflash_jax.roofline import Roofline, format_bytes, format_run
 from dflash_jax.sharding import auto_target_layout, make_mesh
-from dflash_jax.train import flops, validate
+from dflash_jax.train import epochs, flops, validate
 from dflash_jax.train.loop import train
 from dflash_jax.weights.targets import load_target
 from tests.command import REPO, dflash_jax, user_error
@@ -116,12 +119,12 @@ def test_temporaries_do_not_grow_with_target_depth_and_layers_gather_their_weigh
 def test_plan_command_prints_the_plan_and_fails_over_the_budget(files):
     args = ["plan", "--config", "configs/tiny.py", f"--config.target_dir={files['target']}", "--topology", "cpu:4",
             "--mesh", "data=2,fsdp=2,tensor=1"]
-    result = dflash_jax(*args, devices=4)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # One compile: the plan is printed, then the budget it exceeds stops the command.
+    result = dflash_jax(*args, "--hbm_gib", "0.001", devices=4)
     assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 1}, 1 rows per (data, fsdp) shard" in result.stdout
     for line in ("target weights", "optimizer state", "temporaries", "generated code", "total", "FLOPs per step"):
         assert line in result.stdout
-    message = user_error(dflash_jax(*args, "--hbm_gib", "0.001", devices=4))
+    message = user_error(result)
     assert "over the 0.0 GiB budget" in message and "largest arrays" in message
     assert "unknown axes ['pipeline']" in user_error(dflash_jax(*args[:-1], "pipeline=4", devices=4))
 
@@ -217,6 +220,7 @@ def test_gpu_cluster_topology_puts_data_parallelism_across_hosts():
 def test_slice_names_map_to_libtpu_topologies():
     assert slice_topology("v5p-64") == "v5p:2x4x4"  # 32 chips: v5p counts TensorCores
     assert slice_topology("v5p-16") == "v5p:2x2x2"
+    assert slice_topology("v5p-8") == "v5p:2x2x1"  # 4 chips: libtpu refuses 1x2x2
     assert slice_topology("v6e-64") == "v6e:8x8"
     assert slice_topology("v5e-8") == "v5e:2x4"
     assert slice_topology("v5p:4x4x4") == "v5p:4x4x4"
@@ -283,12 +287,39 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the
     assert "| fsdp | data=1,fsdp=32,tensor=1,dcn_data=1 |" in table and "ici " in table and "best: " in table
 
 
-def test_train_with_plan_only_stops_before_reading_weights(files, tmp_path):
+def test_train_with_plan_only_runs_a_default_mesh_as_the_best_candidate_and_stops_before_reading_weights(
+        files, tmp_path, monkeypatch, caplog):
+    """config.mesh left at its defaults on devices of a known chip (the 8 CPU devices taken as H200s): train
+    plans the candidate meshes for its layout (2 rows: fsdp 8 and 4 cannot split them and are not compiled),
+    logs the ranking and keeps the best's plan; plan_only stops there, before any weight is read."""
+    monkeypatch.setattr("dflash_jax.train.loop.chip_of_kind", lambda kind: chip_named("H200"))
     config = tiny_config(files["target"], files["corpus"],
-                         **{"data.batch_size": 2, "mesh.fsdp": 2, "plan_only": True, "hbm_gib": 1.0})
-    summary = train(config, tmp_path / "run")
+                         **{"data.batch_size": 2, "plan_only": True, "hbm_gib": 1.0, "target_layout": "fsdp"})
+    config.mesh.update(data=1, fsdp=-1, tensor=1, dcn_data=1)
+    with caplog.at_level(logging.INFO, logger="dflash_jax.train.loop"):
+        summary = train(config, tmp_path / "run")
     assert 0 < summary["plan_temp_gib"] < summary["plan_total_gib"] < 1.0
     assert not (tmp_path / "run" / "checkpoints").exists()
+    assert "config.mesh left at its defaults" in caplog.text
+    for fsdp, tensor in ((8, 1), (4, 2)):
+        assert (f"| fsdp | data=1,fsdp={fsdp},tensor={tensor},dcn_data=1 | | | | | | | | 2 rows per micro-batch do not "
+                f"split over {fsdp} (data, fsdp) shards |") in caplog.text
+    best = re.search(r"^\| fsdp \| (data=1,fsdp=(\d),tensor=(\d),dcn_data=1) \| ([\d.]+ [KMG]i?B) \|", caplog.text,
+                     re.M)
+    assert best is not None and int(best.group(2)) * int(best.group(3)) == 8
+    flags = " ".join(f"--config.mesh.{part}" for part in best.group(1).split(","))
+    assert f"best: --config.target_layout=fsdp {flags}" in caplog.text  # the first row is the best
+    assert best.group(4) == format_bytes(summary["plan_total_gib"] * 2**30)  # its plan is the run's
     config.hbm_gib = 1e-4
-    with pytest.raises(UserError, match="over the 0.0 GiB budget"):
+    with pytest.raises(ConfigError, match="no mesh of the 8 devices fits the train step in 0.0 GiB per device"):
         train(config, tmp_path / "run")
+
+
+def test_the_run_time_is_its_steps_or_else_the_time_per_billion_tokens():
+    """A run of config.epochs has no length until the corpus is counted: the plan then gives the time per billion
+    tokens, and with --epoch_tokens the epochs' steps (train/epochs.py's count)."""
+    seconds = {"compute": 2.0, "hbm": 1.0, "nvlink": 0.5, "network": 0.0}  # steps of 2 s - 3.5 s
+    line = Roofline(chip_named("H200"), seconds, {"nvlink": 0.0, "network": 0.0}, 1.0, 10**6, None)
+    assert format_run(line) == "33.3 min-58.3 min per billion tokens"  # 1000 steps
+    steps = epochs.steps_for_epochs(6, 2 * 10**9, 10**6)
+    assert format_run(line._replace(steps=steps)) == "12000 steps in 6.7 h-11.7 h"

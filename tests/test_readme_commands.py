@@ -1,7 +1,7 @@
-"""Every training and launch command in the README validates as written on the devices it names: its config file
-and overrides parse as the command line parses them, and the config, the mesh and the batch pass the start-up
-checks for that device count (the point where a run would start loading weights), so a README that drifts
-from the configs fails here rather than on a slice that was just created."""
+"""Every training, plan and launch command in the README validates as written on the devices it names: its config
+file and overrides parse as the command line parses them, and the config, the mesh and the batch pass the start-up
+checks for that device count (the point where a run would start loading weights, or a plan compiling), so a README
+that drifts from the configs fails here rather than on a slice that was just created."""
 
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ from dflash_jax.train.validate import resolve_batch_size, validate_batch_layout,
 
 REPO = Path(__file__).resolve().parents[1]
 GPUS_PER_HOST = 8  # a GPU host of the README's commands; launch/slurm.sbatch asks Slurm for as many per node
-COMMANDS = ("dflash-jax train", "launch/tpu_pod.sh", "sbatch", "launch/gpu.sh", "launch/tpu_vm.sh")
+COMMANDS = ("dflash-jax train", "dflash-jax plan", "launch/tpu_pod.sh", "sbatch", "launch/gpu.sh", "launch/tpu_vm.sh")
 
 
 def readme_commands() -> list[str]:
-    """The README's bash lines that start a training run, continuation lines joined."""
+    """The README's bash lines that start a training run or plan one, continuation lines joined (a trailing
+    comment dropped)."""
     blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
     lines = [line.strip() for block in blocks for line in block.replace("\\\n", " ").splitlines()]
-    return [line for line in lines if line.startswith(COMMANDS)]
+    return [line.split(" #")[0].strip() for line in lines if line.startswith(COMMANDS)]
 
 
 def chips_of(tpu_type: str) -> int:
@@ -38,8 +39,17 @@ def chips_of(tpu_type: str) -> int:
     return int(count) // 2 if generation in ("v4", "v5p") else int(count)
 
 
+def topology_chips(topology: str) -> int:
+    """Devices of a `dflash-jax plan --topology`: a Cloud TPU type, gpu:<chip>x<per host>x<hosts>, or cpu:N."""
+    if topology.startswith("gpu:"):
+        per_host, hosts = topology.split("x")[-2:]
+        return int(per_host) * int(hosts)
+    return int(topology.split(":")[1]) if topology.startswith("cpu:") else chips_of(topology)
+
+
 def parsed(words: list[str]) -> tuple[str, list[str], int]:
-    """(config file, its --config.* overrides, devices) of one README command."""
+    """(config file, its --config.* overrides, devices) of one README command; a plan's --mesh sizes become
+    --config.mesh.* overrides."""
     if words[0] == "sbatch":
         nodes = int(next(w.split("=", 1)[1] for w in words if w.startswith("--nodes=")))
         assert f"#SBATCH --gpus-per-node={GPUS_PER_HOST}" in (REPO / "launch" / "slurm.sbatch").read_text()
@@ -49,7 +59,7 @@ def parsed(words: list[str]) -> tuple[str, list[str], int]:
         devices = chips_of(words[words.index("--type") + 1])
         rest, i = [], 3  # after `launch/tpu_pod.sh run NAME`: its options, then CONFIG WORKDIR overrides
         while i < len(words):
-            if words[i] in ("--zone", "--type", "--version", "--project"):
+            if words[i] in ("--zone", "--type", "--version", "--project", "--setup"):
                 i += 2
                 continue
             if not words[i].startswith("--") or words[i].startswith("--config."):
@@ -58,6 +68,10 @@ def parsed(words: list[str]) -> tuple[str, list[str], int]:
         return rest[0], rest[2:], devices
     if words[0] in ("launch/gpu.sh", "launch/tpu_vm.sh"):
         return words[1], words[3:], GPUS_PER_HOST
+    if words[:2] == ["dflash-jax", "plan"]:
+        mesh = words[words.index("--mesh") + 1].split(",") if "--mesh" in words else []
+        overrides = [f"--config.mesh.{size}" for size in mesh] + [w for w in words if w.startswith("--config.")]
+        return words[words.index("--config") + 1], overrides, topology_chips(words[words.index("--topology") + 1])
     # dflash-jax train --config FILE --workdir DIR overrides
     config = words[words.index("--config") + 1]
     return config, [w for w in words if w.startswith("--config.")], GPUS_PER_HOST
@@ -89,7 +103,7 @@ def check(command: str) -> None:
 
 def test_the_readme_has_training_and_launch_commands():
     starts = {next(prefix for prefix in COMMANDS if line.startswith(prefix)) for line in readme_commands()}
-    assert {"dflash-jax train", "launch/tpu_pod.sh", "sbatch"} <= starts
+    assert {"dflash-jax train", "dflash-jax plan", "launch/tpu_pod.sh", "sbatch"} <= starts
 
 
 @pytest.mark.parametrize("command", readme_commands())

@@ -25,7 +25,9 @@ from dflash_jax import regenerate
 from dflash_jax.eval.examples import stop_token_ids
 from dflash_jax.ops.lm_head import fp32_logits
 from dflash_jax.weights.targets import load_target
+from dflash_jax.regeneration.decode import BatchDecoder
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
+from tests.test_multihost import cpu_env, outputs_of, start_two_processes
 from tests.train_fixtures import make_qwen3_5_target, make_target, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -206,7 +208,7 @@ def test_setup_errors_are_one_line(tmp_path):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "x"}, {"completion": "no prompt"}])
     config = tiny_config(target_dir, prompts)
     config.mesh.data = 2
-    with pytest.raises(ValueError, match="batch_size .3. must be a positive multiple of the mesh's data x fsdp"):
+    with pytest.raises(ValueError, match="batch_size .3. must be a positive multiple of the decode mesh's data size"):
         regenerate.run(config, [str(prompts)], str(tmp_path / "out.jsonl"), max_new_tokens=4, batch_size=3)
     with pytest.raises(ValueError, match="--temperature must be >= 0"):
         regenerate.run(config, [str(prompts)], str(tmp_path / "out.jsonl"), max_new_tokens=4, batch_size=8,
@@ -214,3 +216,59 @@ def test_setup_errors_are_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"prompts.jsonl:2: a prompt record needs exactly one of 'messages' and "):
         regenerate.run(config, [str(prompts)], str(tmp_path / "out.jsonl"), max_new_tokens=4, batch_size=8,
                        progress=False)
+
+
+@pytest.mark.slow  # about 14 s on 2 shared cores (make test-slow); test_greedy_responses_* refills rows too
+def test_refilled_rows_and_buckets_decode_as_uncached_greedy(tmp_path):
+    """Seven prompts of two buckets (up to 128 tokens and 129-256) through a batch of two rows refilled one
+    at a time, responses of different lengths: rows are refilled mid-decode, the cache's columns shift, and
+    every response is still the uncached greedy continuation of its prompt."""
+    target_dir = make_target(tmp_path / "target", num_layers=2)
+    model, _ = load_target(target_dir, param_dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 600, size=int(length)).tolist() for length in (5, 140, 60, 200, 3, 129, 90)]
+    greedy = [uncached_greedy(model, prompt, (), width=256) for prompt in prompts]
+    stops = (greedy[0][3], greedy[3][1], greedy[4][6])  # tokens that end some responses early
+
+    def cut(tokens):  # the greedy continuation with these stop tokens: up to and including the first
+        return next((tokens[:i + 1] for i, token in enumerate(tokens) if token in stops), tokens)
+
+    decoder = BatchDecoder(model, batch_size=2, max_new_tokens=MAX_NEW, stop_token_ids=stops)
+    assert decoder.refill_rows == 1
+    shifts, shift = [], decoder._shift  # a spy: each column shift still runs
+    decoder._shift = lambda *args: shifts.append(int(args[2])) or shift(*args)
+    responses = decoder.decode(prompts, [()] * len(prompts))
+    assert shifts and min(shifts) > 0
+    assert len({len(r) for r in responses}) > 2
+    assert responses == [cut(tokens) for tokens in greedy]
+
+
+@pytest.mark.slow  # five processes start, load and compile: about 85 s on 2 shared cores (make test-slow)
+def test_two_processes_write_every_record_once_as_one_process(tmp_path):
+    """`regenerate` as two processes of four CPU devices (jax.distributed): each decodes its share into a part
+    file, process 0 merges them; the output equals the one-process run's byte for byte, parts removed, and
+    a rerun of the finished job changes nothing."""
+    target_dir = make_target(tmp_path / "target", num_layers=2)
+    records = [{"prompt": f"Hello world number {i} " + "please " * (i % 5), "i": i} for i in range(11)] + RECORDS
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", records)
+    config_file = tmp_path / "config.py"
+    config_file.write_text("from tests.train_fixtures import tiny_config\n\n\ndef get_config():\n"
+                           f"    return tiny_config({str(target_dir)!r}, {str(prompts)!r})\n")
+    args = [f"--config={config_file}", f"--prompts={prompts}", "--batch_size=4", f"--max_new_tokens={MAX_NEW}",
+            "--quiet"]
+    module = [sys.executable, "-m", "dflash_jax.regenerate"]
+    outputs = outputs_of(start_two_processes([*module, *args, f"--out={tmp_path / 'two.jsonl'}"]))
+    assert "process 0 of 2" in outputs[0]
+    one = subprocess.run([*module, *args, f"--out={tmp_path / 'one.jsonl'}"], cwd=REPO, env=cpu_env(4),
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    expected = (tmp_path / "one.jsonl").read_text()
+    assert [json.loads(line).get("i") for line in expected.splitlines()][:11] == list(range(11))
+    assert (tmp_path / "two.jsonl").read_text() == expected
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("two.")) == [
+        "two.jsonl", "two.jsonl" + PROGRESS_SUFFIX]
+    assert json.loads((tmp_path / ("two.jsonl" + PROGRESS_SUFFIX)).read_text())["records_done"] == len(records)
+    outputs_of(start_two_processes([*module, *args, f"--out={tmp_path / 'two.jsonl'}"]))  # a rerun: all done
+    assert (tmp_path / "two.jsonl").read_text() == expected
+    assert not list(tmp_path.glob("two.jsonl.part-*"))

@@ -16,6 +16,7 @@ import os
 import signal
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import pytest
 from transformers import AutoTokenizer
@@ -63,7 +64,7 @@ def jax_greedy(target_dir: Path, mesh):
     def generate(prompt: list[int], body: dict) -> tuple[list[int], str]:
         key = (body["max_tokens"], tuple(body["stop_token_ids"]))
         if key not in decoders:
-            decoders[key] = BatchDecoder(target, max_new_tokens=key[0], stop_token_ids=key[1], mesh=mesh)
+            decoders[key] = BatchDecoder(target, batch_size=1, max_new_tokens=key[0], stop_token_ids=key[1], mesh=mesh)
         tokens = decoders[key].decode([prompt], [(0, 0)])[0]
         return tokens, "stop" if tokens[-1] in key[1] else "length"
 
@@ -74,8 +75,8 @@ def test_output_equals_the_jax_path_turn_by_turn(tmp_path):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", RECORDS)
     config = tiny_config(TOY_TARGET, prompts)
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
-    regenerate.run(config, [str(prompts)], str(tmp_path / "jax.jsonl"), max_new_tokens=MAX_NEW, batch_size=1,
-                   progress=False)
+    regenerate.run(config, [str(prompts)], str(tmp_path / "jax.jsonl"), max_new_tokens=MAX_NEW,
+                   batch_size=jax.local_device_count(), progress=False)  # a row per device of the decode mesh
 
     tokenizer = AutoTokenizer.from_pretrained(TOY_TARGET)
     with OpenAIServer(tokenizer, jax_greedy(TOY_TARGET, mesh_from_config(config)), root=str(TOY_TARGET)) as server:

@@ -180,15 +180,30 @@ def test_peak_flops_come_from_config_then_the_device_table(files):
     assert flops.peak_tflops(config, Device()) == 100.0
 
 
-def test_init_from_an_exported_drafter_starts_from_its_weights(files, tmp_path):
+def test_init_from_an_exported_drafter_starts_from_its_weights(files, tmp_path, monkeypatch):
     from dflash_jax.models.drafter import Drafter
+    from dflash_jax.train.state import init_train_state
     from dflash_jax.weights.drafter_files import drafter_to_torch_layout, export_drafter
 
     fresh = build(tiny_config(*files), mesh_of())
     source = Drafter(fresh.drafter_config, rngs=nnx.Rngs(7))
     export_drafter(source, fresh.drafter_config, tmp_path / "export")
+    expected = {name: np.asarray(jnp.asarray(value, jnp.bfloat16), np.float32)  # the export is bf16
+                for name, value in drafter_to_torch_layout(source).items()}
     setup = build(tiny_config(*files, **{"drafter.init_from": str(tmp_path / "export")}), mesh_of())
     loaded = drafter_to_torch_layout(nnx.merge(setup.spec.graphdef, setup.state.params))
-    for name, value in drafter_to_torch_layout(source).items():  # the export is bf16
-        np.testing.assert_array_equal(loaded[name], np.asarray(jnp.asarray(value, jnp.bfloat16), np.float32))
+    for name, value in expected.items():
+        np.testing.assert_array_equal(loaded[name], value, name)
     assert int(setup.state.step) == 0
+
+    # The same export in a bucket (fake-gcs-server on loopback; design §7.1).
+    gcs_server = pytest.importorskip("tests.gcs_fixture").gcs_server
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path / "cache"))
+    config = tiny_config(*files, **{"drafter.init_from": "gs://models/drafter"})
+    with gcs_server() as fs:
+        fs.mkdir("models")
+        fs.put(str(tmp_path / "export"), "models/drafter", recursive=True)
+        state = init_train_state(setup.drafter_config, config, "xla", setup.spec)  # as `train` starts a run
+    loaded = drafter_to_torch_layout(nnx.merge(setup.spec.graphdef, state.params))
+    for name, value in expected.items():
+        np.testing.assert_array_equal(loaded[name], value, name)

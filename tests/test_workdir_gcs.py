@@ -23,7 +23,8 @@ from dflash_jax.weights.output_dir import check_output_dir, prepare_output_dir, 
 from tests.gcs_fixture import gcs_server
 
 
-def test_bucket_metrics_survive_resumes_and_each_record_is_stored_when_written():
+def test_bucket_metrics_survive_resumes_and_each_record_is_stored_when_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))  # where the file is staged before each upload
     with gcs_server() as fs:
         fs.mkdir("runs")
         workdir = workdir_path("gs://runs/a")

@@ -1,4 +1,4 @@
-"""The benchmarks of the published DFlash and DDTree tables (design §9.5), their prompts built as z-lab's
+"""The benchmarks of the published DFlash and DDTree tables (design §9.6), their prompts built as z-lab's
 benchmark.py builds them (z-lab/dflash on GitHub, dflash/benchmark.py) and Alpaca's, which only DDTree's table
 has, as DDTree's benchmark does (liranringel/ddtree, model/utils.py and benchmark.py).
 

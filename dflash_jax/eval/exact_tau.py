@@ -28,12 +28,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from dflash_jax.eval.ddtree import accepted_depth, build_tree
 from dflash_jax.models.dflash import target_context
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs
 from dflash_jax.ops.lm_head import fp32_logits
+from dflash_jax.sharding import BATCH_AXES, batch_sharding, replicated
+from dflash_jax.train import distributed
 
 DEFAULT_BUDGETS = (8, 22)
 
@@ -44,48 +47,105 @@ class Example(NamedTuple):
 
 
 class DraftScorer:
-    """The target over a text and the drafter at every anchor of it, in one jitted forward per (padded)
-    text length. The compiled forward is shared by every scorer of the same models and settings, so an
-    evaluation repeated during training compiles once.
+    """The target over texts and the drafter at every anchor of them, several texts (rows) per jitted forward
+    (design §9.5). Texts are grouped by length bucket (padded to a multiple of `length_bucket`); a bucket's
+    texts go in as few batches of at most `rows` as hold them, all of one size, so every bucket compiles once
+    and the last batch, padded with empty rows, wastes little. The compiled forward is shared by every scorer
+    of the same models, settings and shapes, so an evaluation repeated during training compiles once.
+
+    Rows are split over the (data, fsdp) axes of the mesh the target's weights lie on, as the train step splits
+    its batch (a batch's rows are rounded up to a multiple of their size); the outputs are gathered onto every
+    device, so every process reads every row of the call. rows None: 8 on accelerators, one per device on CPU,
+    where more rows per device score fewer texts a second (bench/RESULTS.md, "Evaluation throughput").
 
     query_chunk_blocks: this forward runs the drafter's XLA attention with this many blocks per query chunk
     (stride 1 means one block per position, so the training value would unroll into very many chunks);
     None keeps the drafter as it is. top_k: log-probs kept per slot (the largest DDTree budget is enough).
     """
 
-    def __init__(self, target, drafter: Drafter, *, top_k: int, query_chunk_blocks: int | None = 64,
-                 row_chunk: int = 256, vocab_chunk: int = 8192, length_bucket: int = 128):
+    def __init__(self, target, drafter: Drafter, *, top_k: int, rows: int | None = None,
+                 query_chunk_blocks: int | None = 64, row_chunk: int = 256, vocab_chunk: int = 8192,
+                 length_bucket: int = 128):
         if query_chunk_blocks is not None:
             drafter = _rechunked(drafter, query_chunk_blocks)
         self.length_bucket = length_bucket
         target_def, self._target_state = nnx.split(target)
         drafter_def, self._drafter_state = nnx.split(drafter)
-        self._static = (target_def, drafter_def, min(top_k, drafter.config.vocab_size), row_chunk, vocab_chunk)
+        self.mesh = weights_mesh(self._target_state)
+        self._row_split = 1 if self.mesh is None else int(np.prod([self.mesh.shape[a] for a in BATCH_AXES]))
+        if rows is None:
+            device = next(iter(jax.tree.leaves(self._target_state)[0].sharding.device_set))
+            rows = 1 if device.platform == "cpu" else 8
+        self.rows = round_up(rows, self._row_split)
+        self._static = (target_def, drafter_def, min(top_k, drafter.config.vocab_size), row_chunk, vocab_chunk,
+                        self.mesh)
 
     def __call__(self, sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """sequence [L] -> (target greedy token after each position [L], drafted top-k tokens and their
-        log-probs [L, B-1, top_k]: row p, column k-1 is slot k of the block at anchor p)."""
-        length = len(sequence)
-        padded = np.zeros((1, -(-length // self.length_bucket) * self.length_bucket), np.int32)
-        padded[0, :length] = sequence  # padding sits after the text: causal, so it changes nothing before
-        scores = _score(*self._static, self._target_state, self._drafter_state, padded)
-        greedy, tokens, log_probs = jax.device_get(scores)
-        return greedy[:length], tokens[:length], log_probs[:length]
+        """One text; see `score`."""
+        return self.score([sequence])[0]
+
+    def score(self, sequences: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Texts [L] -> per text, in order: (target greedy token after each position [L], drafted top-k tokens
+        and their log-probs [L, B-1, top_k]: row p, column k-1 is slot k of the block at anchor p)."""
+        buckets: dict[int, list[int]] = {}
+        for index, sequence in enumerate(sequences):
+            buckets.setdefault(round_up(len(sequence), self.length_bucket), []).append(index)
+        results = [None] * len(sequences)
+        for width, indices in buckets.items():
+            # Batches of equal size: padding the last one to `rows` would waste up to rows - 1 rows' work.
+            batches = -(-len(indices) // self.rows)
+            rows = round_up(-(-len(indices) // batches), self._row_split)
+            for first in range(0, len(indices), rows):
+                batch = indices[first:first + rows]
+                # Padding sits after each text (causal, so it changes nothing before) and in the empty rows,
+                # whose outputs are never read.
+                ids = np.zeros((rows, width), np.int32)
+                for row, index in enumerate(batch):
+                    ids[row, :len(sequences[index])] = sequences[index]
+                scores = _score(*self._static, self._target_state, self._drafter_state, self._put(ids))
+                greedy, tokens, log_probs = jax.device_get(scores)
+                for row, index in enumerate(batch):
+                    length = len(sequences[index])
+                    results[index] = greedy[row, :length], tokens[row, :length], log_probs[row, :length]
+        return results
+
+    def _put(self, ids: np.ndarray):
+        """The batch on the mesh, rows split over (data, fsdp); each process gives its own devices' rows."""
+        if self.mesh is None:
+            return ids
+        return jax.make_array_from_callback(ids.shape, batch_sharding(self.mesh), lambda index: ids[index])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _score(target_def, drafter_def, top_k, row_chunk, vocab_chunk, target_state, drafter_state, input_ids):
+def weights_mesh(state: nnx.State) -> Mesh | None:
+    """The mesh a model's weights were placed on (None: a single device)."""
+    sharding = jax.tree.leaves(state)[0].sharding
+    return sharding.mesh if isinstance(sharding, NamedSharding) else None
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _score(target_def, drafter_def, top_k, row_chunk, vocab_chunk, mesh, target_state, drafter_state, input_ids):
+    if mesh is None:
+        return _score_rows(target_def, drafter_def, top_k, row_chunk, vocab_chunk, target_state, drafter_state,
+                           input_ids)
+    # The activations' sharding constraints read the mesh from the trace context, as in the train step.
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        scores = _score_rows(target_def, drafter_def, top_k, row_chunk, vocab_chunk, target_state, drafter_state,
+                             input_ids)
+    return jax.lax.with_sharding_constraint(scores, replicated(mesh))
+
+
+def _score_rows(target_def, drafter_def, top_k, row_chunk, vocab_chunk, target_state, drafter_state, input_ids):
     target, drafter = nnx.merge(target_def, target_state), nnx.merge(drafter_def, drafter_state)
     config, (batch, length) = drafter.config, input_ids.shape
     grid = AnchorGrid(length, 1, config.block_size)
     positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
     segments = jnp.ones((batch, length), jnp.int32)
     context = target_context(target, input_ids, positions, segments, grid, config, vocab_chunk=vocab_chunk)
-    greedy = context.labels[0, :, 0]  # drafted slot 1 of the block at anchor p: the target's greedy token after p
+    greedy = context.labels[:, :, 0]  # drafted slot 1 of the block at anchor p: the target's greedy token after p
     hidden, _ = drafter(context.features, context.block_embeds, DrafterInputs.from_rows(grid, positions, segments))
-    drafted = hidden.reshape(length, config.block_size, -1)[:, 1:].reshape(-1, hidden.shape[-1])
+    drafted = hidden.reshape(batch, length, config.block_size, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])
     tokens, log_probs = top_k_log_probs(drafted, context.lm_head, top_k, row_chunk)
-    shape = (length, config.block_size - 1, top_k)
+    shape = (batch, length, config.block_size - 1, top_k)
     return greedy, tokens.reshape(shape), log_probs.reshape(shape)
 
 
@@ -111,6 +171,10 @@ def top_k_log_probs(hidden: jax.Array, lm_head: jax.Array, k: int, row_chunk: in
 
     tokens, values = jax.lax.map(one_chunk, padded.reshape(-1, chunk, hidden.shape[1]))
     return tokens.reshape(-1, k)[:rows], values.reshape(-1, k)[:rows]
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def leading_matches(matches: np.ndarray) -> np.ndarray:
@@ -140,15 +204,42 @@ class ResponseScores:
     slot_run_before: np.ndarray  # [B-1] anchors whose slots 1..k-1 all did and whose slot k lies inside
     greedy_agreement: tuple[int, int]  # (continuation tokens equal to the target's greedy token, count)
 
+    def to_json(self) -> dict:
+        return {**{name: getattr(self, name).tolist() for name in _SLOT_COUNTS}, "block_steps": self.block_steps,
+                "tree_steps": list(self.tree_steps.items()), "greedy_agreement": list(self.greedy_agreement)}
+
+    @classmethod
+    def from_json(cls, value: dict) -> ResponseScores:
+        return cls(block_steps=value["block_steps"], tree_steps={int(b): steps for b, steps in value["tree_steps"]},
+                   greedy_agreement=tuple(value["greedy_agreement"]),
+                   **{name: np.asarray(value[name], np.int64) for name in _SLOT_COUNTS})
+
+
+_SLOT_COUNTS = ("slot_matches", "slot_count", "slot_run", "slot_run_before")
+
 
 def score_response(scorer: DraftScorer, example: Example, budgets: Sequence[int]) -> ResponseScores:
-    prompt, continuation = np.asarray(example.prompt_ids), np.asarray(example.continuation_ids)
-    if len(prompt) < 1 or len(continuation) < 1:
-        raise ValueError(f"an example needs a prompt and a continuation, got {len(prompt)} and "
-                         f"{len(continuation)} tokens")
-    sequence = np.concatenate([prompt, continuation]).astype(np.int32)
-    start, end = len(prompt), len(sequence)
-    greedy, tokens, log_probs = scorer(sequence)
+    return score_responses(scorer, [example], budgets)[0]
+
+
+def score_responses(scorer: DraftScorer, examples: Sequence[Example], budgets: Sequence[int]
+                    ) -> list[ResponseScores]:
+    """Each example's verification steps and slot counts; the scorer takes the texts several per forward."""
+    sequences = []
+    for example in examples:
+        prompt, continuation = np.asarray(example.prompt_ids), np.asarray(example.continuation_ids)
+        if len(prompt) < 1 or len(continuation) < 1:
+            raise ValueError(f"an example needs a prompt and a continuation, got {len(prompt)} and "
+                             f"{len(continuation)} tokens")
+        sequences.append(np.concatenate([prompt, continuation]).astype(np.int32))
+    return [_response_scores(sequence, len(example.prompt_ids), scores, budgets)
+            for example, sequence, scores in zip(examples, sequences, scorer.score(sequences))]
+
+
+def _response_scores(sequence: np.ndarray, start: int, scores: tuple[np.ndarray, np.ndarray, np.ndarray],
+                     budgets: Sequence[int]) -> ResponseScores:
+    greedy, tokens, log_probs = scores
+    end = len(sequence)
     depth = tokens.shape[1]
     anchors = np.arange(start, end - 1)  # every anchor that has at least one slot inside the text
     target_index = anchors[:, None] + np.arange(1, depth + 1)[None, :]
@@ -208,14 +299,33 @@ def summarize(responses: Sequence[ResponseScores], block_size: int) -> dict:
 
 
 def evaluate_drafter(target, drafter: Drafter, examples: Sequence[Example], *,
-                     budgets: Sequence[int] = DEFAULT_BUDGETS, query_chunk_blocks: int | None = 64,
-                     row_chunk: int = 256, vocab_chunk: int = 8192) -> dict:
+                     budgets: Sequence[int] = DEFAULT_BUDGETS, rows: int | None = None,
+                     query_chunk_blocks: int | None = 64,
+                     row_chunk: int = 256, vocab_chunk: int = 8192, across_processes: bool = False) -> dict:
     """Exact τ, its histogram, per-slot acceptance and DDTree τ of `drafter` on (prompt, greedy
     continuation) examples; see `summarize` for the keys. `greedy_agreement` below 1 means a continuation
     is not exactly the target's greedy one (e.g. read from data made in another precision): τ then
-    describes decoding along that text rather than what the generator would commit."""
-    if not examples:
+    describes decoding along that text rather than what the generator would commit.
+
+    across_processes: `examples` are this process's share (`process_share`), scored on its own devices, and
+    the figures are those of every process's examples in process order, the same on every process (a
+    collective: every process calls it). Otherwise every process scores all `examples` (the train-time hook,
+    whose target lies on the mesh of every process)."""
+    if not examples and not across_processes:
         raise ValueError("evaluate_drafter needs at least one (prompt, continuation) example")
-    scorer = DraftScorer(target, drafter, top_k=max(budgets, default=1), query_chunk_blocks=query_chunk_blocks,
-                         row_chunk=row_chunk, vocab_chunk=vocab_chunk)
-    return summarize([score_response(scorer, example, budgets) for example in examples], drafter.config.block_size)
+    scorer = DraftScorer(target, drafter, top_k=max(budgets, default=1), rows=rows,
+                         query_chunk_blocks=query_chunk_blocks, row_chunk=row_chunk, vocab_chunk=vocab_chunk)
+    responses = score_responses(scorer, examples, budgets)
+    if across_processes:
+        shares = distributed.gather_json([response.to_json() for response in responses])
+        responses = [ResponseScores.from_json(value) for share in shares for value in share]
+    return summarize(responses, drafter.config.block_size)
+
+
+def process_share(items: Sequence) -> list:
+    """This process's consecutive share of `items` (the first processes take one more when they do not
+    divide evenly); the shares of every process, joined in process order, are `items`."""
+    count, index = jax.process_count(), jax.process_index()
+    size, extra = divmod(len(items), count)
+    first = index * size + min(index, extra)
+    return list(items[first:first + size + (index < extra)])

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.eval.exact_tau import per_response_tau, pooled_tau
+from dflash_jax.eval.exact_tau import per_response_tau, pooled_tau, round_up
 from dflash_jax.models.dflash import drafter_features
 from dflash_jax.models.drafter import DecodeStep, Drafter
 from dflash_jax.models.target import NO_SEGMENT
@@ -51,10 +51,6 @@ def continue_text(target, ids: jax.Array, cache, feature_layer_ids: tuple[int, .
     positions = jnp.broadcast_to(cache.length + jnp.arange(ids.shape[1]), ids.shape)
     return target(ids, positions, jnp.zeros_like(ids), feature_layer_ids, cache=cache,
                   keep_every_state=keep_every_state)
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 class SpeculativeGenerator:

@@ -1,10 +1,12 @@
 """A regeneration job: prompt JSONL files -> the target's responses -> training JSONL (see records.py for the
 formats, output.py for how a stopped job resumes, decode.py for the decoding).
 
-Records are taken `batch_size` at a time in file order. A batch is decoded in rounds: round k generates the
-k-th response of every record that needs one (chats may need several), all rows of a round in one batched
-call, padded to `batch_size` rows so every call has the same shape. When the whole batch is done its
-records are appended to the output. SIGTERM/SIGINT stop the job after the batch in flight is written.
+Records are taken in windows of WINDOW_BATCHES x batch_size, in file order. A window is decoded in rounds:
+round k generates the k-th response of every record that needs one (chats may need several), all of a round
+in one call of the decoder, which buckets them by prompt length and keeps its batch full (decode.py). When
+the whole window is done its records are appended to the output. SIGTERM/SIGINT stop the job after the
+window in flight is written. With several processes, each takes every processes-th record (its share) and
+appends its window to its own part file, a dropped record there as a `null` line (shares.py merges them).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 import io
 import logging
 import time
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -26,6 +29,8 @@ from dflash_jax.regeneration.records import Regeneration, parse_prompt_record
 from dflash_jax.train.checkpoint import StopRequest
 
 log = logging.getLogger(__name__)
+
+WINDOW_BATCHES = 8  # batches of records per window: the batch refills from a window's longer queue
 
 
 @dataclasses.dataclass
@@ -63,40 +68,48 @@ def count_records(files: Sequence[str]) -> int:
 
 
 def regenerate(decoder: BatchDecoder, tokenizer: PreTrainedTokenizerBase, prompt_files: Sequence[str],
-               output: ResumableJsonl, *, batch_size: int, max_prompt_tokens: int,
-               chat_template_kwargs: dict | None = None, progress: bool = True) -> Summary:
-    """Regenerate every record of prompt_files not yet in `output`; returns what this run did."""
+               output: ResumableJsonl, *, max_prompt_tokens: int, chat_template_kwargs: dict | None = None,
+               progress: bool = True, process: int = 0, processes: int = 1) -> Summary:
+    """Regenerate every record of this process's share of prompt_files not yet in `output`; returns what this
+    run did. With processes > 1 `output` is the process's part file (one line per record of its share)."""
     summary = Summary(records_done=output.records_done)
-    records = read_prompt_records(prompt_files)
+    share = itertools.islice(read_prompt_records(prompt_files), process, None, processes)
+    records = enumerate(share)  # (index within the share, (where, record))
     for _ in range(output.records_done):  # done by an earlier run
         next(records, None)
-    bar = tqdm(total=count_records(prompt_files), initial=output.records_done, desc="regenerate", unit="record",
-               dynamic_ncols=True, disable=not progress)
-    index = output.records_done
+    total = len(range(process, count_records(prompt_files), processes))
+    bar = tqdm(total=total, initial=output.records_done, desc="regenerate", unit="record", dynamic_ncols=True,
+               disable=not progress)
+    window_size = WINDOW_BATCHES * decoder.batch_size
     with StopRequest() as stop:
         while not stop.requested:
-            batch = [(index + i, Regeneration(record, tokenizer, where, chat_template_kwargs))
-                     for i, (where, record) in zip(range(batch_size), records)]
-            if not batch:
+            window = [(process + index * processes, Regeneration(record, tokenizer, where, chat_template_kwargs))
+                      for index, (where, record) in itertools.islice(records, window_size)]
+            if not window:
                 break
-            index += len(batch)
-            written = _run_batch(decoder, batch, batch_size, max_prompt_tokens, summary)
-            output.append([r.output() for r in written], len(batch))
-            summary.records_done, summary.written = output.records_done, summary.written + len(written)
-            bar.update(len(batch))
+            kept = _run_window(decoder, window, max_prompt_tokens, summary)
+            if processes == 1:
+                lines = [r.output() for r in kept if r is not None]
+            else:
+                lines = [None if r is None else r.output() for r in kept]
+            output.append(lines, len(window))
+            summary.records_done = output.records_done
+            summary.written += sum(r is not None for r in kept)
+            bar.update(len(window))
             bar.set_postfix(tokens_per_s=f"{summary.tokens_per_second:,.0f}")
         summary.stopped_by = stop.requested
     bar.close()
     return summary
 
 
-def _run_batch(decoder: BatchDecoder, batch: list[tuple[int, Regeneration]], batch_size: int,
-               max_prompt_tokens: int, summary: Summary) -> list[Regeneration]:
-    """Decode every response of the batch's records; returns the records to write, in input order."""
-    active = list(batch)
+def _run_window(decoder: BatchDecoder, window: list[tuple[int, Regeneration]], max_prompt_tokens: int,
+                summary: Summary) -> list[Regeneration | None]:
+    """Decode every response of the window's records; returns per record, in input order, the regeneration
+    to write or None (a prompt too long, or an empty completion)."""
+    active = dict(window)
     while True:
         round_rows = []
-        for index, regeneration in list(active):
+        for index, regeneration in list(active.items()):
             if regeneration.done:
                 continue
             prompt = regeneration.prompt()
@@ -104,25 +117,24 @@ def _run_batch(decoder: BatchDecoder, batch: list[tuple[int, Regeneration]], bat
                 log.warning("%s: the prompt has %d tokens, more than the %d that leave room for max_new_tokens; "
                             "skipped", regeneration.where, len(prompt), max_prompt_tokens)
                 summary.skipped_long_prompt += 1
-                active.remove((index, regeneration))
+                del active[index]
                 continue
             round_rows.append((index, regeneration, prompt))
         if not round_rows:
             break
-        prompts = [prompt for _, _, prompt in round_rows]
-        keys = [(index, regeneration.turn) for index, regeneration, _ in round_rows]
-        padding = batch_size - len(prompts)  # rows repeating the first prompt keep the call's shape fixed
         began = time.perf_counter()
-        responses = decoder.decode(prompts + prompts[:1] * padding, keys + keys[:1] * padding)[:len(prompts)]
+        responses = decoder.decode([prompt for _, _, prompt in round_rows],
+                                   [(index, regeneration.turn) for index, regeneration, _ in round_rows])
         summary.decode_seconds += time.perf_counter() - began
         for (_, regeneration, _), tokens in zip(round_rows, responses):
             summary.generated_tokens += len(tokens)
             summary.truncated += len(tokens) == decoder.max_new_tokens and tokens[-1] not in decoder.stop_token_ids
             regeneration.accept(tokens, decoder.stop_token_ids)
     kept = []
-    for _, regeneration in active:
-        if regeneration.empty_completion:
+    for index, _ in window:
+        regeneration = active.get(index)
+        if regeneration is not None and regeneration.empty_completion:
             summary.dropped_empty += 1
-        else:
-            kept.append(regeneration)
+            regeneration = None
+        kept.append(regeneration)
     return kept

@@ -14,27 +14,19 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
+from dflash_jax.chips import chip_of_kind
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.models.qwen3_5_config import LINEAR_ATTENTION
 from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.gated_delta import CHUNK_SIZE
 
-# bf16 dense peak TFLOP/s per device, matched as substrings of `device_kind` (most specific first).
-PEAK_TFLOPS = (
-    ("tpu v6 lite", 918.0), ("tpu v6e", 918.0),
-    ("tpu v5 lite", 197.0), ("tpu v5e", 197.0),
-    ("tpu v5p", 459.0), ("tpu v5", 459.0),
-    ("tpu v4", 275.0),
-    ("h200", 989.0), ("h100", 989.0), ("a100", 312.0),
-)
-
-
 def peak_tflops(config: ConfigDict, device: jax.Device) -> float | None:
-    """config.peak_tflops_per_device, else the table entry for this device kind, else None (MFU unknown)."""
+    """config.peak_tflops_per_device, else the published bf16 peak of this device kind (chips.py), else None
+    (MFU unknown)."""
     if config.peak_tflops_per_device:
         return float(config.peak_tflops_per_device)
-    kind = device.device_kind.lower()
-    return next((tflops for name, tflops in PEAK_TFLOPS if name in kind), None)
+    chip = chip_of_kind(device.device_kind)
+    return None if chip is None else chip.bf16_flops / 1e12
 
 
 def visible_keys(grid: AnchorGrid, window: int | None) -> int:

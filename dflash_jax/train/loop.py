@@ -22,7 +22,8 @@ from ml_collections import ConfigDict
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from dflash_jax import plan
+from dflash_jax import plan, plan_compare
+from dflash_jax.chips import chip_of_kind
 from dflash_jax.data import BatchLoader, Prefetcher, merge_states
 from dflash_jax.errors import ConfigError, DataError
 from dflash_jax.eval.train_hook import make_train_evaluator
@@ -69,6 +70,16 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
     given = config  # as the user gave it, for the history; the layout, rows per device and epochs resolve below
     config = config.copy_and_resolve_references()  # in a copy: the caller's config stays as given
     main = jax.process_index() == 0  # of several processes (train/distributed.py), one writes the run files
+    budget = config.hbm_gib or plan.device_memory_gib(jax.local_devices()[0])
+    report = None
+    chip = chip_of_kind(jax.devices()[0].device_kind)  # the published peaks a predicted step time needs
+    if budget and chip and jax.device_count() > 1 and plan_compare.is_default_mesh(config):
+        # A mesh left at its defaults on accelerators: the candidates compiled and ranked by predicted step time
+        # (design §13; the compiles land in the persistent cache, so a resumed run repeats none of them).
+        config, best, table = plan_compare.choose_mesh(config, plan.target_architecture(config), jax.devices(),
+                                                       budget, chip)
+        log.info("config.mesh left at its defaults: the candidates ranked by predicted step time\n%s", table)
+        report = best.plan
     mesh = validate.mesh_from_config(config)
     batch_shards = int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
     config = validate.resolve_batch_size(config, batch_shards)
@@ -76,10 +87,9 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
 
     # The step compiled from abstract arrays first (dflash_jax/plan.py), where there is a budget to hold it to:
     # a run that cannot fit stops before any weight is read.
-    budget = config.hbm_gib or plan.device_memory_gib(jax.local_devices()[0])
     predicted = None  # the roofline's (perfect overlap, no overlap) step time, logged beside the measured one
     if config.plan_only or budget:
-        report = plan.plan_train_step(config, plan.target_architecture(config), mesh, budget)
+        report = report or plan.plan_train_step(config, plan.target_architecture(config), mesh, budget)
         log.info("plan:\n%s", plan.format_plan(report))
         plan.check_budget(report)
         predicted = report.roofline.step_seconds if report.roofline is not None else None
@@ -213,11 +223,12 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
 
 
 
-def use_compilation_cache(config: ConfigDict, workdir: str | os.PathLike) -> None:
-    """XLA's persistent compilation cache in config.compilation_cache_dir (default <workdir>/compilation_cache).
-    The setting is process-wide and read once, at the first compilation, so the train command sets it before
-    anything compiles; `train` itself leaves it alone."""
-    if config.compilation_cache_dir == "off":
+def use_compilation_cache(config: ConfigDict, workdir: str | os.PathLike | None) -> None:
+    """XLA's persistent compilation cache in config.compilation_cache_dir (default <workdir>/compilation_cache;
+    without a workdir, as `evaluate --drafter`, none unless that is set). The setting is process-wide and read
+    once, at the first compilation, so the train and evaluate commands set it before anything compiles; `train`
+    itself leaves it alone."""
+    if config.compilation_cache_dir == "off" or not (config.compilation_cache_dir or workdir):
         return
     directory = config.compilation_cache_dir or workdir_path(workdir) / "compilation_cache"
     jax.config.update("jax_compilation_cache_dir", os.fspath(directory))

@@ -32,7 +32,7 @@ from etils import epath
 from ml_collections import ConfigDict
 
 from dflash_jax.errors import CheckpointError, WorkdirLockedError
-from dflash_jax.paths import is_url
+from dflash_jax.paths import StagedFile, is_url
 from dflash_jax.train import distributed
 
 log = logging.getLogger(__name__)
@@ -302,29 +302,23 @@ def drop_metrics_after(workdir: epath.Path, step: int) -> None:
 class MetricsLog:
     """metrics.jsonl as the run writes it, one record at a time, each on the store when `write` returns.
 
-    On a local disk the file is appended to and flushed per record. An object store has no append (gcsfs's
-    "a" mode starts a new, empty object: every resume would lose the earlier records) and an open object
-    reaches the store only when closed (a kill would lose the run's). There, the whole object, the records so
-    far and the new one, is uploaded at each record; an upload replaces the object at once, so a reader sees
-    the old records or the new ones, never a torn line (design §7)."""
+    On a local disk the file is appended to and flushed per record. In a bucket it is a `StagedFile` (no append
+    on object stores): appended to locally, and the whole file, the records so far and the new one, uploaded at
+    each record, so that neither a resume nor a kill loses records (design §7.1)."""
 
     def __init__(self, workdir: epath.Path):
         self.path = workdir / METRICS_FILE
-        self._file = None if is_url(self.path) else self.path.open("a")
-        self._text = "" if self._file is not None or not self.path.exists() else self.path.read_text()
+        self._staged = StagedFile(os.fspath(self.path)) if is_url(self.path) else None
+        self._file = (self._staged.local if self._staged else self.path).open("a")
 
     def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record) + "\n"
-        if self._file is not None:
-            self._file.write(line)
-            self._file.flush()
-        else:
-            self._text += line
-            self.path.write_text(self._text)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._staged:
+            self._staged.upload()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        self._file.close()
 
 
 def read_metrics(workdir: epath.Path) -> list[dict[str, Any]]:

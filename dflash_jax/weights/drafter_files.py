@@ -304,7 +304,7 @@ def restore_drafter(workdir: str | os.PathLike, step: int | None) -> tuple[Draft
     # pytree of nnx Variables, whose leaves sit under a final "value" key.
     abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    cpu = SingleDeviceSharding(jax.devices("cpu")[0])
+    cpu = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])  # this process's, of several
     variables = [(tuple(map(str, path)), variable) for path, variable in nnx.to_flat_state(params)]
     target: dict = {}
     for path, variable in variables:

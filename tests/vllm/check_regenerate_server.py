@@ -90,7 +90,7 @@ def first_difference(url: str, jax_record: dict, server_record: dict) -> str:
     with urllib.request.urlopen(request, timeout=600) as response:
         served = json.loads(response.read())["choices"][0]["token_ids"]
     target, _ = load_target(TOY_TARGET, param_dtype=jnp.float32)
-    own = BatchDecoder(target, max_new_tokens=NEW_TOKENS, stop_token_ids=stops).decode([prompt], [(0, 0)])[0]
+    own = BatchDecoder(target, batch_size=1, max_new_tokens=NEW_TOKENS, stop_token_ids=stops).decode([prompt], [(0, 0)])[0]
     return f"record {jax_record['i']}: {near_tie(target, prompt, own, served)}"
 
 

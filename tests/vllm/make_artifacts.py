@@ -6,7 +6,8 @@ target's own greedy continuations (as in the real recipe) of random word prompts
 Drafters, each trained briefly with the project's CLI (`python -m dflash_jax.train --config configs/tiny.py`)
 and exported with convert/export_drafter.py:
   full     all full-attention layers (bidirectional blocks); with the toy target, the `make demo` drafter
-           (configs/toy.py as it is)
+           (configs/toy.py as it is), or the finished run of it given as --toy_run (`make test-slow`'s demo
+           keeps one, so CI trains it once)
   sliding  all sliding-window layers (causal blocks, window W)
   mixed    sliding + full: exported untrained (no training run), since vLLM 0.32 on CPU refuses it
            (see check_vllm.py)
@@ -101,19 +102,22 @@ def train_and_export(name: str, config_file: Path, overrides: dict, out: Path) -
     subprocess.run([sys.executable, "-m", "dflash_jax.train", "--config", str(config_file),
                     "--workdir", str(workdir), *(f"--config.{key}={value}" for key, value in overrides.items())],
                    check=True, cwd=REPO)
-    export = out / f"drafter_{name}"
+    return export(workdir, out / f"drafter_{name}")
+
+
+def export(workdir: Path, export_dir: Path) -> Path:
     subprocess.run([sys.executable, str(REPO / "convert/export_drafter.py"), "--workdir", str(workdir), "--out",
-                    str(export), "--overwrite"], check=True, cwd=REPO)
-    return export
+                    str(export_dir), "--overwrite"], check=True, cwd=REPO)
+    return export_dir
 
 
-def export_untrained_mixed(out: Path) -> Path:
+def export_untrained_mixed(full_run: Path, out: Path) -> Path:
     """The "full" run's drafter config with [sliding, full] layers, randomly initialised and exported."""
     from flax import nnx
 
     from dflash_jax.models.drafter import Drafter, DrafterConfig
     from dflash_jax.weights.drafter_files import export_drafter
-    full = DrafterConfig(**json.loads((out / "run_full" / "drafter_config.json").read_text()))
+    full = DrafterConfig(**json.loads((full_run / "drafter_config.json").read_text()))
     config = dataclasses.replace(full, layer_types=DRAFTERS["mixed"], sliding_window=WINDOW)
     return export_drafter(Drafter(config, rngs=nnx.Rngs(0)), config, out / "drafter_mixed", overwrite=True)
 
@@ -122,6 +126,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=TRAIN_STEPS, help="training steps per drafter")
+    parser.add_argument("--toy_run", type=Path, help="a finished `configs/toy.py` training workdir to export as "
+                        "the full drafter instead of training it again")
     args = parser.parse_args()
     out = args.out.absolute()
     out.mkdir(parents=True, exist_ok=True)
@@ -132,11 +138,17 @@ def main() -> None:
     seq_len = 512 if toy else 128  # a toy record (prompt <= 192 + completion <= 128) fits one row
     runs = {name: (REPO / "configs/tiny.py", tiny_overrides(name, target, train_file, args.steps, seq_len))
             for name in ("full", "sliding")}
+    full_run = out / "run_full"
     if toy:  # the full-attention drafter is exactly the one `make demo` trains and exports
         runs["full"] = (REPO / "configs/toy.py", {"mesh.fsdp": 1})
+        if args.toy_run:
+            full_run = args.toy_run.absolute()
+            del runs["full"]
     drafters = {name: {"dir": str(train_and_export(name, config_file, overrides, out)), "trained": True}
                 for name, (config_file, overrides) in runs.items()}
-    drafters["mixed"] = {"dir": str(export_untrained_mixed(out)), "trained": False}
+    if "full" not in drafters:
+        drafters["full"] = {"dir": str(export(full_run, out / "drafter_full")), "trained": True}
+    drafters["mixed"] = {"dir": str(export_untrained_mixed(full_run, out)), "trained": False}
     artifacts = {"target": str(target), "drafters": drafters, "block_size": BLOCK_SIZE, "prompts": prompts,
                  "max_tokens": NEW_TOKENS}
     (out / "artifacts.json").write_text(json.dumps(artifacts, indent=2) + "\n")

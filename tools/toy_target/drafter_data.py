@@ -77,21 +77,20 @@ def sample_prompts(files: list[tuple[str, str]], tokenizer, count: int, rng: np.
 
 def greedy_continuations(model: Qwen3, prompts: list[list[int]], new_tokens: int, eos_id: int) -> list[list[int]]:
     """The target's greedy continuation of each prompt (at most new_tokens, ending at eos if it comes)."""
-    decoder = BatchDecoder(model, max_new_tokens=new_tokens, stop_token_ids=(eos_id,))
-    batches = [prompts[first:first + BATCH_SIZE] for first in range(0, len(prompts), BATCH_SIZE)]
-    return [tokens for batch in batches for tokens in decoder.decode(batch, [()] * len(batch))]
+    decoder = BatchDecoder(model, batch_size=BATCH_SIZE, max_new_tokens=new_tokens, stop_token_ids=(eos_id,))
+    return decoder.decode(prompts, [()] * len(prompts))
 
 
 def write_regenerated(model: Qwen3, tokenizer, prompts: list[dict], new_tokens: int, eos_id: int, path: Path) -> dict:
     """Write `{"prompt", "completion", "source"}` records to path: the prompts' greedy continuations, cut at
     eos (empty ones dropped), through the regeneration job. Returns its counts."""
-    decoder = BatchDecoder(model, max_new_tokens=new_tokens, stop_token_ids=(eos_id,))
+    decoder = BatchDecoder(model, batch_size=BATCH_SIZE, max_new_tokens=new_tokens, stop_token_ids=(eos_id,))
     path.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         prompt_file = Path(scratch) / "prompts.jsonl"
         prompt_file.write_text("".join(json.dumps({"prompt": p["prompt"], "source": p["source"]}) + "\n"
                                        for p in prompts))
-        summary = regenerate(decoder, tokenizer, [str(prompt_file)], ResumableJsonl(path, {}), batch_size=BATCH_SIZE,
+        summary = regenerate(decoder, tokenizer, [str(prompt_file)], ResumableJsonl(path, {}),
                              max_prompt_tokens=model.config.max_position_embeddings - new_tokens, progress=False)
     path.with_name(path.name + PROGRESS_SUFFIX).unlink()  # the data is complete: nothing to resume
     return {"prompts": len(prompts), "kept": summary.written, "dropped_empty": summary.dropped_empty,
