@@ -70,7 +70,10 @@ def parsed(words: list[str]) -> tuple[str, list[str], int]:
         return words[1], words[3:], GPUS_PER_HOST
     if words[:2] == ["dflash-jax", "plan"]:
         mesh = words[words.index("--mesh") + 1].split(",") if "--mesh" in words else []
-        overrides = [f"--config.mesh.{size}" for size in mesh] + [w for w in words if w.startswith("--config.")]
+        # A plan reads the target's architecture from the config file and no data: the paths train would need
+        # stand in, so the rest validates as train's start-up does.
+        overrides = [f"--config.mesh.{size}" for size in mesh] + [w for w in words if w.startswith("--config.")] + [
+            "--config.target_dir=/plan/target", "--config.data.train_files=/plan/train.jsonl"]
         return words[words.index("--config") + 1], overrides, topology_chips(words[words.index("--topology") + 1])
     # dflash-jax train --config FILE --workdir DIR overrides
     config = words[words.index("--config") + 1]
