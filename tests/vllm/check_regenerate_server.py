@@ -57,11 +57,15 @@ def run_client(url: str, prompts: Path, out: Path) -> None:
 
 
 def jax_regeneration(prompts: Path, out: Path) -> None:
+    import jax
+
     from dflash_jax import regenerate
     from tests.train_fixtures import tiny_config
     config = tiny_config(TOY_TARGET, prompts)
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
-    regenerate.run(config, [str(prompts)], str(out), max_new_tokens=NEW_TOKENS, batch_size=4, progress=False)
+    # One row per local device: the decode mesh splits the rows over this process's devices (design §14).
+    regenerate.run(config, [str(prompts)], str(out), max_new_tokens=NEW_TOKENS,
+                   batch_size=jax.local_device_count(), progress=False)
 
 
 def first_difference(url: str, jax_record: dict, server_record: dict) -> str:
