@@ -232,7 +232,7 @@ def use_compilation_cache(config: ConfigDict, workdir: str | os.PathLike | None)
         return
     directory = config.compilation_cache_dir or workdir_path(workdir) / "compilation_cache"
     jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
-    log.info("compilation cache: %s", directory)
+    log.debug("compilation cache: %s", directory)  # before a bad input's one error line: not on the console
 
 
 class _Profile:
