@@ -17,6 +17,7 @@ from dflash_jax.train import flops, validate
 from tests.command import REPO
 
 
+@pytest.mark.slow  # the benchmark script end to end in a subprocess: about 30 s
 def test_gpu_step_benchmark_runs_tiny_on_two_cpu_devices(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", OUT=str(tmp_path / "out"))
     result = subprocess.run([sys.executable, "-m", "bench.gpu_step", "--tiny", "--steps", "2", "--warmup", "1",

@@ -105,6 +105,7 @@ def assert_each_process_built_only_its_rows(outputs: list[str], records: int) ->
     assert sum(indexed) == records and max(indexed) < records  # each record indexed by exactly one process
 
 
+@pytest.mark.slow  # two processes compiling at once on 2 cores: about 90 s
 def test_two_processes_train_like_one_with_the_same_mesh(files, straight, tmp_path):
     target_dir, train_file = files
     # Exact τ at the last step too: its forward runs on the mesh of both processes; a checkpoint halfway.
