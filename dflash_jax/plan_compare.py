@@ -24,6 +24,7 @@ from dflash_jax.plan import GIB, Plan, granule_of, plan_train_step, target_bytes
 from dflash_jax.roofline import format_bytes, format_run, format_seconds
 from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
 from dflash_jax.train import validate
+from dflash_jax.train.config import base_config
 from dflash_jax.weights.families import family_of
 
 
@@ -78,8 +79,8 @@ def compare_plans(config: ConfigDict, target_config, devices: list, granules: in
 
 
 def is_default_mesh(config: ConfigDict) -> bool:
-    """A mesh left as base_config gives it (data 1, fsdp -1, tensor 1, dcn_data 1): train chooses one (design §13)."""
-    return dict(config.mesh) == dict(data=1, fsdp=-1, tensor=1, dcn_data=1)
+    """A mesh left as base_config gives it: train chooses one (design §13)."""
+    return dict(config.mesh) == dict(base_config().mesh)
 
 
 def choose_mesh(config: ConfigDict, target_config, devices: list, hbm_gib: float, chip: Chip,
