@@ -8,7 +8,8 @@ and does not split communication by kind or by the mesh axes it crosses; both de
   `known_trip_count` annotation, else the `index < N` of its condition (TPU programs carry no annotation); a
   loop with neither counts once and is reported in `unknown_loops`.
 - FLOPs: 2 x output elements x contracted size for each `dot`; for a `convolution` (TPU lowers many dots to
-  one), 2 x output elements x kernel elements / kernel output features (HloCostAnalysis's count). Elementwise
+  one), 2 x output elements x the kernel's input features x the window positions that meet a real input
+  element (padding and dilation holes excluded, as HloCostAnalysis counts them). Elementwise
   work and custom calls (Pallas kernels such as splash attention) are not counted; `custom_calls` says how many
   ran.
 - HBM bytes: operands plus outputs of every instruction outside fusion bodies (what a fusion reads and writes
@@ -212,10 +213,41 @@ def _dot_flops(instruction: _Instruction, shapes: dict[str, str]) -> float:
         contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", instruction.attributes)
         contracted = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
         return 2.0 * outputs * contracted
-    kernel = _dims(shapes[instruction.operands[1]])
-    labels = re.search(r"dim_labels=\w+_(\w+)->", instruction.attributes)
-    out_features = kernel[labels.group(1).index("o")] if labels else 1
-    return 2.0 * outputs * math.prod(kernel) / out_features
+    return 2.0 * outputs * _convolution_products(instruction, shapes)
+
+
+def _window(attributes: str, key: str, spatial: int, default: int) -> list[int]:
+    found = re.search(rf"\b{key}=([0-9x_]+)", attributes)
+    return [int(v) for v in found.group(1).split("x")] if found else [default] * spatial
+
+
+def _convolution_products(instruction: _Instruction, shapes: dict[str, str]) -> float:
+    """Multiply-adds per output element of a convolution: the kernel's input features times the window
+    positions that fall on real input elements, averaged over the output positions. TPU lowers a batched dot
+    to a convolution whose batch dimensions are spatial, windowed and dilated so that one window position of
+    each output meets an input element (`window={size=48x64 stride=47x63 lhs_dilate=48x64}`) or padded so
+    (`size=48 pad=47_47`); counting every window position would count such a dot 48 x 64 times over."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instruction.attributes)
+    lhs, kernel, out = _dims(shapes[instruction.operands[0]]), _dims(shapes[instruction.operands[1]]), \
+        _dims(instruction.shape)
+    if labels is None:
+        return float(math.prod(kernel) / (kernel[-1] if kernel else 1))
+    lhs_labels, kernel_labels, out_labels = labels.groups()
+    products = float(kernel[kernel_labels.index("i")])
+    spatial = sum(label.isdigit() for label in kernel_labels)
+    size = _window(instruction.attributes, "size", spatial, 1)
+    stride = _window(instruction.attributes, "stride", spatial, 1)
+    lhs_dilate = _window(instruction.attributes, "lhs_dilate", spatial, 1)
+    rhs_dilate = _window(instruction.attributes, "rhs_dilate", spatial, 1)
+    pads = re.search(r"\bpad=([0-9_x-]+)", instruction.attributes)
+    pad_low = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * spatial
+    for d in range(spatial):
+        inputs, outputs = lhs[lhs_labels.index(str(d))], out[out_labels.index(str(d))]
+        position = (np.arange(outputs)[:, None] * stride[d] + np.arange(size[d])[None, :] * rhs_dilate[d]
+                    - pad_low[d])  # in the dilated, padded input
+        real = (position >= 0) & (position <= (inputs - 1) * lhs_dilate[d]) & (position % lhs_dilate[d] == 0)
+        products *= real.sum() / outputs
+    return products
 
 
 def _sliced_parameters(body: list[_Instruction], computations: dict[str, list[_Instruction]]) -> dict[int, float]:

@@ -162,7 +162,8 @@ def test_shipped_configs_validate():
 
 @pytest.mark.parametrize("devices", [8, 32, 64])
 def test_the_qwen_recipes_run_on_any_slice_without_a_batch_override(devices):
-    """One row per device: the README's commands need no --config.data.batch_size on a slice of any size."""
+    """Rows per device (SpecForge's per-GPU batch: 4 for the 8B, 1 for the 27B): the README's commands need no
+    --config.data.batch_size on a slice of any size."""
     from dflash_jax.train.validate import resolve_batch_size, validate_batch_layout
 
     for module in (qwen3_8b, qwen27b):
@@ -172,9 +173,11 @@ def test_the_qwen_recipes_run_on_any_slice_without_a_batch_override(devices):
         # the recipes' mesh: fsdp over every device (-1)
         assert dict(c.mesh) == {"data": 1, "fsdp": -1, "tensor": 1, "dcn_data": 1}
         resolved = resolve_batch_size(c, devices)
-        assert resolved.data.batch_size == devices and c.data.batch_size is None
+        assert resolved.data.batch_size == c.data.rows_per_device * devices and c.data.batch_size is None
         validate_batch_layout(resolved, devices)
         assert (c.data.seq_len // c.data.anchor_stride, c.epochs, c.optim.b2) == (512, 6, 0.999)
+    assert (qwen3_8b.get_config().data.seq_len, qwen3_8b.get_config().data.rows_per_device) == (3072, 4)
+    assert (qwen27b.get_config().data.seq_len, qwen27b.get_config().data.rows_per_device) == (4096, 1)
 
 
 def test_qwen27b_drafter_is_the_spec_one():
@@ -187,6 +190,21 @@ def test_qwen27b_drafter_is_the_spec_one():
     drafter = nnx.eval_shape(lambda: Drafter(resolved, rngs=nnx.Rngs(0)))
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
     assert abs(params / 1e9 - 1.73) < 0.01, params  # design §11: ≈1.73 B
+
+
+def test_qwen3_8b_target_and_drafter_are_the_published_ones():
+    target = qwen3_8b.target_config()  # Qwen/Qwen3-8B's config.json
+    assert (target.num_hidden_layers, target.hidden_size, target.intermediate_size, target.vocab_size) == \
+        (36, 4096, 12288, 151936)
+    assert (target.num_attention_heads, target.num_key_value_heads, target.head_dim, target.rope_theta) == \
+        (32, 8, 128, 1e6)
+    assert not target.tie_word_embeddings
+    resolved = resolve_drafter_config(qwen3_8b.get_config(), target, tokenizer=None)
+    assert resolved.target_layer_ids == (1, 9, 17, 25, 33) and resolved.mask_token_id == 151669
+    assert resolved.layer_types == ("full_attention",) * 5 and resolved.intermediate_size == 12288
+    drafter = nnx.eval_shape(lambda: Drafter(resolved, rngs=nnx.Rngs(0)))
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
+    assert abs(params / 1e9 - 1.05) < 0.01, params  # design §11: ≈1.05 B
 
 
 def test_cli_reports_a_config_error_as_one_line(tmp_path):

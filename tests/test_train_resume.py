@@ -30,7 +30,7 @@ def files(tmp_path_factory):
     return make_target(root / "target"), write_corpus(root / "train.jsonl")
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.slow)])
 def test_stop_at_step_10_and_rerun_matches_a_straight_run(files, tmp_path, optimizer):
     config = tiny_config(*files, total_steps=20, log_every=1, checkpoint_every=100, eval_every=10,
                          **{"loss.noise_std": 0.1, "optim.name": optimizer})

@@ -130,8 +130,8 @@ def one_step(config, mesh, steps: int = 2):
 
 
 # Muon orthogonalises in fp32 here: in bfloat16 the sharded products round differently from the unsharded ones.
-@pytest.mark.parametrize("optimizer", [{}, {"optim.name": "muon", "optim.muon_ns_dtype": "float32"}],
-                         ids=["adamw", "muon"])
+@pytest.mark.parametrize("optimizer", [{}, pytest.param({"optim.name": "muon", "optim.muon_ns_dtype": "float32"},
+                                                      marks=pytest.mark.slow)], ids=["adamw", "muon"])
 def test_step_on_an_8_device_mesh_matches_one_device(files, optimizer):
     single = one_step(tiny_config(*files, **optimizer), mesh_of(), steps=3)
     sharded = one_step(tiny_config(*files, **optimizer, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),
@@ -142,7 +142,7 @@ def test_step_on_an_8_device_mesh_matches_one_device(files, optimizer):
         np.testing.assert_allclose(eight["grad_norm"], one["grad_norm"], rtol=1e-4)
 
 
-@pytest.mark.parametrize("target_kind", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("target_kind", ["qwen3", pytest.param("qwen3_5", marks=pytest.mark.slow)])
 def test_gradient_accumulation_matches_the_full_batch(files, hybrid_target, target_kind):
     target_dir = hybrid_target if target_kind == "qwen3_5" else files[0]
     full = one_step(tiny_config(target_dir, *files[1:]), mesh_of())
