@@ -1,12 +1,14 @@
 """`dflash-jax plan --compare`: the target layouts and meshes a topology allows, each compiled and planned
-(plan.py), ranked by predicted step time among those that fit (design §13).
+(plan.py), ranked by predicted time per token among those that fit (design §13).
 
 Candidates: every layout of sharding.TARGET_LAYOUTS (--layouts) times every tensor size of --tensor_sizes
 that divides a slice or host; within one, the rest of its devices on fsdp; across slices or hosts (TPU
 multi-slice, a GPU cluster) the data axis (mesh.dcn_data), so only data parallelism crosses the slow links. A
 candidate whose target alone exceeds the memory budget, or whose rows do not split over its (data, fsdp)
-shards, is listed with the reason and not compiled. The ranking is by the step time with no overlap (the
-roofline's upper end), then with perfect overlap.
+shards, is listed with the reason and not compiled. The ranking is by the time a token takes (the step time
+over the step's tokens: candidates with more (data, fsdp) shards take more rows a step when the batch is given
+per device) with no overlap (the roofline's upper end), then with perfect overlap: the run's length for the
+config's epochs.
 """
 
 from __future__ import annotations
@@ -113,8 +115,11 @@ def _rank(candidate: Candidate) -> tuple:
     plan = candidate.plan
     if plan is None or candidate.reason or plan.roofline is None:
         return (1, candidate.plan is None, math.inf, math.inf)
+    # Per token: with data.rows_per_device a candidate's batch grows with its (data, fsdp) shards, so a shorter
+    # step may carry fewer tokens; for the config's epochs the run's length is what counts.
     fastest, slowest = plan.roofline.step_seconds
-    return (0, False, slowest, fastest)
+    tokens = plan.roofline.tokens_per_step
+    return (0, False, slowest / tokens, fastest / tokens)
 
 
 def _mesh_text(sizes: dict[str, int]) -> str:

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dflash_jax import plan_compare
 from dflash_jax.chips import chip_named
 from dflash_jax.errors import ConfigError, UserError
 from dflash_jax.hlo_cost import Collective, hlo_cost, replica_groups
-from dflash_jax.plan import (check_budget, format_plan, gpu_cluster, mesh_granules, plan_train_step, slice_topology,
-                             target_architecture, topology_devices)
-from dflash_jax.plan_compare import compare_plans, format_comparison
+from dflash_jax.plan import (Plan, check_budget, format_plan, gpu_cluster, mesh_granules, plan_train_step,
+                             slice_topology, target_architecture, topology_devices)
+from dflash_jax.plan_compare import Candidate, compare_plans, format_comparison
 from dflash_jax.roofline import Roofline, format_bytes, format_run
 from dflash_jax.sharding import auto_target_layout, make_mesh
 from dflash_jax.train import epochs, flops, validate
@@ -270,7 +271,7 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the
     """A 27B-shaped step (every 27B width, one period of 4 target layers, T = 1024, 64 anchors, one row per
     chip) on v5p slices of 8 and 32 chips: with the activations pinned to their rows, a chip's temporaries
     are its own rows' activations plus one layer's gathered weights, whatever the number of chips. On 32 chips
-    `plan --compare` (fsdp and tensor layouts, fsdp = 32) ranks both by predicted step time: the fsdp layout
+    `plan --compare` (fsdp and tensor layouts, fsdp = 32) ranks both by predicted time per token: the fsdp layout
     all-gathers the target's weights over ICI every step on top of the drafter's, the tensor layout (a whole copy
     per chip at tensor = 1) only the drafter's; nothing crosses DCN on one slice."""
     _libtpu_or_skip()
@@ -287,8 +288,9 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the
     assert [c.mesh for c in candidates] == [dict(data=1, fsdp=32, tensor=1, dcn_data=1)] * 2
     plans = {c.layout: c.plan for c in candidates}
     assert all(c.plan is not None and not c.reason for c in candidates), [c.reason for c in candidates]
-    times = [c.plan.roofline.step_seconds for c in candidates]
-    assert times == sorted(times, key=lambda t: (t[1], t[0]))  # best first: no-overlap time, then overlap
+    times = [(t[1] / c.plan.roofline.tokens_per_step, t[0] / c.plan.roofline.tokens_per_step)
+             for c in candidates for t in [c.plan.roofline.step_seconds]]
+    assert times == sorted(times)  # best first: no-overlap time per token, then overlap
     large = plans["fsdp"]
     for plan in (small, large):
         assert plan.device_kind.startswith("TPU v5") and plan.rows_per_device == 1 and plan.cost.unknown_loops == 0
@@ -336,6 +338,24 @@ def test_train_with_plan_only_runs_a_default_mesh_as_the_best_candidate_and_stop
     config.hbm_gib = 1e-4
     with pytest.raises(ConfigError, match="no mesh of the 8 devices fits the train step in 0.0 GiB per device"):
         train(config, tmp_path / "run")
+
+
+def test_compare_ranks_by_the_time_a_token_takes_not_the_step():
+    """With the batch given per device, 32 (data, fsdp) shards take twice the rows of 16: a step 1.5 times as
+    long is the faster run. The roofline figures are the v5p-64 27B comparison's (README "Scaling")."""
+    chip = chip_named("H200")
+
+    def candidate(fsdp: int, tensor: int, seconds: float):
+        line = Roofline(chip, {"compute": seconds, "hbm": 0.0, "nvlink": 0.0, "network": 0.0}, {}, 1.0,
+                        fsdp * 4096, None)
+        plan = Plan(*[None] * len(Plan._fields))._replace(roofline=line, total_bytes=2**30)
+        return Candidate("tensor", dict(data=1, fsdp=fsdp, tensor=tensor, dcn_data=1), plan, "")
+
+    rows_16, rows_32 = candidate(16, 2, 0.993), candidate(32, 1, 1.41)
+    table = format_comparison(sorted([rows_16, rows_32], key=plan_compare._rank))
+    assert table.splitlines()[2].startswith("| tensor | data=1,fsdp=32,tensor=1,dcn_data=1 |")
+    assert table.endswith("best: --config.target_layout=tensor --config.mesh.data=1 --config.mesh.fsdp=32 "
+                          "--config.mesh.tensor=1 --config.mesh.dcn_data=1")
 
 
 def test_the_run_time_is_its_steps_or_else_the_time_per_billion_tokens():

@@ -104,7 +104,7 @@ def base_config() -> ConfigDict:
     # tensor only (heads, MLP, vocabulary; a whole copy per (data, fsdp) group, no weight traffic), "replicate" =
     # whole on every device. "auto": the one with the least weight traffic whose target takes at most half of a
     # device's memory (replicate, else tensor, else fsdp; fsdp where the devices report no memory), see
-    # `dflash-jax plan --compare` for the layouts and meshes ranked by predicted step time.
+    # `dflash-jax plan --compare` for the layouts and meshes ranked by predicted time per token.
     config.target_layout = "auto"
 
     # Attention of the drafter (design §5 mask) and of the target's forward (causal within documents):

@@ -74,11 +74,11 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
     report = None
     chip = chip_of_kind(jax.devices()[0].device_kind)  # the published peaks a predicted step time needs
     if budget and chip and jax.device_count() > 1 and plan_compare.is_default_mesh(config):
-        # A mesh left at its defaults on accelerators: the candidates compiled and ranked by predicted step time
-        # (design §13; the compiles land in the persistent cache, so a resumed run repeats none of them).
+        # A mesh left at its defaults on accelerators: the candidates compiled and ranked by predicted time per
+        # token (design §13; the compiles land in the persistent cache, so a resumed run repeats none of them).
         config, best, table = plan_compare.choose_mesh(config, plan.target_architecture(config), jax.devices(),
                                                        budget, chip)
-        log.info("config.mesh left at its defaults: the candidates ranked by predicted step time\n%s", table)
+        log.info("config.mesh left at its defaults: the candidates ranked by predicted time per token\n%s", table)
         report = best.plan
     mesh = validate.mesh_from_config(config)
     batch_shards = int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
