@@ -23,7 +23,7 @@ from dflash_jax.chips import Chip, chip_of_kind
 from dflash_jax.errors import ConfigError
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.plan import GIB, Plan, granule_of, plan_train_step, target_bytes_by_layout
-from dflash_jax.roofline import format_bytes, format_run, format_seconds
+from dflash_jax.roofline import format_bytes, format_ranges, format_run
 from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
 from dflash_jax.train import validate
 from dflash_jax.train.config import base_config
@@ -136,12 +136,10 @@ def format_comparison(candidates: list[Candidate]) -> str:
             lines.append(f"| {candidate.layout} | {mesh} | | | | | | | | {candidate.reason or 'no chip peaks'} |")
             continue
         line = plan.roofline
-        fastest, slowest = line.step_seconds
         links = ", ".join(f"{name} {format_bytes(size)}" for name, size in line.link_bytes.items())
-        lines.append(f"| {candidate.layout} | {mesh} | {format_bytes(plan.total_bytes)} | {links} | "
-                     f"{format_seconds(fastest)} - {format_seconds(slowest)} | {line.mfu(slowest):.0%} - "
-                     f"{line.mfu(fastest):.0%} | {line.tokens_per_step / slowest:,.0f} - "
-                     f"{line.tokens_per_step / fastest:,.0f} | {format_run(line)} | {line.bound} | {candidate.reason} |")
+        step, mfu, tokens = format_ranges(line)
+        lines.append(f"| {candidate.layout} | {mesh} | {format_bytes(plan.total_bytes)} | {links} | {step} | {mfu} | "
+                     f"{tokens} | {format_run(line)} | {line.bound} | {candidate.reason} |")
     best = candidates[0] if candidates and _rank(candidates[0])[0] == 0 else None
     if best is None:
         lines.append("no candidate fits")

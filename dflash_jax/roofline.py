@@ -62,6 +62,15 @@ def format_run(line: Roofline) -> str:
     return f"{line.steps} steps in {format_duration(fastest * line.steps)}-{format_duration(slowest * line.steps)}"
 
 
+def format_ranges(line: Roofline) -> tuple[str, str, str]:
+    """The step time, MFU and tokens/s, each as "low - high" (the step: perfect overlap - none; MFU and tokens/s:
+    no overlap - perfect)."""
+    fastest, slowest = line.step_seconds
+    return (f"{format_seconds(fastest)} - {format_seconds(slowest)}",
+            f"{line.mfu(slowest):.0%} - {line.mfu(fastest):.0%}",
+            f"{line.tokens_per_step / slowest:,.0f} - {line.tokens_per_step / fastest:,.0f}")
+
+
 def format_seconds(seconds: float) -> str:
     return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 
@@ -72,7 +81,6 @@ def format_bytes(n: float) -> str:
 
 def format_roofline(line: Roofline, cost: HloCost) -> list[str]:
     chip = line.chip
-    fastest, slowest = line.step_seconds
     local, remote = chip.local_link, chip.remote_link
     peaks = {"compute": f"{chip.bf16_flops / 1e12:g} TFLOP/s", "hbm": f"{chip.hbm_bandwidth / 1e9:g} GB/s",
              local: f"{chip.local_bandwidth / 1e9:g} GB/s", remote: f"{chip.remote_bandwidth / 1e9:g} GB/s"}
@@ -86,9 +94,8 @@ def format_roofline(line: Roofline, cost: HloCost) -> list[str]:
             axes = ",".join(collective.axes) or "-"
             lines.append(f"    {collective.kind:<18} over {axes:<18} {remote if collective.remote else local:<7} "
                          f"{format_bytes(size):>12}")
-    lines.append(f"  bound: {line.bound}; step {format_seconds(fastest)} - {format_seconds(slowest)} (perfect overlap "
-                 f"- none), MFU {line.mfu(slowest):.0%}-{line.mfu(fastest):.0%}, "
-                 f"{line.tokens_per_step / slowest:,.0f}-{line.tokens_per_step / fastest:,.0f} tokens/s, "
+    step, mfu, tokens = format_ranges(line)
+    lines.append(f"  bound: {line.bound}; step {step} (perfect overlap - none), MFU {mfu}, {tokens} tokens/s, "
                  f"{format_run(line)}")
     if cost.custom_calls:
         lines.append(f"  ({cost.custom_calls} kernel calls per step, whose FLOPs only the model count has)")
