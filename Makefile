@@ -94,9 +94,11 @@ $(SPEC_VENV)/.installed: bench/speculators/requirements.txt pyproject.toml
 
 venv-speculators: $(SPEC_VENV)/.installed
 
-# Both trainers on the demo's rows and recipe, AdamW and Muon: exact τ at 160/320/480 steps (bench/RESULTS.md).
+# Both trainers on the demo's rows and recipe, AdamW and Muon: exact τ at 160/320/480 steps (bench/RESULTS.md);
+# POSITION_WEIGHTS=dpace weights block positions by D-PACE on both sides.
+POSITION_WEIGHTS ?= decay
 learning-parity: $(VENV)/.installed $(SPEC_VENV)/.installed
-	env -u XLA_FLAGS $(PY) -m bench.learning_parity
+	env -u XLA_FLAGS $(PY) -m bench.learning_parity --position_weights $(POSITION_WEIGHTS)
 
 # The project's drafter step and speculators' side by side on shapes A, B and a Qwen3-8B-like drafter, with
 # a per-part breakdown of the project's step (bench/peer_step.py, bench/RESULTS.md). One CPU device.

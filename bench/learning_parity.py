@@ -1,7 +1,7 @@
 """Learning parity with vLLM's speculators: the same recipe must learn the same in both trainers.
 
     make learning-parity        # = .venv/bin/python -m bench.learning_parity [--optimizers adamw,muon]
-    .venv/bin/python -m bench.learning_parity --position_weights dpace    # both trainers with D-PACE
+    make learning-parity POSITION_WEIGHTS=dpace    # both trainers with D-PACE
 
 For each optimizer: train the demo's drafter (configs/toy.py, the optimizer's recipe below) with this project's
 trainer, then speculators' DFlash drafter on exactly the same rows, features, labels, anchors, initial weights
