@@ -65,8 +65,12 @@ def test_step_on_a_mesh_matches_one_device(files, one_device, kind, mesh_shape):
     assert_same_step(one_device[kind], one_step(files, kind, mesh_shape)[:2])
 
 
-@pytest.mark.parametrize("target_layout, mesh_shape", [("tensor", (1, 4, 2)), ("replicate", (2, 2, 2))])
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+# Each layout once in make test (the hybrid target in the tensor layout, the dense one replicated), the other two
+# in make test-slow.
+@pytest.mark.parametrize("kind, target_layout, mesh_shape", [
+    ("qwen3_5", "tensor", (1, 4, 2)), ("qwen3", "replicate", (2, 2, 2)),
+    pytest.param("qwen3", "tensor", (1, 4, 2), marks=pytest.mark.slow),
+    pytest.param("qwen3_5", "replicate", (2, 2, 2), marks=pytest.mark.slow)])
 def test_target_layouts_match_one_device(files, one_device, kind, target_layout, mesh_shape):
     """config.target_layout changes where the target's weights lie, never the step's result ("fsdp", the
     default, is the test above)."""
@@ -93,7 +97,8 @@ def float_collectives(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
     return found
 
 
-@pytest.mark.parametrize("kind, mesh_shape", [("qwen3", (1, 8, 1)), ("qwen3_5", (2, 2, 2)), ("qwen3_5", (1, 4, 2))])
+@pytest.mark.parametrize("kind, mesh_shape", [("qwen3", (1, 8, 1)), ("qwen3_5", (1, 4, 2)),
+                                              pytest.param("qwen3_5", (2, 2, 2), marks=pytest.mark.slow)])
 def test_no_collective_moves_a_global_batch_of_activations(files, kind, mesh_shape):
     """Regression test for the activations' sharding constraints: without them the partitioner shards
     activations along the hidden axis (where the FSDP weights are split) and all-reduces or all-gathers
