@@ -216,9 +216,10 @@ def _dot_flops(instruction: _Instruction, shapes: dict[str, str]) -> float:
     return 2.0 * outputs * _convolution_products(instruction, shapes)
 
 
-def _window(attributes: str, key: str, spatial: int, default: int) -> list[int]:
-    found = re.search(rf"\b{key}=([0-9x_]+)", attributes)
-    return [int(v) for v in found.group(1).split("x")] if found else [default] * spatial
+def _window(attributes: str, key: str, spatial: int) -> list[int]:
+    """A convolution window's `key` (size, stride, lhs_dilate, rhs_dilate) per spatial dimension; 1 if absent."""
+    found = re.search(rf"\b{key}=([0-9x]+)", attributes)
+    return [int(v) for v in found.group(1).split("x")] if found else [1] * spatial
 
 
 def _convolution_products(instruction: _Instruction, shapes: dict[str, str]) -> float:
@@ -235,10 +236,8 @@ def _convolution_products(instruction: _Instruction, shapes: dict[str, str]) -> 
     lhs_labels, kernel_labels, out_labels = labels.groups()
     products = float(kernel[kernel_labels.index("i")])
     spatial = sum(label.isdigit() for label in kernel_labels)
-    size = _window(instruction.attributes, "size", spatial, 1)
-    stride = _window(instruction.attributes, "stride", spatial, 1)
-    lhs_dilate = _window(instruction.attributes, "lhs_dilate", spatial, 1)
-    rhs_dilate = _window(instruction.attributes, "rhs_dilate", spatial, 1)
+    size, stride, lhs_dilate, rhs_dilate = (_window(instruction.attributes, key, spatial)
+                                            for key in ("size", "stride", "lhs_dilate", "rhs_dilate"))
     pads = re.search(r"\bpad=([0-9_x-]+)", instruction.attributes)
     pad_low = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * spatial
     for d in range(spatial):

@@ -176,8 +176,9 @@ def test_the_qwen_recipes_run_on_any_slice_without_a_batch_override(devices):
         assert resolved.data.batch_size == c.data.rows_per_device * devices and c.data.batch_size is None
         validate_batch_layout(resolved, devices)
         assert (c.data.seq_len // c.data.anchor_stride, c.epochs, c.optim.b2) == (512, 6, 0.999)
-    assert (qwen3_8b.get_config().data.seq_len, qwen3_8b.get_config().data.rows_per_device) == (3072, 4)
-    assert (qwen27b.get_config().data.seq_len, qwen27b.get_config().data.rows_per_device) == (4096, 1)
+    for module, (seq_len, rows_per_device) in ((qwen3_8b, (3072, 4)), (qwen27b, (4096, 1))):
+        data = module.get_config().data
+        assert (data.seq_len, data.rows_per_device) == (seq_len, rows_per_device)
 
 
 def test_qwen27b_drafter_is_the_spec_one():
