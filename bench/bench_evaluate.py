@@ -38,7 +38,7 @@ from transformers import AutoTokenizer
 from configs import toy
 from dflash_jax.eval import exact_tau
 from dflash_jax.eval.examples import read_examples
-from dflash_jax.evaluate import placed
+from dflash_jax.commands.evaluate import placed
 from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
 from dflash_jax.sharding import make_mesh, replicated, state_shardings

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 import jax.numpy as jnp  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from dflash_jax import regenerate  # noqa: E402
+from dflash_jax.commands import regenerate  # noqa: E402
 from dflash_jax.eval.examples import stop_token_ids  # noqa: E402
 from dflash_jax.regeneration.decode import BatchDecoder  # noqa: E402
 from dflash_jax.regeneration.job import regenerate as jax_job  # noqa: E402

@@ -2,7 +2,7 @@
 nothing downloaded) and the design §11 drafter at T = 4096, 512 anchors (stride 8), B = 16 rows, bf16, the
 target's attention on cuDNN (attention_impl "auto" on GPU). Reports the step time, tokens per second and the
 MFU of the model FLOP count (dflash_jax/train/flops.py) against the devices' bf16 peak (H200: 989 TFLOP/s),
-beside the plan's roofline prediction for the same compiled step (dflash_jax/roofline.py: its FLOPs, HBM and
+beside the plan's roofline prediction for the same compiled step (dflash_jax/planning/roofline.py: its FLOPs, HBM and
 NVLink bytes over the chip's peaks), and writes them as JSON and markdown to --out (bench/gpu.sh runs it on an
 NVIDIA host). The target's layout is config.target_layout "auto" settled for these devices.
 
@@ -26,12 +26,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dflash_jax.chips import chip_named, chip_of_kind
-from dflash_jax.hlo_cost import hlo_cost
+from dflash_jax.planning.chips import chip_named, chip_of_kind
+from dflash_jax.planning.hlo_cost import hlo_cost
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
 from dflash_jax.ops.backends import resolve_attention_impl
-from dflash_jax.plan import device_memory_gib, target_bytes_by_layout
-from dflash_jax.roofline import roofline
+from dflash_jax.planning.plan import device_memory_gib, target_bytes_by_layout
+from dflash_jax.planning.roofline import roofline
 from dflash_jax.sharding import auto_target_layout, make_mesh, state_shardings
 from dflash_jax.train import flops, validate
 from dflash_jax.train.config import base_config
@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="bf16 peak TFLOP/s per device for the MFU (default: the device kind's; H200 989)")
     parser.add_argument("--chip", default=None, help="the chip whose peaks the roofline prediction uses "
-                        "(dflash_jax/chips.py; default: the device kind's)")
+                        "(dflash_jax/planning/chips.py; default: the device kind's)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (any backend): the script end to end")
     args = parser.parse_args()
     if args.tiny:  # the tiny step only checks the wiring; XLA:CPU's full optimisation would take longer than it

@@ -99,7 +99,7 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, dcn_
     granule per process) joined by the data-centre network, which then carries only the data axis's
     gradient all-reduce (`create_hybrid_device_mesh`); the sizes given are those within one slice, so the
     mesh's data axis is data x dcn_data. Simulated devices of one process without slices (a GPU cluster
-    planned on CPU devices, dflash_jax/plan.py) are taken as consecutive blocks, one per slice.
+    planned on CPU devices, dflash_jax/planning/plan.py) are taken as consecutive blocks, one per slice.
     """
     devices = list(devices if devices is not None else jax.devices())
     sizes = [data, fsdp, tensor]

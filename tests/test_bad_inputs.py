@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_jax.errors import CheckpointError, ConfigError, DataError
+from dflash_jax.runtime.errors import CheckpointError, ConfigError, DataError
 from dflash_jax.eval.examples import read_examples
 from dflash_jax.train.loop import train
 from dflash_jax.weights.drafter_files import drafter_config_from_zlab, zlab_config

@@ -19,8 +19,8 @@ from ml_collections import ConfigDict
 from transformers import AutoTokenizer
 
 from configs import toy as toy_recipe
-from dflash_jax import evaluate
-from dflash_jax.errors import ConfigError, DataError
+from dflash_jax.commands import evaluate
+from dflash_jax.runtime.errors import ConfigError, DataError
 from dflash_jax.eval.benchmarks import answered_turns, read_benchmarks, template_kwargs
 from dflash_jax.eval.exact_tau import Example, evaluate_drafter
 from dflash_jax.eval.examples import stop_token_ids

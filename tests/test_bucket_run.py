@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from dflash_jax.export import export
+from dflash_jax.commands.export import export
 from tests.command import dflash_jax
 from tests.gcs_fixture import gcs_server
 from tests.train_fixtures import make_target, write_corpus

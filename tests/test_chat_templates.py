@@ -14,7 +14,7 @@ import pytest
 from dflash_jax.data import tokenize_record
 from dflash_jax.data.records import parse_object
 from dflash_jax.data.tokenize import turn_markers
-from dflash_jax.errors import ConfigError, DataError
+from dflash_jax.runtime.errors import ConfigError, DataError
 from dflash_jax.train.config import base_config
 from dflash_jax.train.validate import resolve_chat_template_kwargs
 from tests.command import dflash_jax

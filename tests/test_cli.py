@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax.cli import COMMANDS
+from dflash_jax.commands.cli import COMMANDS
 from dflash_jax.weights.drafter_files import restore_drafter
 from dflash_jax.weights.drafter_files import load_drafter_dir
 from tests.command import dflash_jax, user_error
@@ -56,8 +56,8 @@ def test_a_packaged_recipe_is_named_without_its_path(tmp_path):
     import subprocess
 
     from configs import qwen27b
-    from dflash_jax.cli import packaged_config_path
-    from dflash_jax.errors import UserError
+    from dflash_jax.commands.cli import packaged_config_path
+    from dflash_jax.runtime.errors import UserError
     from tests.command import SCRIPT
 
     by_name = subprocess.run([str(SCRIPT), "train", "--config", "qwen27b", "--workdir", "x", "--print_config"],

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from configs import qwen3_8b, qwen27b, tiny
-from dflash_jax.errors import ConfigError
+from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.qwen3 import Qwen3Config
 from dflash_jax.train.validate import (check_overrides, resolve_drafter_config, validate_batch_layout, validate_config,

@@ -23,7 +23,7 @@ from dflash_jax.data import (
     row_capacity,
     tokenize_record,
 )
-from dflash_jax.errors import DataError
+from dflash_jax.runtime.errors import DataError
 from tests.tokenizer_fixture import make_chat_tokenizer
 
 SYSTEM_USER_ASSISTANT = [

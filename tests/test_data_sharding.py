@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.data import BatchLoader, Prefetcher, merge_states
-from dflash_jax.errors import DataError
+from dflash_jax.runtime.errors import DataError
 from tests.test_data import completion_records, write_jsonl
 from tests.tokenizer_fixture import make_chat_tokenizer
 

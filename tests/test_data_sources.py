@@ -19,7 +19,7 @@ import zstandard
 
 from dflash_jax.data import BatchLoader, merge_states, resolve_sources, tokenize_record
 from dflash_jax.data.records import parse_object
-from dflash_jax.errors import DataError
+from dflash_jax.runtime.errors import DataError
 from tests.test_chat_templates import REASONING_CONTENT, TOOL_CHAT
 from tests.test_data import completion_records, row_documents, write_jsonl
 from tests.tokenizer_fixture import make_qwen_tokenizer

@@ -15,11 +15,11 @@ from transformers import AutoTokenizer
 
 from configs import toy
 from dflash_jax.data import BatchLoader
-from dflash_jax.errors import ConfigError
+from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.train import epochs, validate
 from dflash_jax.train.loop import train
 from dflash_jax.train.optimizer import learning_rate_schedule
-from dflash_jax.train.workdir import METRICS_FILE
+from dflash_jax.runtime.workdir import METRICS_FILE
 from tests.train_fixtures import make_target, tiny_config, write_corpus
 
 

@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 from transformers import AutoTokenizer
 
-from dflash_jax import evaluate
-from dflash_jax.errors import ConfigError
+from dflash_jax.commands import evaluate
+from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.eval.examples import read_examples
 from dflash_jax.eval.report import flat_metrics
 from dflash_jax.eval.train_hook import make_train_evaluator

@@ -13,7 +13,7 @@ from flax import nnx
 from dflash_jax.eval.ddtree import accepted_depth, build_tree
 from dflash_jax.eval.exact_tau import (DraftScorer, Example, _score, evaluate_drafter, score_response, score_responses,
                                       summarize, walk)
-from dflash_jax.evaluate import placed
+from dflash_jax.commands.evaluate import placed
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, block_token_ids

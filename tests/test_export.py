@@ -14,9 +14,9 @@ import torch
 from ml_collections import ConfigDict
 from safetensors.torch import load_file
 
-from dflash_jax.errors import CheckpointError, OutputDirError
+from dflash_jax.runtime.errors import CheckpointError, OutputDirError
 from dflash_jax.ops.anchors import AnchorGrid
-from dflash_jax.train.workdir import append_config_history
+from dflash_jax.runtime.workdir import append_config_history
 from dflash_jax.weights.drafter_files import (drafter_config_from_zlab, drafter_from_torch_layout, drafter_to_torch_layout,
                                              export_drafter, load_drafter_dir, serve_command, zlab_config)
 from tests.command import dflash_jax, user_error

@@ -17,11 +17,11 @@ import time
 
 import pytest
 
-from dflash_jax.errors import CheckpointError, DataError, WorkdirLockedError
-from dflash_jax.export import export
+from dflash_jax.runtime.errors import CheckpointError, DataError, WorkdirLockedError
+from dflash_jax.commands.export import export
 from dflash_jax.train.checkpoint import UNREADABLE_DIR
 from dflash_jax.train.loop import train
-from dflash_jax.train.workdir import (CONFIG_HISTORY, ERRORS_LOG, LOCK_FILE, METRICS_FILE, STALE_AFTER_SECONDS,
+from dflash_jax.runtime.workdir import (CONFIG_HISTORY, ERRORS_LOG, LOCK_FILE, METRICS_FILE, STALE_AFTER_SECONDS,
                                       WorkdirLock, drop_metrics_after)
 from dflash_jax.weights.drafter_files import CHECKPOINTS_DIR
 from tests.command import dflash_jax, user_error

@@ -14,7 +14,7 @@ import torch
 from jax.sharding import PartitionSpec
 from safetensors.torch import load_file, save_file
 
-from dflash_jax.errors import CheckpointError
+from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.sharding import make_mesh
 from dflash_jax.weights.safetensors_dir import CheckpointReader
 from dflash_jax.weights.targets import load_target

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax.errors import CheckpointError
-from dflash_jax.paths import cached_path
+from dflash_jax.runtime.errors import CheckpointError
+from dflash_jax.runtime.paths import cached_path
 from dflash_jax.weights.targets import load_target
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.weights.orbax_target import MARKER_FILE, PARAMS_DIR, write_orbax_target

@@ -23,8 +23,8 @@ import jax
 import numpy as np
 import pytest
 
-from dflash_jax.errors import ConfigError
-from dflash_jax.train import distributed
+from dflash_jax.runtime.errors import ConfigError
+from dflash_jax.runtime import distributed
 from dflash_jax.train.loop import train
 from tests.train_fixtures import losses, make_target, restore_last, tiny_config, write_corpus
 

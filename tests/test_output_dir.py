@@ -13,8 +13,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from dflash_jax.errors import OutputDirError
-from dflash_jax.export import export
+from dflash_jax.runtime.errors import OutputDirError
+from dflash_jax.commands.export import export
 from dflash_jax.weights.orbax_target import write_orbax_target
 from dflash_jax.weights.output_dir import OWNER_FILE
 from tests.command import dflash_jax, user_error

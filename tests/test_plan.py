@@ -1,4 +1,4 @@
-"""The ahead-of-time plan (dflash_jax/plan.py): the train step compiled from abstract arrays on simulated CPU
+"""The ahead-of-time plan (dflash_jax/planning/plan.py): the train step compiled from abstract arrays on simulated CPU
 devices, its per-device figures against the shardings and the FLOP model, the budget check, the command, and
 (`make test-tpu-plan`, where libtpu installs) deviceless TPU compiles of a 27B-shaped step."""
 
@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax import plan_compare
-from dflash_jax.chips import chip_named
-from dflash_jax.errors import ConfigError, UserError
-from dflash_jax.hlo_cost import Collective, hlo_cost, replica_groups
-from dflash_jax.plan import (Plan, check_budget, format_plan, gpu_cluster, mesh_granules, plan_train_step,
+from dflash_jax.planning import compare as plan_compare
+from dflash_jax.planning.chips import chip_named
+from dflash_jax.runtime.errors import ConfigError, UserError
+from dflash_jax.planning.hlo_cost import Collective, hlo_cost, replica_groups
+from dflash_jax.planning.plan import (Plan, check_budget, format_plan, gpu_cluster, mesh_granules, plan_train_step,
                              slice_topology, target_architecture, topology_devices)
-from dflash_jax.plan_compare import Candidate, compare_plans, format_comparison
-from dflash_jax.roofline import Roofline, format_bytes, format_run
+from dflash_jax.planning.compare import Candidate, compare_plans, format_comparison
+from dflash_jax.planning.roofline import Roofline, format_bytes, format_run
 from dflash_jax.sharding import auto_target_layout, make_mesh
 from dflash_jax.train import epochs, flops, validate
 from dflash_jax.train.loop import train

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec
 from safetensors.numpy import load_file, save_file
 
 from configs.qwen27b import target_config
-from dflash_jax.errors import CheckpointError
+from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5, Qwen3_5Config
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.weights.targets import load_target

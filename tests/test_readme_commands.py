@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from absl import flags
 
-from dflash_jax.cli import define_config_flag, packaged_config_path
-from dflash_jax.errors import ConfigError
+from dflash_jax.commands.cli import define_config_flag, packaged_config_path
+from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.sharding import BATCH_AXES
 from dflash_jax.train.validate import resolve_batch_size, validate_batch_layout, validate_config
 

@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 from transformers import AutoTokenizer
 
-from dflash_jax import regenerate
+from dflash_jax.commands import regenerate
 from dflash_jax.eval.examples import stop_token_ids
 from dflash_jax.ops.lm_head import fp32_logits
 from dflash_jax.weights.targets import load_target

@@ -10,7 +10,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_jax.paths import cached_path
+from dflash_jax.runtime.paths import cached_path
 from dflash_jax.regeneration import output, shares
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
 from tests.gcs_fixture import gcs_server

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_jax import regenerate
+from dflash_jax.commands import regenerate
 from dflash_jax.regeneration.decode import BatchDecoder
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX
 from dflash_jax.regeneration.server_client import Retry

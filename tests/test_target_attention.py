@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from dflash_jax.eval.exact_tau import DraftScorer
-from dflash_jax.evaluate import placed
+from dflash_jax.commands.evaluate import placed
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
 from dflash_jax.models.qwen3_5 import Qwen3_5, Qwen3_5Config

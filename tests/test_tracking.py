@@ -11,7 +11,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from dflash_jax.errors import ConfigError
+from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.train.loop import train
 from dflash_jax.train.tracking import TENSORBOARD_DIR, Trackers, scalar_metrics
 from tests.train_fixtures import make_target, tiny_config, write_corpus

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from ml_collections import ConfigDict
 
-from dflash_jax.errors import OutputDirError, WorkdirLockedError
-from dflash_jax.train.workdir import (MetricsLog, WorkdirLock, append_config_history, config_of_step,
+from dflash_jax.runtime.errors import OutputDirError, WorkdirLockedError
+from dflash_jax.runtime.workdir import (MetricsLog, WorkdirLock, append_config_history, config_of_step,
                                       drop_metrics_after, read_metrics)
 from dflash_jax.weights.drafter_files import workdir_path
 from dflash_jax.weights.hub import local_dir

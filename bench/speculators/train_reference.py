@@ -53,7 +53,7 @@ from dflash_jax.ops import anchors as grid_ops
 from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.train.state import make_drafter
 from dflash_jax.train.validate import dtype_of
-from dflash_jax.train.workdir import CONFIG_HISTORY
+from dflash_jax.runtime.workdir import CONFIG_HISTORY
 from dflash_jax.weights.drafter_files import drafter_to_torch_layout
 from dflash_jax.weights.targets import load_target
 

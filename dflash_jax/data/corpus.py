@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from dflash_jax.data.records import Record
 from dflash_jax.data.sources import WeightedSource, filesystem
-from dflash_jax.errors import DataError
-from dflash_jax.paths import is_url
+from dflash_jax.runtime.errors import DataError
+from dflash_jax.runtime.paths import is_url
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dflash_jax.data.records import ChatRecord, Record, parse_record
-from dflash_jax.errors import DataError
+from dflash_jax.runtime.errors import DataError
 
 COMPRESSED = (".gz", ".zst")
 _PROGRESS_EVERY_BYTES = 1 << 20

@@ -30,7 +30,7 @@ from dflash_jax.data.packing import ROW_KEYS, place_row, row_capacity, row_phase
 from dflash_jax.data.stream import RowStream
 from dflash_jax.data.sources import resolve_sources
 from dflash_jax.data.tokenize import check_chat_tokenizer
-from dflash_jax.errors import DataError
+from dflash_jax.runtime.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_jax.errors import DataError
+from dflash_jax.runtime.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT speaker names -> chat roles (FastChat's "human"/"gpt"; "user"/"assistant" are also seen).

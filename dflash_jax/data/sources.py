@@ -24,7 +24,7 @@ from typing import Any
 
 from dflash_jax.data.jsonl import COMPRESSED, JsonlSource
 from dflash_jax.data.tables import DatasetSource, ParquetSource
-from dflash_jax.errors import DataError
+from dflash_jax.runtime.errors import DataError
 
 JSONL_SUFFIXES = tuple(base + zip_ for base in (".jsonl", ".json") for zip_ in ("", *COMPRESSED))
 DATA_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")

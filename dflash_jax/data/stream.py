@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from dflash_jax.data.corpus import Corpus
 from dflash_jax.data.packing import Cursor, PackedRow, RowPacker
 from dflash_jax.data.tokenize import Document, tokenize_record
-from dflash_jax.errors import DataError
+from dflash_jax.runtime.errors import DataError
 
 
 class RowStream:

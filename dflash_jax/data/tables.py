@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dflash_jax.data.records import ChatRecord, Record, parse_object
-from dflash_jax.errors import DataError
+from dflash_jax.runtime.errors import DataError
 
 _VALIDATE_BATCH_ROWS = 1024
 

@@ -24,7 +24,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from dflash_jax.data.records import ChatRecord, CompletionRecord, Record
-from dflash_jax.errors import DataError
+from dflash_jax.runtime.errors import DataError
 
 # A probe conversation whose answers are unique strings: where they land in its rendering shows the markers.
 _PROBE_ANSWERS = ("Probe answer one.", "Probe answer two.")

@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from dflash_jax.data.sources import (SAVED_DATASET_FILES, cached_dataset, load_dataset, looks_like_dataset_id,
                                      saved_dataset)
 from dflash_jax.data.tokenize import render_chat
-from dflash_jax.errors import ConfigError, DataError
+from dflash_jax.runtime.errors import ConfigError, DataError
 from dflash_jax.eval.examples import check_positions
 from dflash_jax.eval.exact_tau import Example
 from dflash_jax.eval.generate import SpeculativeGenerator, generator_shapes

@@ -36,7 +36,7 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs
 from dflash_jax.ops.lm_head import fp32_logits
 from dflash_jax.sharding import BATCH_AXES, batch_sharding, replicated
-from dflash_jax.train import distributed
+from dflash_jax.runtime import distributed
 
 DEFAULT_BUDGETS = (8, 22)
 

@@ -16,10 +16,10 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from dflash_jax.data import parse_record, tokenize_record
 from dflash_jax.data.corpus import check_input_files
-from dflash_jax.errors import DataError
+from dflash_jax.runtime.errors import DataError
 from dflash_jax.eval.exact_tau import Example
 from dflash_jax.eval.generate import SpeculativeGenerator
-from dflash_jax.paths import open_input
+from dflash_jax.runtime.paths import open_input
 from dflash_jax.weights.hub import pretrained_dir
 
 

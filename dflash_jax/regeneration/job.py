@@ -22,11 +22,11 @@ from typing import Any
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from dflash_jax.paths import open_input
+from dflash_jax.runtime.paths import open_input
 from dflash_jax.regeneration.decode import BatchDecoder
 from dflash_jax.regeneration.output import ResumableJsonl
 from dflash_jax.regeneration.records import Regeneration, parse_prompt_record
-from dflash_jax.train.checkpoint import StopRequest
+from dflash_jax.runtime.stop import StopRequest
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_jax.errors import DataError
-from dflash_jax.paths import StagedFile, as_path, is_url
+from dflash_jax.runtime.errors import DataError
+from dflash_jax.runtime.paths import StagedFile, as_path, is_url
 
 PROGRESS_SUFFIX = ".progress.json"
 UPLOAD_EVERY_S = 30.0

@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from dflash_jax.errors import DataError
+from dflash_jax.runtime.errors import DataError
 from dflash_jax.data.tokenize import check_chat_tokenizer
 
 

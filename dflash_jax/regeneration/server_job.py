@@ -29,12 +29,12 @@ from typing import Any
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from dflash_jax.errors import DataError
+from dflash_jax.runtime.errors import DataError
 from dflash_jax.regeneration.job import Summary, count_records, read_prompt_records
 from dflash_jax.regeneration.output import ResumableJsonl
 from dflash_jax.regeneration.records import Regeneration
 from dflash_jax.regeneration.server_client import RequestRefused, Server, ServerUnreachable
-from dflash_jax.train.checkpoint import StopRequest
+from dflash_jax.runtime.stop import StopRequest
 
 log = logging.getLogger(__name__)
 # Hugging Face fast tokenizers are not safe to call from several threads at once (the Rust side can fail with

@@ -16,8 +16,8 @@ import os
 
 from etils import epath
 
-from dflash_jax.errors import DataError
-from dflash_jax.paths import as_path
+from dflash_jax.runtime.errors import DataError
+from dflash_jax.runtime.paths import as_path
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
 
 MERGE_CHUNK = 4096  # input records per append of the merge

@@ -1,4 +1,5 @@
-"""Orbax checkpoints of a run, and the stop request that SIGTERM/SIGINT turn into a clean save-and-exit (design §7).
+"""Orbax checkpoints of a run (design §7); the stop request that SIGTERM/SIGINT turn into a clean save-and-exit is
+runtime/stop.py.
 
 A checkpoint at step s holds the `TrainState` after s updates (drafter params, optimizer state, step, RNG)
 and the data loader's position (JSON) of the next batch: everything needed to continue exactly as if the
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from typing import Any
 
@@ -19,7 +19,7 @@ from etils import epath
 from jax.experimental.multihost_utils import sync_global_devices
 
 from dflash_jax.train.state import TrainState
-from dflash_jax.train.workdir import newest_readable
+from dflash_jax.runtime.workdir import newest_readable
 from dflash_jax.weights.drafter_files import CHECKPOINTS_DIR, workdir_path
 
 log = logging.getLogger(__name__)
@@ -88,30 +88,3 @@ def _set_aside(workdir: epath.Path, step: int) -> None:
         target = aside / f"{step}.{time.strftime('%Y%m%d-%H%M%S')}"
     (workdir / CHECKPOINTS_DIR / str(step)).rename(target)
     log.warning("moved the unreadable checkpoint step %d to %s", step, target)
-
-
-class StopRequest:
-    """While active, SIGTERM (preemption) and SIGINT (Ctrl-C) only set `requested`; the train loop checks it
-    at each step boundary, saves a checkpoint and returns. A second SIGINT interrupts as usual."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.requested: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopRequest:
-        for signum in self.SIGNALS:
-            self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _handle(self, signum: int, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.requested == "SIGINT" and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = name
-        log.warning("%s received: saving a checkpoint and stopping after the current step", name)

@@ -142,7 +142,7 @@ def base_config() -> ConfigDict:
     # layer's input only), "dots" (keep the weight matmuls' outputs) or "attention" (keep the attention output).
     # The frozen target needs none: no gradient flows through it, so its forward keeps only the feature layers.
     config.remat = "none"
-    # The ahead-of-time plan (dflash_jax/plan.py): the step compiled from abstract arrays before any weight is
+    # The ahead-of-time plan (dflash_jax/planning/plan.py): the step compiled from abstract arrays before any weight is
     # read; it must fit config.hbm_gib per device (None = the device's own memory when it reports one).
     # plan_only=True prints the plan and stops.
     config.plan_only = False

@@ -22,7 +22,7 @@ from etils import epath
 from ml_collections import ConfigDict
 
 from dflash_jax.data import BatchLoader, row_capacity
-from dflash_jax.train import distributed
+from dflash_jax.runtime import distributed
 
 log = logging.getLogger(__name__)
 

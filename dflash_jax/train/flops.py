@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
-from dflash_jax.chips import chip_of_kind
+from dflash_jax.planning.chips import chip_of_kind
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.models.qwen3_5_config import LINEAR_ATTENTION
 from dflash_jax.ops.anchors import AnchorGrid

@@ -22,21 +22,23 @@ from ml_collections import ConfigDict
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from dflash_jax import plan, plan_compare
-from dflash_jax.chips import chip_of_kind
+from dflash_jax.planning import compare as plan_compare, plan
+from dflash_jax.planning.chips import chip_of_kind
 from dflash_jax.data import BatchLoader, Prefetcher, merge_states
-from dflash_jax.errors import ConfigError, DataError
+from dflash_jax.runtime.errors import ConfigError, DataError
 from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.sharding import BATCH_AXES, auto_target_layout, state_shardings
-from dflash_jax.train import distributed, epochs, flops, validate
-from dflash_jax.train.checkpoint import Checkpointer, StopRequest
+from dflash_jax.runtime import distributed
+from dflash_jax.train import epochs, flops, validate
+from dflash_jax.runtime.stop import StopRequest
+from dflash_jax.train.checkpoint import Checkpointer
 from dflash_jax.train.loss import acceptance_metrics
 from dflash_jax.train.state import init_train_state, state_spec
 from dflash_jax.train.step import make_step, process_rows, put_batch
 from dflash_jax.train.tracking import Trackers
-from dflash_jax.train.workdir import MetricsLog, append_config_history, drop_metrics_after, workdir_held
+from dflash_jax.runtime.workdir import MetricsLog, append_config_history, drop_metrics_after, workdir_held
 from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE, workdir_path
 from dflash_jax.weights.hub import pretrained_dir
 from dflash_jax.weights.targets import load_target
@@ -52,7 +54,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
     the summary that is also logged at the end.
 
     evaluate: called every config.eval_every steps; by default exact τ on config.data.eval_files (design §9).
-    The run holds the workdir's lock throughout (train/workdir.py): a second trainer there is refused. A
+    The run holds the workdir's lock throughout (runtime/workdir.py): a second trainer there is refused. A
     refused start (bad config, data, or a resume that does not fit the checkpoint) writes no run files.
     """
     validate.validate_config(config)
@@ -69,7 +71,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
 def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None) -> dict[str, Any]:
     given = config  # as the user gave it, for the history; the layout, rows per device and epochs resolve below
     config = config.copy_and_resolve_references()  # in a copy: the caller's config stays as given
-    main = jax.process_index() == 0  # of several processes (train/distributed.py), one writes the run files
+    main = jax.process_index() == 0  # of several processes (runtime/distributed.py), one writes the run files
     budget = config.hbm_gib or plan.device_memory_gib(jax.local_devices()[0])
     report = None
     chip = chip_of_kind(jax.devices()[0].device_kind)  # the published peaks a predicted step time needs
@@ -85,7 +87,7 @@ def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None)
     config = validate.resolve_batch_size(config, batch_shards)
     validate.validate_batch_layout(config, batch_shards)
 
-    # The step compiled from abstract arrays first (dflash_jax/plan.py), where there is a budget to hold it to:
+    # The step compiled from abstract arrays first (dflash_jax/planning/plan.py), where there is a budget to hold it to:
     # a run that cannot fit stops before any weight is read.
     predicted = None  # the roofline's (perfect overlap, no overlap) step time, logged beside the measured one
     if config.plan_only or budget:

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
-from dflash_jax.errors import CheckpointError, ConfigError
+from dflash_jax.runtime.errors import CheckpointError, ConfigError
 from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.sharding import state_shardings
 from dflash_jax.train.optimizer import make_optimizer

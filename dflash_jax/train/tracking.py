@@ -24,8 +24,8 @@ from typing import Any
 from etils import epath
 from ml_collections import ConfigDict
 
-from dflash_jax.errors import ConfigError
-from dflash_jax.paths import as_path, cache_root, is_url
+from dflash_jax.runtime.errors import ConfigError
+from dflash_jax.runtime.paths import as_path, cache_root, is_url
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from ml_collections import ConfigDict
 
 from dflash_jax.data.corpus import check_input_files
 from dflash_jax.data.sources import resolve_sources
-from dflash_jax.errors import ConfigError
+from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.models.dflash import LABEL_SOURCES
 from dflash_jax.models.drafter import LAYER_TYPES, REMAT_POLICIES, DrafterConfig, default_target_layer_ids
 from dflash_jax.ops.backends import ATTENTION_CHOICES

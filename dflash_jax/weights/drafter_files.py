@@ -25,10 +25,10 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 from safetensors.numpy import save_file
 
-from dflash_jax.errors import CheckpointError
+from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.models.drafter import Drafter, DrafterConfig
-from dflash_jax.paths import as_path
-from dflash_jax.train.workdir import library_logs_captured, newest_readable
+from dflash_jax.runtime.paths import as_path
+from dflash_jax.runtime.workdir import library_logs_captured, newest_readable
 from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.output_dir import FILE_MODE, check_output_dir, prepare_output_dir, write_text
 from dflash_jax.weights.safetensors_dir import SINGLE_FILE, CheckpointReader, read_config
@@ -279,7 +279,7 @@ def drafter_from_torch_layout(tensors: Mapping[str, np.ndarray], config: Drafter
 
 
 def workdir_path(workdir: str | os.PathLike) -> epath.Path:
-    """A run directory as every reader and writer of it addresses it (dflash_jax/paths.py)."""
+    """A run directory as every reader and writer of it addresses it (dflash_jax/runtime/paths.py)."""
     return as_path(workdir)
 
 

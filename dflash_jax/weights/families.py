@@ -18,7 +18,7 @@ from typing import Any
 from flax import nnx
 from jax.sharding import Mesh
 
-from dflash_jax.errors import CheckpointError
+from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
 from dflash_jax.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from dflash_jax.weights import hf_qwen3, hf_qwen3_5

@@ -1,7 +1,7 @@
 """Models named by a Hugging Face Hub repo id (`Qwen/Qwen3-8B`) wherever a directory is expected.
 
 `local_dir` turns a name into a directory: an existing local directory is used as it is; a bucket URI's
-model files are copied into a local cache (dflash_jax/paths.py) and that copy is used; otherwise a name shaped `owner/name` is a Hub repo, fetched with `huggingface_hub.snapshot_download` into the
+model files are copied into a local cache (dflash_jax/runtime/paths.py) and that copy is used; otherwise a name shaped `owner/name` is a Hub repo, fetched with `huggingface_hub.snapshot_download` into the
 Hugging Face cache (HF_HOME / HF_HUB_CACHE) or found there, and its snapshot directory is returned. With
 HF_HUB_OFFLINE=1 only the cache is looked at. Only what loading needs is downloaded: configs, tokenizer
 files and safetensors weights (not PyTorch .bin or GGUF copies). Anything else is one CheckpointError line.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import re
 
-from dflash_jax.errors import CheckpointError
-from dflash_jax.paths import is_url, local_copy
+from dflash_jax.runtime.errors import CheckpointError
+from dflash_jax.runtime.paths import is_url, local_copy
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the Hub spells repo ids
 MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dflash_jax.errors import CheckpointError
+from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.weights.safetensors_dir import CheckpointReader
 
 

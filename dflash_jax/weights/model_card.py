@@ -13,9 +13,9 @@ from pathlib import Path
 
 from etils import epath
 
-from dflash_jax.errors import CheckpointError
+from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.models.drafter import DrafterConfig
-from dflash_jax.train.workdir import config_of_step, read_metrics
+from dflash_jax.runtime.workdir import config_of_step, read_metrics
 from dflash_jax.weights.drafter_files import CARD_FILE, serve_command
 from dflash_jax.weights.hub import REPO_ID
 from dflash_jax.weights.output_dir import OWNER_FILE, write_text

@@ -27,8 +27,8 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from orbax.checkpoint import v1 as ocp
 from tqdm import tqdm
 
-from dflash_jax.errors import CheckpointError
-from dflash_jax.paths import as_path, is_url
+from dflash_jax.runtime.errors import CheckpointError
+from dflash_jax.runtime.paths import as_path, is_url
 from dflash_jax.sharding import state_shardings
 from dflash_jax.weights.families import resolve
 from dflash_jax.weights.mapping import WeightRule
@@ -120,7 +120,7 @@ def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: 
     With a mesh each variable is restored directly onto its sharding from the logical-axis rules (each
     device reads only its shard; `target_layout` as in `load_target`); without one, onto the first device.
     Stored weights are cast to the model's dtypes (`param_dtype`, fp32 where the model insists). A directory
-    in a bucket has its small files read from a local copy and its arrays read in place (dflash_jax/paths.py).
+    in a bucket has its small files read from a local copy and its arrays read in place (dflash_jax/runtime/paths.py).
     """
     params_dir = (as_path(directory) if is_url(directory) else Path(directory)) / PARAMS_DIR
     directory = Path(local_dir(directory, "target"))

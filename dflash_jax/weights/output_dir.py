@@ -19,8 +19,8 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path, PurePath, PurePosixPath
 
-from dflash_jax.errors import OutputDirError
-from dflash_jax.paths import is_url
+from dflash_jax.runtime.errors import OutputDirError
+from dflash_jax.runtime.paths import is_url
 
 OWNER_FILE = "dflash_output.json"
 # Outputs are read by other users (e.g. a vLLM server), whatever the umask: never the 0600 of a temporary file.

@@ -18,7 +18,7 @@ import ml_dtypes  # noqa: F401
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from dflash_jax.errors import CheckpointError
+from dflash_jax.runtime.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

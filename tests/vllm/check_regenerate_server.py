@@ -59,7 +59,7 @@ def run_client(url: str, prompts: Path, out: Path) -> None:
 def jax_regeneration(prompts: Path, out: Path) -> None:
     import jax
 
-    from dflash_jax import regenerate
+    from dflash_jax.commands import regenerate
     from tests.train_fixtures import tiny_config
     config = tiny_config(TOY_TARGET, prompts)
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1

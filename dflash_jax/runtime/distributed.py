@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dflash_jax.errors import ConfigError
+from dflash_jax.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from dflash_jax.chips import Chip
-from dflash_jax.hlo_cost import HloCost
+from dflash_jax.planning.chips import Chip
+from dflash_jax.planning.hlo_cost import HloCost
 
 
 class Roofline(NamedTuple):

@@ -31,9 +31,9 @@ import jax
 from etils import epath
 from ml_collections import ConfigDict
 
-from dflash_jax.errors import CheckpointError, WorkdirLockedError
-from dflash_jax.paths import StagedFile, is_url
-from dflash_jax.train import distributed
+from dflash_jax.runtime.errors import CheckpointError, WorkdirLockedError
+from dflash_jax.runtime.paths import StagedFile, is_url
+from dflash_jax.runtime import distributed
 
 log = logging.getLogger(__name__)
 

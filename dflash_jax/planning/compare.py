@@ -19,11 +19,11 @@ from typing import NamedTuple
 from flax import nnx
 from ml_collections import ConfigDict
 
-from dflash_jax.chips import Chip, chip_of_kind
-from dflash_jax.errors import ConfigError
+from dflash_jax.planning.chips import Chip, chip_of_kind
+from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.ops.backends import resolve_attention_impl
-from dflash_jax.plan import GIB, Plan, granule_of, plan_train_step, target_bytes_by_layout
-from dflash_jax.roofline import format_bytes, format_ranges, format_run
+from dflash_jax.planning.plan import GIB, Plan, granule_of, plan_train_step, target_bytes_by_layout
+from dflash_jax.planning.roofline import format_bytes, format_ranges, format_run
 from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
 from dflash_jax.train import validate
 from dflash_jax.train.config import base_config

@@ -5,7 +5,7 @@ asks of each resource (design §13):
     dflash-jax plan --config configs/qwen27b.py --topology v5p-64 [--mesh data=1,fsdp=32,tensor=1] [--hbm_gib 95]
     dflash-jax plan --config configs/qwen27b.py --topology gpu:H200x8x4 --compare [--layouts fsdp,tensor]
 
-`python -m dflash_jax.plan` is the same command. --topology names a Cloud TPU slice (v5p-64, v6e-64, or
+The command is commands/plan.py; `python -m dflash_jax.plan` is the same command. --topology names a Cloud TPU slice (v5p-64, v6e-64, or
 libtpu's own v5p:2x4x4), compiled by libtpu without any TPU attached (`pip install 'dflash-jax[tpu]'`), a GPU
 cluster gpu:<chip>x<GPUs per host>x<hosts> (gpu:H200x8x4; compiled for that many simulated CPU devices, hosts
 being consecutive blocks of them), or cpu:N for N simulated CPU devices; without it, the devices this host has.
@@ -27,16 +27,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from absl import flags
 from flax import nnx
-from ml_collections import ConfigDict, config_flags
+from ml_collections import ConfigDict
 
-from dflash_jax import cli
-from dflash_jax.chips import Chip, chip_named, chip_of_kind
-from dflash_jax.errors import ConfigError, UserError
-from dflash_jax.hlo_cost import HloCost, hlo_cost
+from dflash_jax.planning.chips import Chip, chip_named, chip_of_kind
+from dflash_jax.runtime.errors import ConfigError, UserError
+from dflash_jax.planning.hlo_cost import HloCost, hlo_cost
 from dflash_jax.ops.backends import resolve_attention_impl
-from dflash_jax.roofline import Roofline, format_roofline, roofline
+from dflash_jax.planning.roofline import Roofline, format_roofline, roofline
 from dflash_jax.sharding import TARGET_LAYOUTS, auto_target_layout, batch_sharding, state_shardings
 from dflash_jax.train import epochs, flops, validate
 from dflash_jax.train.state import state_spec
@@ -46,27 +44,6 @@ from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.safetensors_dir import read_config
 
 GIB = 2**30
-
-FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
-_CONFIG = cli.define_config_flag(FLAGS)
-_TOPOLOGY = flags.DEFINE_string("topology", None, "A TPU slice (v5p-64, v6e-64, v5p:2x4x4; needs libtpu), a GPU "
-                                "cluster gpu:H200x8x4 (chip x GPUs per host x hosts; simulated devices) or cpu:N "
-                                "(N simulated CPU devices); default: this host's devices.", flag_values=FLAGS)
-_MESH = flags.DEFINE_string("mesh", None, "Mesh sizes, e.g. data=1,fsdp=32,tensor=1 (default: config.mesh).",
-                            flag_values=FLAGS)
-_HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Memory budget per device in GiB (default: config.hbm_gib, else "
-                              "the device kind's HBM).", flag_values=FLAGS)
-_COMPARE = flags.DEFINE_bool("compare", False, "Plan every target layout and mesh the topology allows "
-                              "(plan_compare.py) and rank them by predicted step time.", flag_values=FLAGS)
-_LAYOUTS = flags.DEFINE_string("layouts", ",".join(TARGET_LAYOUTS), "--compare: the target layouts to try.",
-                               flag_values=FLAGS)
-_EPOCH_TOKENS = flags.DEFINE_float("epoch_tokens", None, "The corpus's tokens an epoch (train logs them at its "
-                                   "first start), for the run time of config.epochs; without it, the time per "
-                                   "billion tokens.", flag_values=FLAGS)
-_TENSOR_SIZES = flags.DEFINE_string("tensor_sizes", "1,2,4,8", "--compare: the mesh.tensor sizes to try.",
-                                    flag_values=FLAGS)
-flags.mark_flags_as_required(["config"], flag_values=FLAGS)
-
 
 class Plan(NamedTuple):
     """One compiled train step: bytes and FLOPs are per device unless named otherwise."""
@@ -337,45 +314,3 @@ def check_budget(plan: Plan) -> None:
                         f"{plan.temp_bytes / GIB:.2f} GiB), over the {plan.hbm_bytes / GIB:.1f} GiB budget; largest "
                         f"arrays: {largest}. Use more devices (mesh.fsdp), fewer rows per device "
                         f"(data.batch_size, grad_accum_steps), or config.remat")
-
-
-def _mesh_sizes(text: str) -> dict[str, int]:
-    try:
-        sizes = {key.strip(): int(value) for key, value in (part.split("=") for part in text.split(","))}
-    except ValueError:
-        raise UserError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T") from None
-    unknown = set(sizes) - {"data", "fsdp", "tensor", "dcn_data"}
-    if unknown:
-        raise UserError(f"--mesh {text!r}: unknown axes {sorted(unknown)}; the axes are data, fsdp, tensor "
-                        f"(and dcn_data, the slices or hosts the data axis also spans)")
-    return sizes
-
-
-def main() -> None:
-    config = _CONFIG.value
-    if _MESH.value:
-        config.mesh.update(_mesh_sizes(_MESH.value))
-    target_config = target_architecture(config, config_flags.get_config_filename(FLAGS["config"]))
-    devices = topology_devices(_TOPOLOGY.value)
-    cluster = gpu_cluster(_TOPOLOGY.value)
-    chip, per_host = (cluster.chip, cluster.per_host) if cluster else (None, None)
-    epoch_tokens = None if _EPOCH_TOKENS.value is None else int(_EPOCH_TOKENS.value)
-    if _COMPARE.value:
-        from dflash_jax import plan_compare  # it plans each candidate with this module's plan_train_step
-
-        granules = cluster.hosts if cluster else len({granule_of(d) for d in devices})
-        candidates = plan_compare.compare_plans(
-            config, target_config, devices, granules, plan_compare.check_layouts(_LAYOUTS.value),
-            plan_compare.parse_sizes(_TENSOR_SIZES.value), _HBM_GIB.value or config.hbm_gib, chip, per_host,
-            epoch_tokens)
-        print(plan_compare.format_comparison(candidates))
-        return
-    mesh = validate.mesh_from_config(config, devices)
-    plan = plan_train_step(config, target_config, mesh, _HBM_GIB.value or config.hbm_gib, chip, per_host,
-                           epoch_tokens)
-    print(format_plan(plan))
-    check_budget(plan)
-
-
-if __name__ == "__main__":
-    cli.run(main, FLAGS)

@@ -1,0 +1,80 @@
+r"""Plan a training run ahead of time (the library is planning/plan.py; design §13):
+
+    dflash-jax plan --config configs/qwen27b.py --topology v5p-64 [--mesh data=1,fsdp=32,tensor=1] [--hbm_gib 95]
+    dflash-jax plan --config configs/qwen27b.py --topology gpu:H200x8x4 --compare [--layouts fsdp,tensor]
+
+`python -m dflash_jax.plan` is the same command. Its figures are predictions.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+from ml_collections import config_flags
+
+from dflash_jax.commands import cli
+from dflash_jax.planning import compare as plan_compare
+from dflash_jax.planning.plan import (check_budget, format_plan, gpu_cluster, granule_of, plan_train_step,
+                                      target_architecture, topology_devices)
+from dflash_jax.runtime.errors import UserError
+from dflash_jax.sharding import TARGET_LAYOUTS
+from dflash_jax.train import validate
+
+FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
+_CONFIG = cli.define_config_flag(FLAGS)
+_TOPOLOGY = flags.DEFINE_string("topology", None, "A TPU slice (v5p-64, v6e-64, v5p:2x4x4; needs libtpu), a GPU "
+                                "cluster gpu:H200x8x4 (chip x GPUs per host x hosts; simulated devices) or cpu:N "
+                                "(N simulated CPU devices); default: this host's devices.", flag_values=FLAGS)
+_MESH = flags.DEFINE_string("mesh", None, "Mesh sizes, e.g. data=1,fsdp=32,tensor=1 (default: config.mesh).",
+                            flag_values=FLAGS)
+_HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Memory budget per device in GiB (default: config.hbm_gib, else "
+                              "the device kind's HBM).", flag_values=FLAGS)
+_COMPARE = flags.DEFINE_bool("compare", False, "Plan every target layout and mesh the topology allows "
+                              "(planning/compare.py) and rank them by predicted step time.", flag_values=FLAGS)
+_LAYOUTS = flags.DEFINE_string("layouts", ",".join(TARGET_LAYOUTS), "--compare: the target layouts to try.",
+                               flag_values=FLAGS)
+_EPOCH_TOKENS = flags.DEFINE_float("epoch_tokens", None, "The corpus's tokens an epoch (train logs them at its "
+                                   "first start), for the run time of config.epochs; without it, the time per "
+                                   "billion tokens.", flag_values=FLAGS)
+_TENSOR_SIZES = flags.DEFINE_string("tensor_sizes", "1,2,4,8", "--compare: the mesh.tensor sizes to try.",
+                                    flag_values=FLAGS)
+flags.mark_flags_as_required(["config"], flag_values=FLAGS)
+
+
+def _mesh_sizes(text: str) -> dict[str, int]:
+    try:
+        sizes = {key.strip(): int(value) for key, value in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise UserError(f"--mesh {text!r}: expected data=D,fsdp=F,tensor=T") from None
+    unknown = set(sizes) - {"data", "fsdp", "tensor", "dcn_data"}
+    if unknown:
+        raise UserError(f"--mesh {text!r}: unknown axes {sorted(unknown)}; the axes are data, fsdp, tensor "
+                        f"(and dcn_data, the slices or hosts the data axis also spans)")
+    return sizes
+
+
+def main() -> None:
+    config = _CONFIG.value
+    if _MESH.value:
+        config.mesh.update(_mesh_sizes(_MESH.value))
+    target_config = target_architecture(config, config_flags.get_config_filename(FLAGS["config"]))
+    devices = topology_devices(_TOPOLOGY.value)
+    cluster = gpu_cluster(_TOPOLOGY.value)
+    chip, per_host = (cluster.chip, cluster.per_host) if cluster else (None, None)
+    epoch_tokens = None if _EPOCH_TOKENS.value is None else int(_EPOCH_TOKENS.value)
+    if _COMPARE.value:
+        granules = cluster.hosts if cluster else len({granule_of(d) for d in devices})
+        candidates = plan_compare.compare_plans(
+            config, target_config, devices, granules, plan_compare.check_layouts(_LAYOUTS.value),
+            plan_compare.parse_sizes(_TENSOR_SIZES.value), _HBM_GIB.value or config.hbm_gib, chip, per_host,
+            epoch_tokens)
+        print(plan_compare.format_comparison(candidates))
+        return
+    mesh = validate.mesh_from_config(config, devices)
+    plan = plan_train_step(config, target_config, mesh, _HBM_GIB.value or config.hbm_gib, chip, per_host,
+                           epoch_tokens)
+    print(format_plan(plan))
+    check_budget(plan)
+
+
+if __name__ == "__main__":
+    cli.run(main, FLAGS)
