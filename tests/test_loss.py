@@ -121,3 +121,25 @@ def test_map_row_chunks_keeps_leading_axes_and_drops_padding():
     doubled, total = map_row_chunks(lambda a, b: (2 * a, b + a.sum(-1).astype(b.dtype)), 4, 1, x, y)
     np.testing.assert_array_equal(doubled, 2 * x)
     np.testing.assert_array_equal(total, y + x.sum(-1).astype(y.dtype))
+
+
+def test_bf16_head_has_no_fp32_copy_and_matches_fp32():
+    """With a bf16 head and hidden, the compiled loss gradient holds no fp32 array of the head's shape (either
+    orientation): both products run in bf16 with fp32 accumulation. Its loss and gradient match the fp32 ones
+    within bf16 tolerance (inputs rounded to bf16 first, so only the products' precision differs)."""
+    H, V, R = 32, 1024, 24
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    hidden = jax.random.normal(keys[0], (2, R, H)).astype(jnp.bfloat16)
+    kernel = (jax.random.normal(keys[1], (H, V)) / np.sqrt(H)).astype(jnp.bfloat16)
+    labels = jax.random.randint(keys[2], (2, R), 0, V)
+
+    def loss(h, k):
+        return jnp.sum(lm_head_cross_entropy(h, k, labels, 8)[0])
+
+    grad_bf16 = jax.jit(jax.value_and_grad(loss))
+    text = grad_bf16.lower(hidden, kernel).compile().as_text()
+    assert f"f32[{H},{V}]" not in text and f"f32[{V},{H}]" not in text
+    value, grad = grad_bf16(hidden, kernel)
+    value32, grad32 = jax.value_and_grad(loss)(hidden.astype(jnp.float32), kernel.astype(jnp.float32))
+    np.testing.assert_allclose(float(value), float(value32), rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(grad32), rtol=5e-2, atol=2e-2)

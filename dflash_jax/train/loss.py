@@ -94,7 +94,9 @@ def lm_head_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: 
 
 def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradient: bool):
     """One row chunk: (ce, correct) and, if with_gradient, d ce / d h. h: [..., c, H]; y: [..., c]."""
-    logits = jnp.dot(h, kernel.astype(h.dtype), preferred_element_type=jnp.float32)
+    # Both products run in the head's dtype with fp32 accumulation: a bf16 head is never copied to fp32
+    # (its [H, V] copy would be the step's largest temporary, and an fp32 dot runs at a fraction of the bf16 rate).
+    logits = jnp.dot(h.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
     if logits.ndim == 3:  # [b, c, V]: the vocabulary splits over `tensor` under a mesh
         logits = constrain(logits, ROWS_VOCAB)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
@@ -111,7 +113,7 @@ def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradie
     # d ce / d logits = softmax(logits) - onehot(label), in fp32 like the logits; then back through the head
     # (contracting V: hidden @ kernel transposed, as autodiff of the dot above would).
     grad_logits = exp / total - (vocab_ids == y[..., None]).astype(jnp.float32)
-    grad_h = jax.lax.dot_general(grad_logits, kernel.astype(h.dtype), (((logits.ndim - 1,), (1,)), ((), ())),
+    grad_h = jax.lax.dot_general(grad_logits.astype(kernel.dtype), kernel, (((logits.ndim - 1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
     return outputs + (grad_h.astype(h.dtype),)
 
