@@ -37,6 +37,9 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("linear_heads", "tensor"),
     ("linear_key", "tensor"),
     ("linear_value", "tensor"),
+    # Stacked MoE experts [E, ...] (models/moe.py, design §8.5): not split over the mesh yet (no expert
+    # parallelism); each expert's own axes follow embed / mlp as a dense MLP's do.
+    ("expert", None),
     # Activations (MaxText's activation_* names).
     ("activation_batch", BATCH_AXES),
     ("activation_length", None),
