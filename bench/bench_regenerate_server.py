@@ -36,7 +36,7 @@ from dflash_jax.regeneration.decode import BatchDecoder  # noqa: E402
 from dflash_jax.regeneration.job import regenerate as jax_job  # noqa: E402
 from dflash_jax.regeneration.output import ResumableJsonl  # noqa: E402
 from dflash_jax.weights.targets import load_target  # noqa: E402
-from tests.vllm.vllm_server import TOY_TARGET, toy_target_server  # noqa: E402
+from tests.serving.vllm_server import TOY_TARGET, toy_target_server  # noqa: E402
 
 
 def timed(job, scratch: Path, name: str) -> tuple[int, float, float]:

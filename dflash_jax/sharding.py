@@ -34,6 +34,10 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("fc_in", "tensor"),
     ("conv", None),
+    # DSpark heads (models/dspark_heads.py, design §18): the Markov rank and the confidence input [H + r] are
+    # small, kept whole.
+    ("markov_rank", None),
+    ("confidence_in", None),
     ("linear_heads", "tensor"),
     ("linear_key", "tensor"),
     ("linear_value", "tensor"),

@@ -166,7 +166,7 @@ def main() -> None:
     started = time.time()
     eos = tokenizer.convert_tokens_to_ids(corpus.EOS)
     report_records = {}
-    for name in ("eval", "train"):  # eval first: tests/test_toy_target.py regenerates its first batch
+    for name in ("eval", "train"):  # eval first: tests/weights/test_toy_target.py regenerates its first batch
         report_records[name] = drafter_data.write_regenerated(model, tokenizer, prompts[name], args.new_tokens, eos,
                                                               data_dir / f"{name}.jsonl")
         log(f"{name}: {report_records[name]}")

@@ -10,7 +10,9 @@ entry shim that calls `run_module`) are the same command. `run` gives every comm
   (`define_config_flag`), an unknown field is named with the one to use, and `--print_config` prints the
   resolved config as JSON and exits;
 - an error the user can fix (a bad flag, config, file or checkpoint: `errors.UserError`) is one line
-  `error: ...` on stderr and exit code 2, never a traceback.
+  `error: ...` on stderr and exit code 2, never a traceback;
+- every storage client takes the same endpoint, and remote storage that stops answering is one line
+  `error: storage outage: ...` and exit code 74, retryable (runtime/storage.py, design §7.2).
 
 Adding a command is one line in COMMANDS.
 """
@@ -29,6 +31,7 @@ from collections.abc import Callable, Sequence
 from absl import app, flags
 from ml_collections import config_flags
 
+from dflash_jax.runtime import storage
 from dflash_jax.runtime.errors import UserError
 from dflash_jax.train.validate import check_overrides, resolve_chat_template_kwargs
 
@@ -134,10 +137,15 @@ def run(main: Callable[[], None], command_flags: flags.FlagValues, argv: Sequenc
         return rest
 
     def guarded(_) -> None:
+        storage.connect()
+        if has_config and command_flags.config is not None:
+            storage.configure(command_flags.config.get("storage"))
         try:
             main()
         except UserError as error:
             fail(str(error))
+        except storage.StorageOutage as error:
+            storage.report_and_exit(str(error), storage.EXIT_STORAGE_OUTAGE)
 
     app.run(guarded, argv=argv, flags_parser=parse)
 

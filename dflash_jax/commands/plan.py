@@ -1,7 +1,7 @@
 r"""Plan a training run ahead of time (the library is planning/plan.py; design §13):
 
     dflash-jax plan --config configs/qwen27b.py --topology v5p-64 [--mesh data=1,fsdp=32,tensor=1] [--hbm_gib 95]
-    dflash-jax plan --config configs/qwen27b.py --topology gpu:H200x8x4 --compare [--layouts fsdp,tensor]
+    dflash-jax plan --config configs/qwen27b.py --topology gpu:H200x8x4 --compare [--layouts fsdp,tensor] [--json F]
 
 `python -m dflash_jax.plan` is the same command. Its figures are predictions.
 """
@@ -13,6 +13,7 @@ from ml_collections import config_flags
 
 from dflash_jax.commands import cli
 from dflash_jax.planning import compare as plan_compare
+from dflash_jax.planning import report
 from dflash_jax.planning.plan import (check_budget, format_plan, gpu_cluster, granule_of, plan_train_step,
                                       target_architecture, topology_devices)
 from dflash_jax.runtime.errors import UserError
@@ -37,6 +38,8 @@ _EPOCH_TOKENS = flags.DEFINE_float("epoch_tokens", None, "The corpus's tokens an
                                    "billion tokens.", flag_values=FLAGS)
 _TENSOR_SIZES = flags.DEFINE_string("tensor_sizes", "1,2,4,8", "--compare: the mesh.tensor sizes to try.",
                                     flag_values=FLAGS)
+_JSON = flags.DEFINE_string("json", None, "Also write every figure of the plan (or, with --compare, of every "
+                            "candidate) to this JSON file (planning/report.py).", flag_values=FLAGS)
 flags.mark_flags_as_required(["config"], flag_values=FLAGS)
 
 
@@ -68,11 +71,15 @@ def main() -> None:
             plan_compare.parse_sizes(_TENSOR_SIZES.value), _HBM_GIB.value or config.hbm_gib, chip, per_host,
             epoch_tokens)
         print(plan_compare.format_comparison(candidates))
+        if _JSON.value:
+            report.write_json(_JSON.value, report.comparison_record(candidates))
         return
     mesh = validate.mesh_from_config(config, devices)
     plan = plan_train_step(config, target_config, mesh, _HBM_GIB.value or config.hbm_gib, chip, per_host,
                            epoch_tokens)
     print(format_plan(plan))
+    if _JSON.value:  # written before the budget check: a plan over its budget is the one to read
+        report.write_json(_JSON.value, report.plan_record(plan))
     check_budget(plan)
 
 

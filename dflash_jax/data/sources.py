@@ -24,6 +24,7 @@ from typing import Any
 
 from dflash_jax.data.jsonl import COMPRESSED, JsonlSource
 from dflash_jax.data.tables import DatasetSource, ParquetSource
+from dflash_jax.runtime import paths
 from dflash_jax.runtime.errors import DataError
 
 JSONL_SUFFIXES = tuple(base + zip_ for base in (".jsonl", ".json") for zip_ in ("", *COMPRESSED))
@@ -94,10 +95,8 @@ def _expand(path: str, split: str | None, what: str) -> list[Any]:
 
 def filesystem(path: str, what: str) -> tuple[Any, str]:
     """The fsspec filesystem of a path or URL (gs://, s3://, ...) and the path within it."""
-    import fsspec  # noqa: PLC0415
-
     try:
-        return fsspec.core.url_to_fs(path)
+        return paths.filesystem(path)
     except (ImportError, ValueError) as e:  # a scheme whose filesystem package is not installed
         raise DataError(path, f"cannot open: {' '.join(str(e).split())} ({what})") from None
 

@@ -31,6 +31,9 @@ class TargetContext(NamedTuple):
     labels: jax.Array  # [b, N, B-1] int32: the token drafted slot k = 1..B-1 of the block at anchor a predicts
     block_embeds: jax.Array  # [b, N*B, H] the target's embedding of the block ids
     lm_head: jax.Array  # [H, V]
+    # [b, N, B-1, H] the target's final-normed hidden state at a+k-1, whose logits are its distribution for
+    # drafted slot k; only when the loss compares distributions (design §18), else None
+    label_hidden: jax.Array | None = None
 
 
 def drafted_slots(grid: AnchorGrid) -> np.ndarray:
@@ -56,8 +59,10 @@ def drafter_features(out: TargetOutput) -> jax.Array:
 
 
 def target_context(target, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, grid: AnchorGrid,
-                   config: DrafterConfig, *, labels: str = "target", vocab_chunk: int = 8192) -> TargetContext:
-    """The target over rows [b, T] and what the drafter reads of it (see the module docstring)."""
+                   config: DrafterConfig, *, labels: str = "target", vocab_chunk: int = 8192,
+                   with_distribution: bool = False) -> TargetContext:
+    """The target over rows [b, T] and what the drafter reads of it (see the module docstring);
+    with_distribution: also the hidden states behind its distribution at the drafted slots (`label_hidden`)."""
     out = target(input_ids, positions, segment_ids, config.target_layer_ids)
     lm_head = target.lm_head_kernel()
     if labels == "data":
@@ -65,6 +70,7 @@ def target_context(target, input_ids: jax.Array, positions: jax.Array, segment_i
     else:
         slot_labels = target_labels(out.hidden, lm_head, grid, vocab_chunk)
     block_ids = block_token_ids(input_ids, grid.anchors, grid.block_size, config.mask_token_id)
+    label_hidden = out.hidden[:, drafted_slots(grid) - 1] if with_distribution else None
     return jax.lax.stop_gradient(TargetContext(
         constrain(drafter_features(out), ROWS_EMBED), constrain(slot_labels, ("activation_batch", None, None)),
-        constrain(target.embed(block_ids), ROWS_EMBED), lm_head))
+        constrain(target.embed(block_ids), ROWS_EMBED), lm_head, label_hidden))

@@ -23,7 +23,7 @@ def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Ar
 
     Softmax in fp32, then top k; `jax.lax.top_k` puts the lower index first among exactly equal probabilities.
     torch.topk on CPU follows no index rule among equal values, so only there can the chosen experts differ
-    from transformers' (tests/test_moe.py)."""
+    from transformers' (tests/models/test_moe.py)."""
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if normalize:

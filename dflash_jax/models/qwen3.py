@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from dflash_jax.models.moe import SparseMoE
+from dflash_jax.models.moe_config import MoeSettings
 from dflash_jax.models.layers import (MLP, Embed, Linear, RMSNorm, apply_rope, decoder_layer_params,
                                       rope_inverse_frequencies)
 from dflash_jax.models.target import (NO_SEGMENT, AttentionCache, EmbeddingAndHead, TargetOutput,
@@ -42,6 +44,7 @@ class Qwen3Config:
     rope_scaling: Mapping | None = dataclasses.field(default=None, hash=False)  # None = default RoPE
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
+    moe: MoeSettings | None = None  # qwen3_moe: routed experts (design §8.5); None = dense MLP in every layer
 
     def __post_init__(self):
         for name in (*_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings"):
@@ -61,14 +64,21 @@ class Qwen3Config:
             raise ValueError(f"Qwen3 config field 'tie_word_embeddings' must be a bool, "
                              f"got {self.tie_word_embeddings!r}")
         rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)  # refuses unsupported types
+        if self.moe is not None and len(set(self.moe.sparse_layers)) > 1:
+            # The layers run as one scan over one stacked kind; runs of dense and sparse layers are not built yet.
+            raise ValueError("qwen3_moe config with dense layers among sparse ones (mlp_only_layers / "
+                             "decoder_sparse_step) is not supported yet")
 
     @property
     def layer_matmul_params(self) -> int:
         """Weights every token is multiplied by in the decoder layers (q/k/v/o and the MLP; not the embedding
         or the LM head), for FLOP counts."""
-        return self.num_hidden_layers * decoder_layer_params(self.hidden_size, self.num_attention_heads,
-                                                             self.num_key_value_heads, self.head_dim,
-                                                             self.intermediate_size)
+        attention = decoder_layer_params(self.hidden_size, self.num_attention_heads, self.num_key_value_heads,
+                                         self.head_dim, intermediate=0)
+        if self.moe is None:
+            return self.num_hidden_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
+        # Only the k routed experts a token reaches count (design §8.5).
+        return sum(attention + mlp for mlp in self.moe.active_mlp_params(self.hidden_size, self.intermediate_size))
 
     @property
     def attention_layers(self) -> int:
@@ -109,7 +119,9 @@ class Qwen3Config:
             head_dim=config.get("head_dim") or 128, rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=theta, rope_scaling=scaling,
             tie_word_embeddings=config.get("tie_word_embeddings", False),
-            max_position_embeddings=config.get("max_position_embeddings", 32768))
+            max_position_embeddings=config.get("max_position_embeddings", 32768),
+            moe=(MoeSettings.from_qwen3_moe(config, config["num_hidden_layers"])
+                 if config.get("model_type") == "qwen3_moe" else None))
 
 
 class KVCache(NamedTuple):
@@ -162,7 +174,12 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(config, param_dtype=param_dtype, rngs=rngs, attention_impl=attention_impl,
                                    mesh=mesh)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
-        self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
+        moe = config.moe
+        if moe is not None and moe.sparse_layers[0]:
+            self.mlp = SparseMoE(hidden, moe.expert_intermediate_size, moe.num_experts, moe.top_k,
+                                 moe.normalize_top_k, rngs=rngs, param_dtype=param_dtype)
+        else:
+            self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
 
     def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | None = None):
         attn, cache = self.self_attn(self.input_layernorm(x), positions, segment_ids, inv_freq, cache)

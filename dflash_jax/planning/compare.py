@@ -94,7 +94,7 @@ def choose_mesh(config: ConfigDict, target_config, devices: list, hbm_gib: float
     granules = len({granule_of(device) for device in devices})
     candidates = compare_plans(config, target_config, devices, granules, layouts, tensor_sizes, hbm_gib, chip)
     table = format_comparison(candidates)
-    if not candidates or _rank(candidates[0])[0] != 0:
+    if not candidates or not fits(candidates[0]):
         raise ConfigError(f"no mesh of the {len(devices)} devices fits the train step in {hbm_gib:.1f} GiB per "
                           f"device:\n{table}")
     best = candidates[0]
@@ -109,6 +109,11 @@ def _target_bytes(config: ConfigDict, target_config, mesh) -> dict[str, int]:
     target = family_of(target_config).abstract_model(
         target_config, param_dtype=validate.dtype_of(config.target_dtype), attention_impl=attention_impl, mesh=mesh)
     return target_bytes_by_layout(nnx.state(target), mesh)
+
+
+def fits(candidate: Candidate) -> bool:
+    """Compiled, within the budget, and with a predicted time (the chip's peaks known)."""
+    return _rank(candidate)[0] == 0
 
 
 def _rank(candidate: Candidate) -> tuple:
@@ -140,7 +145,7 @@ def format_comparison(candidates: list[Candidate]) -> str:
         step, mfu, tokens = format_ranges(line)
         lines.append(f"| {candidate.layout} | {mesh} | {format_bytes(plan.total_bytes)} | {links} | {step} | {mfu} | "
                      f"{tokens} | {format_run(line)} | {line.bound} | {candidate.reason} |")
-    best = candidates[0] if candidates and _rank(candidates[0])[0] == 0 else None
+    best = candidates[0] if candidates and fits(candidates[0]) else None
     if best is None:
         lines.append("no candidate fits")
     else:

@@ -45,6 +45,22 @@ from dflash_jax.weights.safetensors_dir import read_config
 
 GIB = 2**30
 
+class LargeArray(NamedTuple):
+    """An array the compiled program materialises, `count` times: what the temporaries are made of."""
+
+    bytes: int
+    dtype: str  # HLO's names: bf16, f32, s32, ...
+    shape: tuple[int, ...]
+    op: str  # the HLO instruction (all-gather, fusion, dot, ...)
+    origin: str  # the JAX operation it came from
+    count: int
+
+    @property
+    def text(self) -> str:
+        text = f"{self.dtype}[{','.join(map(str, self.shape))}] {self.op} {self.origin}".strip()
+        return f"{text} (x{self.count})" if self.count > 1 else text
+
+
 class Plan(NamedTuple):
     """One compiled train step: bytes and FLOPs are per device unless named otherwise."""
 
@@ -58,6 +74,7 @@ class Plan(NamedTuple):
     params_bytes: int  # the drafter's fp32 weights
     opt_state_bytes: int
     batch_bytes: int
+    argument_bytes: int  # the step's inputs as the compiler holds them (state, target, batch)
     temp_bytes: int  # the compiler's temporaries (activations, gathered weights, gradients)
     code_bytes: int  # generated code
     total_bytes: int  # what the step needs resident: arguments, outputs not aliased to them, temporaries, code
@@ -65,7 +82,7 @@ class Plan(NamedTuple):
     model_flops: float  # train/flops.py's count for the whole step, all devices
     cost: HloCost  # read from the compiled HLO for one device, loop bodies times their trip counts
     roofline: Roofline | None  # the predicted step time, where the chip's peaks are known (chips.py)
-    largest: list[tuple[int, str]]  # (bytes, "dtype[shape] op") of the biggest arrays the program holds
+    largest: list[LargeArray]  # the biggest arrays the program holds, largest first
     hbm_bytes: int | None  # the budget, if known
 
 
@@ -241,7 +258,7 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
         target_layout=config.target_layout, target_bytes=by_layout[config.target_layout],
         target_bytes_by_layout=by_layout, params_bytes=_per_device_bytes(spec.abstract.params),
         opt_state_bytes=_per_device_bytes(spec.abstract.opt_state), batch_bytes=_per_device_bytes(batch),
-        temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes, total_bytes=total,
+        argument_bytes=memory.argument_size_in_bytes, temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes, total_bytes=total,
         xla_flops=float(analysis.get("flops", 0.0)) if analysis else 0.0, model_flops=model_flops, cost=cost,
         roofline=line, largest=largest_arrays(hlo),
         hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB))
@@ -253,7 +270,7 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, 
           "f64": 8, "s64": 8, "u64": 8}
 
 
-def largest_arrays(hlo: str, count: int = 6) -> list[tuple[int, str]]:
+def largest_arrays(hlo: str, count: int = 6) -> list[LargeArray]:
     """The biggest arrays the optimized program materialises (instructions outside fusion bodies, whose
     insides never reach memory), largest first, each with its op and the JAX operation it came from: the
     candidates for the compiler's temporaries."""
@@ -266,13 +283,12 @@ def largest_arrays(hlo: str, count: int = 6) -> list[tuple[int, str]]:
         match = None if in_fusion else _INSTRUCTION.match(line)
         if match is None or match.group(1) not in _BYTES or match.group(3) in ("parameter", "constant"):
             continue
-        dims = [int(d) for d in match.group(2).split(",") if d]
-        size = math.prod(dims) * _BYTES[match.group(1)]
+        dtype, shape = match.group(1), tuple(int(d) for d in match.group(2).split(",") if d)
         op_name = _OP_NAME.search(line)
         origin = op_name.group(1).removeprefix("jit(train_step)/") if op_name else ""
-        found[(size, f"{match.group(1)}[{match.group(2)}] {match.group(3)} {origin}".strip())] += 1
+        found[(math.prod(shape) * _BYTES[dtype], dtype, shape, match.group(3), origin)] += 1
     ranked = sorted(found.items(), key=lambda item: -item[0][0])[:count]
-    return [(size, f"{text} (x{times})" if times > 1 else text) for (size, text), times in ranked]
+    return [LargeArray(*key, count=times) for key, times in ranked]
 
 
 def _size(n: float) -> str:
@@ -302,14 +318,14 @@ def format_plan(plan: Plan) -> str:
     if plan.roofline is not None:
         lines.extend(format_roofline(plan.roofline, plan.cost))
     lines.append("largest arrays:")
-    lines.extend(f"  {_size(size)} {text}" for size, text in plan.largest)
+    lines.extend(f"  {_size(array.bytes)} {array.text}" for array in plan.largest)
     return "\n".join(lines)
 
 
 def check_budget(plan: Plan) -> None:
     """UserError when the step needs more than the budget per device, naming its largest arrays."""
     if plan.hbm_bytes is not None and plan.total_bytes > plan.hbm_bytes:
-        largest = ", ".join(f"{text} {_size(size).strip()}" for size, text in plan.largest[:3])
+        largest = ", ".join(f"{array.text} {_size(array.bytes).strip()}" for array in plan.largest[:3])
         raise UserError(f"the train step needs {plan.total_bytes / GIB:.2f} GiB per device (temporaries "
                         f"{plan.temp_bytes / GIB:.2f} GiB), over the {plan.hbm_bytes / GIB:.1f} GiB budget; largest "
                         f"arrays: {largest}. Use more devices (mesh.fsdp), fewer rows per device "

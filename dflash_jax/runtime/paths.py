@@ -7,7 +7,8 @@ or evaluate) is read through `local_copy`: its top-level files are downloaded on
 from there, since the safetensors and tokenizer readers take local files only (an Orbax target's arrays, in a
 subdirectory, stay in the bucket: Orbax reads them there, each host its own shards). A file a command grows at a
 URL (metrics.jsonl, regenerate's output) is a `StagedFile`: written locally and uploaded whole, since object
-stores have no append.
+stores have no append. Every remote path is reached through `as_path` or `filesystem`, which first point every
+storage client at the same endpoint and bound its operations (runtime/storage.py, design §7.2).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import BinaryIO
 
 from etils import epath
 
+from dflash_jax.runtime import storage
+
 
 def is_url(path: str | os.PathLike) -> bool:
     """Whether `path` names an object in a store (gs://bucket/...), not a local file."""
@@ -30,7 +33,18 @@ def as_path(path: str | os.PathLike) -> epath.Path:
     """`path` as one `epath.Path`: a URL stays one (pathlib would turn gs://bucket/run into the local path
     gs:/bucket/run); a local path is made absolute, as Orbax requires."""
     text = os.fspath(path)
-    return epath.Path(text) if is_url(text) else epath.Path(os.path.expanduser(text)).absolute()
+    if not is_url(text):
+        return epath.Path(os.path.expanduser(text)).absolute()
+    storage.connect()
+    return epath.Path(text)
+
+
+def filesystem(url: str):
+    """(the fsspec filesystem of `url`, the path within it); a gs:// one bounded (runtime/storage.py)."""
+    import fsspec  # noqa: PLC0415 (only remote paths need it)
+
+    storage.connect()
+    return fsspec.core.url_to_fs(url)
 
 
 def open_input(path: str | os.PathLike) -> BinaryIO:
@@ -38,9 +52,8 @@ def open_input(path: str | os.PathLike) -> BinaryIO:
     once, in order: one request streams a URL's object)."""
     if not is_url(path):
         return open(path, "rb")
-    import fsspec  # noqa: PLC0415
-
-    return fsspec.open(os.fspath(path), "rb").open()
+    fs, key = filesystem(os.fspath(path))
+    return fs.open(key, "rb")
 
 
 def absolute(path: str | os.PathLike) -> str:
@@ -67,9 +80,7 @@ class StagedFile:
     left in the cache, is what a rerun continues."""
 
     def __init__(self, url: str):
-        import fsspec  # noqa: PLC0415 (only bucket paths need it)
-
-        self._fs, self._key = fsspec.core.url_to_fs(url)
+        self._fs, self._key = filesystem(url)
         self.local = cached_path(url)
         self.local.parent.mkdir(parents=True, exist_ok=True)
         if self._fs.exists(self._key):
@@ -86,9 +97,7 @@ def local_copy(url: str, patterns: Sequence[str]) -> str:
     downloaded only if the cache lacks it or holds another version of it (size and checksum or ETag, as the
     store lists them, kept beside the copy). Written under a name of this process and renamed, so that
     processes sharing a host (and the cache) never read a half-written file."""
-    import fsspec  # noqa: PLC0415 (only bucket paths need it)
-
-    fs, root = fsspec.core.url_to_fs(url)
+    fs, root = filesystem(url)
     local = cached_path(url)
     local.mkdir(parents=True, exist_ok=True)
     for entry in fs.ls(root, detail=True):

@@ -33,6 +33,7 @@ from ml_collections import ConfigDict
 
 from dflash_jax.runtime.errors import CheckpointError, WorkdirLockedError
 from dflash_jax.runtime.paths import StagedFile, is_url
+from dflash_jax.runtime.storage import StorageOutage
 from dflash_jax.runtime import distributed
 
 log = logging.getLogger(__name__)
@@ -203,8 +204,11 @@ class WorkdirLock:
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
             partial = self.path.parent / (LOCK_FILE + ".tmp")
-            partial.write_text(self._text())
-            partial.replace(self.path)
+            try:
+                partial.write_text(self._text())
+                partial.replace(self.path)
+            except StorageOutage as error:  # a missed heartbeat: the lock goes stale only after several
+                log.warning("%s", error)
 
 
 def _why_gone(holder: dict[str, Any]) -> str | None:
@@ -350,6 +354,8 @@ def newest_readable(checkpoints: epath.Path, steps: Sequence[int], restore: Call
         with library_logs_captured() as library_lines:
             try:
                 result = restore(step)
+            except StorageOutage:  # the store did not answer: says nothing about the checkpoint
+                raise
             except Exception as error:  # noqa: BLE001 - any failure to read means: fall back to an older step
                 failures[step] = short_reason(error) + record_error(
                     workdir, f"restoring checkpoint step {step}", error, library_lines)

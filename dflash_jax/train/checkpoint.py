@@ -8,6 +8,7 @@ run had never stopped. The frozen target is never saved; it is reloaded from its
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -18,6 +19,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental.multihost_utils import sync_global_devices
 
+from dflash_jax.runtime import storage
+from dflash_jax.runtime.paths import is_url
 from dflash_jax.train.state import TrainState
 from dflash_jax.runtime.workdir import newest_readable
 from dflash_jax.weights.drafter_files import CHECKPOINTS_DIR, workdir_path
@@ -67,16 +70,26 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         """The state (placed on the shardings carried by `abstract_state`) and the data position at `step`."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        with self._bounded("checkpoint restore"):
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return restored.state, restored.data
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._bounded("checkpoint save"):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        with self._bounded("checkpoint save"):
+            self._manager.wait_until_finished()
         self._manager.close()
+
+    def _bounded(self, operation: str):
+        """A save or restore in a bucket runs in TensorStore's threads, whose own retries of an unanswered
+        request take a quarter of an hour: bounded by the storage watchdog instead (design §7.2)."""
+        if not is_url(self._workdir):
+            return contextlib.nullcontext()
+        return storage.deadline(operation, os.fspath(self._workdir / CHECKPOINTS_DIR))
 
 
 def _set_aside(workdir: epath.Path, step: int) -> None:

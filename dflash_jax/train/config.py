@@ -68,6 +68,12 @@ def base_config() -> ConfigDict:
     config.drafter.rms_norm_eps = 1e-6
     config.drafter.mask_token_id = placeholder(int)  # else the tokenizer's mask token, else len(tokenizer)
     config.drafter.init_from = placeholder(str)  # a drafter directory in the export layout to fine-tune
+    # The drafter family member (design §18): "dflash" (the backbone alone), "dspark" (plus the low-rank Markov
+    # logit bias from the previous token and the per-slot confidence head), "dflash2" (plus the dynamic two-tap
+    # convolutions and the candidate selector).
+    config.drafter.method = "dflash"
+    config.drafter.markov_rank = 256  # dspark: rank r of the Markov bias W2·W1[prev]
+    config.drafter.confidence_alpha = 1.0  # dspark: weight of the confidence head's BCE in the loss
 
     # Data: JSONL records ({"messages": [...]} or {"prompt", "completion"}) packed into rows (design §4).
     config.data = ConfigDict()
@@ -95,6 +101,11 @@ def base_config() -> ConfigDict:
     config.loss.gamma = 7.0  # decay rate (position_weights "decay"); 7 for B=16, 4 for B=8
     config.loss.dpace_alpha = 0.5  # D-PACE smoothing: s = (1 - alpha) exp(-CE) + alpha
     config.loss.labels = "target"  # "target": argmax of the target's logits; "data": the row's next tokens
+    # The loss terms and their weights (design §18): "ce" (hard labels), "kl" (forward KL to the target's
+    # distribution), "rkl", "jsd", "tv"; None = {"ce": 1.0}. A dict in a config file; on the command line a JSON
+    # object (`--config.loss.terms='{"ce": 0.1, "tv": 0.9}'`) or one name (`--config.loss.terms=kl`). D-PACE
+    # position weights are defined for "ce" alone.
+    config.loss.terms = placeholder(object)
     config.loss.noise_std = 0.0  # uniform noise U(-std, std) on the raw features fed to fc (never on labels)
     config.loss.vocab_chunk = 8192  # vocabulary chunk for the target's greedy labels
     config.loss.row_chunk = 512  # block tokens per batch row in one LM head + cross-entropy chunk
@@ -167,6 +178,13 @@ def base_config() -> ConfigDict:
     config.eval_max_new_tokens = 256
     config.checkpoint_every = 500
     config.keep_checkpoints = 3
+    # Remote storage (gs://, design §7.2): one operation (a read, write, listing, upload, checkpoint save) is
+    # given up after deadline_seconds (plus time for its bytes at 8 MiB/s) and `retries` retries with backoff,
+    # and the command exits with code 74 (retryable). None = $DFLASH_JAX_STORAGE_DEADLINE_SECONDS /
+    # $DFLASH_JAX_STORAGE_RETRIES, else 600 s and 8 (runtime/storage.py).
+    config.storage = ConfigDict()
+    config.storage.deadline_seconds = placeholder(float)
+    config.storage.retries = placeholder(int)
     config.peak_tflops_per_device = placeholder(float)  # for MFU; None = look up the device kind
     # XLA's persistent compilation cache (set by the train command): a rerun with the same shapes, such as a
     # resume after preemption, loads the compiled step instead of compiling it again. None =

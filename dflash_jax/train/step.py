@@ -34,8 +34,10 @@ from dflash_jax.ops.gated_delta import delta_rule_matmuls
 from dflash_jax.sharding import BATCH_AXES, TARGET_LAYOUTS, batch_sharding, layout_rules, replicated
 from dflash_jax.train.loss import (dflash_loss, dpace_weights, lm_head_cross_entropy, position_weights,
                                    trained_slot_count)
+from dflash_jax.train.divergences import lm_head_divergences
 from dflash_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from dflash_jax.train.state import StateSpec, TrainState
+from dflash_jax.train.validate import parse_loss_terms
 
 BATCH_KEYS = ("input_ids", "positions", "segment_ids", "loss_mask")
 
@@ -65,6 +67,8 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
     anchors, block = grid.anchors, grid.block_size
     weights = jnp.asarray(position_weights(block, config.loss.gamma))
     dpace = config.loss.position_weights == "dpace"  # weights from the drafter's own confidence (design §6)
+    terms = parse_loss_terms(config.loss.terms)
+    distribution = terms != (("ce", 1.0),)  # the fused loss against the target's distribution (design §18)
 
     def teacher(target_state: nnx.State, batch: dict[str, jax.Array]) -> TargetContext:
         # Traced under the rules of the target's layout, which decide its embedding lookup (models/layers.py),
@@ -73,7 +77,7 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
                 delta_rule_matmuls(config.target_matmul_dtype):
             return target_context(nnx.merge(target_graphdef, target_state), batch["input_ids"], batch["positions"],
                                   batch["segment_ids"], grid, drafter_config, labels=config.loss.labels,
-                                  vocab_chunk=config.loss.vocab_chunk)
+                                  vocab_chunk=config.loss.vocab_chunk, with_distribution=distribution)
 
     def drafter_loss(params: nnx.State, teacher: TargetContext, batch: dict[str, jax.Array], noise_key: jax.Array,
                      normaliser: jax.Array) -> tuple[jax.Array, LossAux]:
@@ -86,8 +90,14 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
                             DrafterInputs.from_rows(grid, batch["positions"], batch["segment_ids"]))
         rows = hidden.shape[0]
         drafted = hidden.reshape(rows, grid.num_anchors, block, -1)[:, :, 1:]  # slot 0 is never trained
-        ce, correct = lm_head_cross_entropy(drafted.reshape(rows, -1, drafted.shape[-1]), teacher.lm_head,
-                                            teacher.labels.reshape(rows, -1), config.loss.row_chunk)
+        drafted = drafted.reshape(rows, -1, drafted.shape[-1])
+        if distribution:  # ce is then the weighted sum of the terms per slot
+            ce, _, correct = lm_head_divergences(drafted, teacher.label_hidden.reshape(drafted.shape),
+                                                 teacher.lm_head, teacher.labels.reshape(rows, -1), terms,
+                                                 config.loss.row_chunk)
+        else:
+            ce, correct = lm_head_cross_entropy(drafted, teacher.lm_head, teacher.labels.reshape(rows, -1),
+                                                config.loss.row_chunk)
         mask = slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block)
         anchor_slot = ((0, 0), (0, 0), (1, 0))  # slot 0: ce 0, not correct (its mask is 0)
         ce = jnp.pad(ce.reshape(teacher.labels.shape), anchor_slot)

@@ -29,6 +29,7 @@ from dflash_jax.ops.backends import ATTENTION_CHOICES
 from dflash_jax.ops.gated_delta import MATMUL_CHOICES
 from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
 from dflash_jax.train.config import RENAMED, base_config, field_paths
+from dflash_jax.train.divergences import TERMS as LOSS_TERMS
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ POSITION_WEIGHTS = ("decay", "dpace")
 BAD_RECORDS = ("raise", "skip")
 DTYPES = ("float32", "bfloat16", "float16")
 EVAL_CONTINUATIONS = ("generate", "data")  # config.eval_continuation
+DRAFTER_METHODS = ("dflash", "dspark", "dflash2")  # config.drafter.method (design §18)
+METHODS_NOT_YET_TRAINABLE = ("dspark", "dflash2")
 
 
 def _field(config: ConfigDict, path: str):
@@ -53,9 +56,16 @@ def _require(condition: bool, message: str) -> None:
 def parse_chat_template_kwargs(value: Any, what: str) -> dict[str, Any] | None:
     """Arguments of the chat template as a dict: a dict, or text holding a JSON object or a Python dict literal
     (a command line gives text); None stays None. ConfigError naming `what` (the flag or field) otherwise."""
+    return parse_mapping(value, what, '{"enable_thinking": false}')
+
+
+def parse_mapping(value: Any, what: str, example: str) -> dict[str, Any] | None:
+    """A dict from a dict or from text holding a JSON object or a Python dict literal; None stays None.
+    ConfigError naming `what` with `example` otherwise."""
     if value is None:
         return None
-    parsed = value
+    # A dict set on a ConfigDict field is stored as a ConfigDict (and so is a copy of the config).
+    parsed = value.to_dict() if isinstance(value, ConfigDict) else value
     if isinstance(value, str):
         try:
             parsed = json.loads(value)
@@ -65,7 +75,7 @@ def parse_chat_template_kwargs(value: Any, what: str) -> dict[str, Any] | None:
             except (ValueError, SyntaxError):
                 pass
     _require(isinstance(parsed, dict) and all(isinstance(key, str) for key in parsed),
-             f"{what} must be a JSON object such as '{{\"enable_thinking\": false}}', got {value!r}")
+             f"{what} must be a JSON object such as '{example}', got {value!r}")
     return dict(parsed)
 
 
@@ -74,6 +84,22 @@ def resolve_chat_template_kwargs(config: ConfigDict) -> None:
     line, so there it is text)."""
     config.data.chat_template_kwargs = parse_chat_template_kwargs(config.data.chat_template_kwargs,
                                                                   "config.data.chat_template_kwargs")
+
+
+def parse_loss_terms(value: Any) -> tuple[tuple[str, float], ...]:
+    """config.loss.terms as sorted (name, weight) pairs: a dict, JSON object text or one term's name; None =
+    the hard cross-entropy alone. ConfigError naming the field otherwise (design §18)."""
+    if value is None:
+        return (("ce", 1.0),)
+    example = '{"ce": 0.1, "tv": 0.9}'
+    parsed = {value: 1.0} if value in LOSS_TERMS else parse_mapping(value, "config.loss.terms", example)
+    _require(len(parsed) > 0, f"config.loss.terms is empty; give terms and weights such as '{example}'")
+    unknown = sorted(set(parsed) - set(LOSS_TERMS))
+    _require(not unknown, f"config.loss.terms has unknown terms {unknown}; allowed: {LOSS_TERMS}")
+    for name, weight in parsed.items():
+        _require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0,
+                 f"config.loss.terms[{name!r}] must be a number > 0, got {weight!r}")
+    return tuple(sorted((name, float(weight)) for name, weight in parsed.items()))
 
 
 def validate_config(config: ConfigDict) -> None:
@@ -102,6 +128,11 @@ def validate_config(config: ConfigDict) -> None:
     _require(0 <= loss.dpace_alpha <= 1,
              f"config.loss.dpace_alpha must lie in [0, 1] (D-PACE smoothing, design §6), got {loss.dpace_alpha}")
     _require(loss.labels in LABEL_SOURCES, f"config.loss.labels must be one of {LABEL_SOURCES}, got {loss.labels!r}")
+    terms = parse_loss_terms(loss.terms)
+    loss.terms = dict(terms)
+    _require(loss.position_weights != "dpace" or set(dict(terms)) == {"ce"},
+             f"config.loss.position_weights='dpace' is defined for the 'ce' term alone, but config.loss.terms is "
+             f"{dict(terms)}; set config.loss.position_weights=decay")
     _require(config.attention_impl in ATTENTION_CHOICES,
              f"config.attention_impl must be one of {ATTENTION_CHOICES}, got {config.attention_impl!r}")
     validate_target_layout(config)
@@ -133,6 +164,11 @@ def validate_config(config: ConfigDict) -> None:
                  "query_chunk_blocks", "log_every", "checkpoint_every", "keep_checkpoints"):
         value = _field(config, path)
         _require(value >= 1, f"config.{path} must be >= 1, got {value}")
+    storage = config.storage
+    _require(storage.deadline_seconds is None or storage.deadline_seconds > 0,
+             f"config.storage.deadline_seconds must be > 0, got {storage.deadline_seconds}")
+    _require(storage.retries is None or storage.retries >= 0,
+             f"config.storage.retries must be >= 0, got {storage.retries}")
     _require(config.eval_every >= 0, f"config.eval_every must be >= 0 (0 = never), got {config.eval_every}")
     _require(config.eval_continuation in EVAL_CONTINUATIONS,
              f"config.eval_continuation must be one of {EVAL_CONTINUATIONS}, got {config.eval_continuation!r}")
@@ -172,6 +208,18 @@ def validate_config(config: ConfigDict) -> None:
                  f"{window!r}; set a positive window (e.g. 2048)")
     _require(drafter.num_feature_layers >= 1,
              f"config.drafter.num_feature_layers must be >= 1, got {drafter.num_feature_layers}")
+    validate_method(drafter)
+
+
+def validate_method(drafter: ConfigDict) -> None:
+    """config.drafter.method and its own fields (design §18)."""
+    _require(drafter.method in DRAFTER_METHODS,
+             f"config.drafter.method must be one of {DRAFTER_METHODS}, got {drafter.method!r}")
+    _require(drafter.markov_rank >= 1, f"config.drafter.markov_rank must be >= 1, got {drafter.markov_rank}")
+    _require(drafter.confidence_alpha >= 0,
+             f"config.drafter.confidence_alpha must be >= 0, got {drafter.confidence_alpha}")
+    _require(drafter.method not in METHODS_NOT_YET_TRAINABLE,
+             f"config.drafter.method={drafter.method!r} is not implemented yet; use 'dflash'")
 
 
 def unknown_field_message(path: str, known: Iterable[str]) -> str:

@@ -66,7 +66,7 @@ QWEN3 = TargetFamily(Qwen3Config, Qwen3, hf_qwen3.text_rules)
 QWEN3_5 = TargetFamily(Qwen3_5Config, Qwen3_5, hf_qwen3_5.text_rules,
                        prefixes=(hf_qwen3_5.MULTIMODAL_PREFIX, hf_qwen3_5.TEXT_ONLY_PREFIX),
                        skipped=hf_qwen3_5.SKIPPED_PREFIXES)
-FAMILIES = {"qwen3": QWEN3, "qwen3_5": QWEN3_5, "qwen3_5_text": QWEN3_5}
+FAMILIES = {"qwen3": QWEN3, "qwen3_moe": QWEN3, "qwen3_5": QWEN3_5, "qwen3_5_text": QWEN3_5}
 
 
 def family_of(config) -> TargetFamily:

@@ -16,18 +16,29 @@ _LAYER_TENSORS = (
     ("self_attn.q_norm.weight", ("self_attn", "q_norm", "weight"), identity),
     ("self_attn.k_norm.weight", ("self_attn", "k_norm", "weight"), identity),
     ("post_attention_layernorm.weight", ("post_attention_layernorm", "weight"), identity),
+)
+_DENSE_MLP_TENSORS = (
     ("mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), transpose),
     ("mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), transpose),
     ("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), transpose),
 )
+# qwen3_moe sparse layers: the router [E, H] and one tensor per expert, stacked [E, ...] (design §8.5).
+_ROUTER = ("mlp.gate.weight", ("mlp", "gate", "kernel"), transpose)
+_EXPERT_TENSORS = tuple((f"mlp.experts.{{expert}}.{name}.weight", ("mlp", "experts", name), transpose)
+                        for name in ("gate_proj", "up_proj", "down_proj"))
 
 
 def text_rules(config: Qwen3Config, prefix: str) -> list[WeightRule]:
     """The embedding, the decoder layers (stacked along `layers`) and the final norm under `prefix`."""
     layers = range(config.num_hidden_layers)
+    moe = config.moe
+    sparse = moe is not None and moe.sparse_layers[0]
+    mlp = (*_LAYER_TENSORS, _ROUTER) if sparse else (*_LAYER_TENSORS, *_DENSE_MLP_TENSORS)
     return [
         WeightRule(f"{prefix}embed_tokens.weight", ("embed_tokens", "embedding")),
         *(WeightRule(f"{prefix}layers.{{layer}}.{name}", ("layers", *path), fixup, layers)
-          for name, path, fixup in _LAYER_TENSORS),
+          for name, path, fixup in mlp),
+        *(WeightRule(f"{prefix}layers.{{layer}}.{name}", ("layers", *path), fixup, layers, moe.num_experts)
+          for name, path, fixup in (_EXPERT_TENSORS if sparse else ())),
         WeightRule(f"{prefix}norm.weight", ("norm", "weight")),
     ]

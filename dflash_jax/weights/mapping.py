@@ -40,11 +40,18 @@ class WeightRule:
     path: tuple[str, ...]
     fixup: Callable[[np.ndarray], np.ndarray] = identity
     layers: Sequence[int] | None = None
+    experts: int | None = None  # hf_name has `{expert}`: per layer, experts 0..E-1 stacked on a leading axis
+
+    def layer_names(self) -> list[list[str]]:
+        """Per stacked layer (one entry when unstacked), the HF tensors that make it, in stacking order."""
+        names = [self.hf_name] if self.layers is None else [self.hf_name.format(layer=i, expert="{expert}")
+                                                            for i in self.layers]
+        if self.experts is None:
+            return [[name] for name in names]
+        return [[name.format(expert=e) for e in range(self.experts)] for name in names]
 
     def names(self) -> list[str]:
-        if self.layers is None:
-            return [self.hf_name]
-        return [self.hf_name.format(layer=i) for i in self.layers]
+        return [name for group in self.layer_names() for name in group]
 
 
 def load_weights(abstract_model: nnx.Module, reader: CheckpointReader, rules: Sequence[WeightRule], *,
@@ -78,16 +85,19 @@ def load_weights(abstract_model: nnx.Module, reader: CheckpointReader, rules: Se
         variable = flat_abstract[rule.path]
         expected = tuple(variable.shape)
         pieces = []
-        for name in rule.names():
-            try:
-                piece = rule.fixup(reader.read(name))
-            except ValueError as error:  # a fix-up that checks its input's shape itself
-                raise CheckpointError(f"{reader.dir}: tensor {name} {error}") from None
-            per_layer = expected[1:] if rule.layers is not None else expected
-            if tuple(piece.shape) != per_layer:
-                raise CheckpointError(f"{reader.dir}: tensor {name} has shape {tuple(reader.shape(name))}, "
-                                      f"expected {_hf_shape(per_layer, rule.fixup)} for this config")
-            pieces.append(np.asarray(piece, dtype=np.dtype(variable.dtype)))  # cast on the host, not via fp32
+        per_tensor = expected[(rule.layers is not None) + (rule.experts is not None):]
+        for group in rule.layer_names():
+            group_pieces = []
+            for name in group:
+                try:
+                    piece = rule.fixup(reader.read(name))
+                except ValueError as error:  # a fix-up that checks its input's shape itself
+                    raise CheckpointError(f"{reader.dir}: tensor {name} {error}") from None
+                if tuple(piece.shape) != per_tensor:
+                    raise CheckpointError(f"{reader.dir}: tensor {name} has shape {tuple(reader.shape(name))}, "
+                                          f"expected {_hf_shape(per_tensor, rule.fixup)} for this config")
+                group_pieces.append(np.asarray(piece, dtype=np.dtype(variable.dtype)))  # cast on the host
+            pieces.append(np.stack(group_pieces) if rule.experts is not None else group_pieces[0])
         value = np.stack(pieces) if rule.layers is not None else pieces[0]
         # Host memory goes straight to each device's shard: staging the whole (stacked) tensor on one device
         # first would need it to fit there, which a large target's stacked MLP kernels do not.

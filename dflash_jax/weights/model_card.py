@@ -11,9 +11,8 @@ import dataclasses
 import shlex
 from pathlib import Path
 
-from etils import epath
-
 from dflash_jax.runtime.errors import CheckpointError
+from dflash_jax.runtime.paths import as_path
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.runtime.workdir import config_of_step, read_metrics
 from dflash_jax.weights.drafter_files import CARD_FILE, serve_command
@@ -36,7 +35,7 @@ class TrainingFacts:
 def training_facts(workdir: str | Path, step: int) -> TrainingFacts:
     """What the workdir records about the run up to `step`: the config of the run that trained it
     (config_history.jsonl) and its metrics.jsonl."""
-    workdir = epath.Path(workdir)
+    workdir = as_path(workdir)
     config = config_of_step(workdir, step) or {}
     facts = TrainingFacts(target=config.get("target_dir") or "TARGET",
                           data_files=list(config.get("data", {}).get("train_files") or []), steps=step)

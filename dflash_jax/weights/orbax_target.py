@@ -15,6 +15,7 @@ memory-mapped safetensors; restoring reads each device's shard straight from ten
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -27,6 +28,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from orbax.checkpoint import v1 as ocp
 from tqdm import tqdm
 
+from dflash_jax.runtime import storage
 from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.runtime.paths import as_path, is_url
 from dflash_jax.sharding import state_shardings
@@ -147,7 +149,11 @@ def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: 
     if missing or unexpected or wrong:
         raise CheckpointError(f"{params_dir}: does not match {directory / 'config.json'}: missing arrays {missing}, "
                               f"unexpected arrays {unexpected}, wrong shapes {wrong}")
-    restored = ocp.load(params_dir, targets)
+    # TensorStore's own retries of an unanswered request take a quarter of an hour: a bucket's read is bounded
+    # by the storage watchdog instead (design §7.2).
+    size = sum(np.dtype(t.dtype).itemsize * int(np.prod(t.shape)) for t in targets.values())
+    with storage.deadline("target restore", str(params_dir), size) if is_url(params_dir) else contextlib.nullcontext():
+        restored = ocp.load(params_dir, targets)
     for path, variable in variables.items():
         variable.set_value(restored[leaf_name(path)])
     return nnx.merge(graphdef, state), config

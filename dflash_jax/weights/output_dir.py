@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path, PurePath, PurePosixPath
 
 from dflash_jax.runtime.errors import OutputDirError
-from dflash_jax.runtime.paths import is_url
+from dflash_jax.runtime.paths import filesystem, is_url
 
 OWNER_FILE = "dflash_output.json"
 # Outputs are read by other users (e.g. a vLLM server), whatever the umask: never the 0600 of a temporary file.
@@ -40,7 +40,7 @@ def check_output_dir(out_dir: str | os.PathLike, *, kind: str, inputs: Iterable[
             raise OutputDirError(f"{out_dir}: the output directory {relation} the input {path}; choose an --out "
                                  f"outside it")
     if is_url(out_dir):
-        fs, inside = url_to_fs(os.fspath(out_dir))
+        fs, inside = filesystem(os.fspath(out_dir))
         is_file, present = fs.isfile(inside), _bucket_entries(fs, inside)
         read_owner = lambda: fs.cat_file(f"{inside}/{OWNER_FILE}").decode()  # noqa: E731
     else:
@@ -79,7 +79,7 @@ def staged_output(out_dir: str | os.PathLike) -> Iterator[Path]:
     if not is_url(out_dir):
         yield Path(out_dir)
         return
-    fs, inside = url_to_fs(os.fspath(out_dir))
+    fs, inside = filesystem(os.fspath(out_dir))
     with tempfile.TemporaryDirectory(prefix="dflash_jax-output-") as staging:
         yield Path(staging) / "out"
         if fs.exists(inside):
@@ -120,12 +120,6 @@ def _bucket_entries(fs, directory: str) -> list[str]:
 def _place(path: str | os.PathLike) -> PurePath:
     """Where `path` is, for comparing an output with the inputs: a URL as written, a local path resolved."""
     return PurePosixPath(os.fspath(path)) if is_url(path) else Path(path).resolve()
-
-
-def url_to_fs(url: str):
-    import fsspec  # noqa: PLC0415 (only bucket outputs need it)
-
-    return fsspec.core.url_to_fs(url)
 
 
 def write_text(path: Path, text: str) -> None:

@@ -18,7 +18,7 @@ from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
 from tools.toy_target.corpus import encode
 
 PROMPT_MIN, PROMPT_MAX = 64, 192  # prompt tokens; prompt + completion must fit the LM's trained length
-BATCH_SIZE = 16  # prompts decoded together (tests/test_toy_target.py regenerates the first batch the same way)
+BATCH_SIZE = 16  # prompts decoded together (tests/weights/test_toy_target.py regenerates the first batch the same way)
 
 
 def cut_points(text: str) -> list[int]:

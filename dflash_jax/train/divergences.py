@@ -1,0 +1,111 @@
+"""Distribution losses between the drafter's and the target's next-token distributions (design §18), computed
+in row chunks with the gradient fused into the forward pass, as the hard cross-entropy of train/loss.py.
+
+q = softmax(hidden @ W) is the drafter's, p = softmax(target_hidden @ W) the target's (its final-normed last
+hidden state through its own LM head W, frozen). Per row, the terms of vLLM speculators'
+`losses/eager.py` (its formulas, re-derived here):
+  ce  = -log q[y]                     (y: the hard label)
+  kl  = Σ p (log p - log q)           (forward KL)
+  rkl = Σ q (log q - log p)
+  jsd = ½ KL(p‖m) + ½ KL(q‖m), m = (p + q)/2
+  tv  = 1 - Σ min(p, q) = ½ ‖p - q‖₁
+Their gradients w.r.t. the drafter's logits z (p is a constant): ce: q - onehot(y); kl: q - p; for the others,
+with g = dℓ/dq, dℓ/dz = q ⊙ (g - Σ q g): rkl g = log q - log p (+1, which cancels), jsd g = ½ log(q/m),
+tv g = -[q < p].
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.train.loss import map_row_chunks
+
+TERMS = ("ce", "kl", "rkl", "jsd", "tv")
+
+
+def lm_head_divergences(hidden: jax.Array, target_hidden: jax.Array, lm_head_kernel: jax.Array, labels: jax.Array,
+                        terms: tuple[tuple[str, float], ...], row_chunk: int
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per row, the weighted sum Σ weight·term over `terms` ((name, weight) pairs of TERMS), the TV (for the
+    confidence target; it carries no gradient) and whether the label is the drafter's argmax.
+
+    hidden, target_hidden: [..., R, H]; lm_head_kernel: [H, V]; labels: [..., R] int. Neither side's [R, V]
+    logits exist at once beyond one chunk of `row_chunk` rows; the forward keeps d(sum)/d hidden ([..., R, H])
+    as the only residual, so the backward computes no logits. Only `hidden` gets a gradient.
+    """
+    unknown = [name for name, _ in terms if name not in TERMS]
+    if unknown:
+        raise ValueError(f"unknown loss terms {unknown}; known: {TERMS}")
+    kernel = jax.lax.stop_gradient(lm_head_kernel)
+    return _divergences(hidden, jax.lax.stop_gradient(target_hidden), kernel, labels, tuple(terms), row_chunk)
+
+
+def _chunk_statistics(h, th, kernel, y, terms, with_gradient):
+    z = jnp.dot(h.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+    t = jnp.dot(th.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+    log_q = jax.nn.log_softmax(z, axis=-1)
+    log_p = jax.nn.log_softmax(t, axis=-1)
+    q, p = jnp.exp(log_q), jnp.exp(log_p)
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
+    onehot = (vocab_ids == y[..., None]).astype(jnp.float32)
+    log_m = jnp.log(0.5 * (p + q))
+    tv = 1.0 - jnp.sum(jnp.minimum(p, q), axis=-1)
+    values = {
+        "ce": -jnp.sum(onehot * log_q, axis=-1),
+        "kl": jnp.sum(p * (log_p - log_q), axis=-1),
+        "rkl": jnp.sum(q * (log_q - log_p), axis=-1),
+        "jsd": 0.5 * jnp.sum(p * (log_p - log_m) + q * (log_q - log_m), axis=-1),
+        "tv": tv,
+    }
+    total = sum(weight * values[name] for name, weight in terms)
+    label_logit = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]
+    lower_max = jnp.max(jnp.where(vocab_ids < y[..., None], z, -jnp.inf), axis=-1)
+    correct = (label_logit >= jnp.max(z, axis=-1)) & (lower_max < label_logit)
+    outputs = (total, tv, correct)
+    if not with_gradient:
+        return outputs
+
+    def through_softmax(g):  # dℓ/dz from dℓ/dq
+        return q * (g - jnp.sum(q * g, axis=-1, keepdims=True))
+
+    gradients = {
+        "ce": lambda: q - onehot,
+        "kl": lambda: q - p,
+        "rkl": lambda: through_softmax(log_q - log_p),
+        "jsd": lambda: through_softmax(0.5 * (log_q - log_m)),
+        "tv": lambda: through_softmax(-(q < p).astype(jnp.float32)),
+    }
+    grad_z = sum(weight * gradients[name]() for name, weight in terms)
+    grad_h = jax.lax.dot_general(grad_z.astype(kernel.dtype), kernel, (((z.ndim - 1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+    return outputs + (grad_h.astype(h.dtype),)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _divergences(hidden, target_hidden, kernel, labels, terms, row_chunk):
+    def chunk(h, th, y):
+        return _chunk_statistics(h, th, kernel, y, terms, with_gradient=False)
+
+    return map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, target_hidden, labels)
+
+
+def _divergences_forward(hidden, target_hidden, kernel, labels, terms, row_chunk):
+    def chunk(h, th, y):
+        return _chunk_statistics(h, th, kernel, y, terms, with_gradient=True)
+
+    total, tv, correct, grad_hidden = map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, target_hidden,
+                                                     labels)
+    return (total, tv, correct), grad_hidden
+
+
+def _divergences_backward(terms, row_chunk, grad_hidden, cotangents):
+    del terms, row_chunk
+    total_cotangent = cotangents[0]  # tv is the detached confidence target, correct is boolean: neither has one
+    hidden_cotangent = (total_cotangent[..., None] * grad_hidden.astype(jnp.float32)).astype(grad_hidden.dtype)
+    return hidden_cotangent, None, None, None
+
+
+_divergences.defvjp(_divergences_forward, _divergences_backward)
