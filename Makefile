@@ -74,6 +74,7 @@ TOY_RUN ?=
 test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(PY) tests/serving/make_artifacts.py --out out/vllm $(if $(TOY_RUN),--toy_run $(TOY_RUN))
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) tests/serving/check_vllm.py out/vllm
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) tests/serving/check_vllm_dspark.py out/vllm
 	$(PY) tests/serving/compare_with_project.py out/vllm
 	$(PY) tests/serving/check_regenerate_server.py --vllm-python $(VLLM_PY) out/vllm
 

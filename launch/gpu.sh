@@ -4,7 +4,9 @@
 #   launch/gpu.sh configs/qwen3_8b.py /ckpt/dflash-qwen3-8b \
 #       --config.target_dir=/ckpt/Qwen3-8B --config.data.train_files=/data/train.jsonl
 #
-# Rerun the same command to resume. Installs the pinned package set on first use (launch/install.sh gpu).
+# Rerun the same command to resume; a storage outage (exit code 74) or a stop whose save outlasted its grace
+# (76) is rerun here, a few times (launch/retry.sh). Installs the pinned package set on first use
+# (launch/install.sh gpu).
 # Several hosts: run it on each with JAX_COORDINATOR_ADDRESS=<host 0>:<port>, JAX_NUM_PROCESSES=<hosts> and
 # JAX_PROCESS_ID=<0..hosts-1> set, and a workdir every host sees (see README, "Multi-host pods").
 set -euo pipefail
@@ -17,4 +19,5 @@ cd "$(dirname "$0")/.."
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 source launch/performance.sh  # XLA and NCCL settings, each overridable from the environment
 gpu_performance_env
-exec .venv/bin/python -m dflash_jax.train --config "$config" --workdir "$workdir" "$@"
+source launch/retry.sh
+run_with_retries .venv/bin/python -m dflash_jax.train --config "$config" --workdir "$workdir" "$@"

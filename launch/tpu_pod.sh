@@ -11,7 +11,10 @@
 #
 # `run` does create (unless the slice exists), install and train, and keeps going until the run finishes:
 # when the trainer stops after its checkpoint (exit code 75: a preemption notice) or the slice is lost, it
-# recreates the slice if needed, reinstalls and trains again, which resumes from the checkpoint. `--delete`
+# recreates the slice if needed, reinstalls and trains again, which resumes from the checkpoint. A storage
+# outage (74) or a stop whose save outlasted its grace (76) trains again too, on every worker together, at most
+# $DFLASH_JAX_RETRIES times (default 3) after a backoff (launch/retry.sh); the workers' own launcher reruns
+# none (a worker rerunning alone would wait for the others). `--delete`
 # deletes the slice at the end. --queued asks for the slice through a queued resource (it waits for capacity),
 # --spot for spot capacity; every command takes --project P. `--setup CMD` runs a shell command on every worker
 # after each install, e.g. mounting the shared storage that CONFIG's paths name (a recreated slice's workers
@@ -19,7 +22,7 @@
 # The workdir, target and data must be buckets (gs://...) or mounts every worker sees.
 set -euo pipefail
 
-STOPPED=75  # the trainer's exit code after a stop by signal with its checkpoint saved (README, Failure handling)
+source "$(dirname "$0")/retry.sh"  # the trainer's exit codes (STOPPED, retryable) and the backoff
 REMOTE_DIR=dflash_jax  # the checkout on each worker, under its home directory
 LOG='$HOME/dflash_train.log' EXIT_FILE='$HOME/dflash_train.exit'  # on each worker; expanded there
 usage() { sed -n '4,10p' "$0" | sed 's/^#  *//' >&2; exit 2; }
@@ -100,7 +103,7 @@ train() {  # start detached on every worker (an ssh that drops does not stop it)
   [ ${#train_args[@]} -ge 2 ] || { echo "train needs CONFIG WORKDIR" >&2; usage; }
   local args
   args=$(printf ' %q' "${train_args[@]}")
-  on_workers all "rm -f $EXIT_FILE; cd $REMOTE_DIR && setsid nohup bash -c 'launch/tpu_vm.sh \"\$@\" > $LOG 2>&1; echo \$? > $EXIT_FILE' _$args > /dev/null 2>&1 < /dev/null &"
+  on_workers all "rm -f $EXIT_FILE; cd $REMOTE_DIR && DFLASH_JAX_RETRIES=0 setsid nohup bash -c 'launch/tpu_vm.sh \"\$@\" > $LOG 2>&1; echo \$? > $EXIT_FILE' _$args > /dev/null 2>&1 < /dev/null &"
   on_workers 0 "tail -n +1 -F $LOG & while [ ! -e $EXIT_FILE ]; do sleep 5; done; sleep 2; kill \$!; exit \$(cat $EXIT_FILE)"
 }
 
@@ -119,10 +122,13 @@ slice_state() {
 run_to_the_end() {
   if [ "$dry_run" = 1 ] || [ "$(slice_state)" = MISSING ]; then create; fi
   install
+  local retry=0 seconds
   while true; do
     local status=0
     train || status=$?
-    [ "$dry_run" = 0 ] || { echo "# on exit code $STOPPED or a lost slice: recreate it if lost, install, train again"; break; }
+    [ "$dry_run" = 0 ] || { echo "# on exit code $STOPPED or a lost slice: recreate it if lost, install, train again"
+                            echo "# on exit code $STORAGE_OUTAGE or $STOP_GRACE_EXPIRED: train again, at most ${DFLASH_JAX_RETRIES:-3} times"
+                            break; }
     [ "$status" != 0 ] || break
     local state
     state=$(slice_state)
@@ -133,6 +139,11 @@ run_to_the_end() {
       install
     elif [ "$status" = "$STOPPED" ]; then
       echo "stopped after a checkpoint: training again to resume" >&2
+    elif retryable "$status" && [ "$retry" -lt "${DFLASH_JAX_RETRIES:-3}" ]; then
+      retry=$((retry + 1))
+      seconds=$(retry_backoff "$retry")
+      echo "exit code $status, which a rerun resumes from: training again ($retry of ${DFLASH_JAX_RETRIES:-3}) in $seconds s" >&2
+      sleep "$seconds"
     else
       echo "training failed with exit code $status; the slice is kept (delete it with: $0 delete $name --zone $zone)" >&2
       exit "$status"

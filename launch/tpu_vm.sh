@@ -11,7 +11,8 @@
 #        --config.target_dir=/mnt/shared/Qwen3.6-27B-orbax --config.data.train_files=/mnt/shared/data/train.jsonl"
 #
 # The target is best converted once with convert/hf_to_orbax.py so each chip restores only its shards.
-# Rerun the same command to resume (SIGTERM from a preemption saves a checkpoint first).
+# Rerun the same command to resume (SIGTERM from a preemption saves a checkpoint first). A storage outage
+# (exit code 74) or a stop whose save outlasted its grace (76) is rerun here, a few times (launch/retry.sh).
 set -euo pipefail
 config=${1:?usage: launch/tpu_vm.sh CONFIG WORKDIR [--config.key=value ...]}
 workdir=${2:?usage: launch/tpu_vm.sh CONFIG WORKDIR [--config.key=value ...]}
@@ -20,4 +21,6 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || launch/install.sh tpu
 source launch/performance.sh  # libtpu's collective settings, overridable from the environment
 tpu_performance_env
-exec .venv/bin/python -m dflash_jax.train --config "$config" --workdir "$workdir" --config.distributed=on "$@"
+source launch/retry.sh
+run_with_retries .venv/bin/python -m dflash_jax.train --config "$config" --workdir "$workdir" \
+  --config.distributed=on "$@"

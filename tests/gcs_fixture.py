@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import threading
 from collections.abc import Iterator
 
@@ -48,6 +49,17 @@ def gcs_server() -> Iterator[object]:
         _remove_buckets(fsspec.filesystem("gs"))
         _forget_filesystems()
         os.environ.pop("STORAGE_EMULATOR_HOST") if saved is None else os.environ.update(STORAGE_EMULATOR_HOST=saved)
+
+
+@contextlib.contextmanager
+def unanswering() -> Iterator[None]:
+    """The running server (of `gcs_server`) stops answering until exit, as a bucket that stalls: its process is
+    suspended, so the kernel still accepts connections and every request waits for an answer that never comes."""
+    _server._process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        _server._process.send_signal(signal.SIGCONT)
 
 
 def _remove_buckets(fs) -> None:

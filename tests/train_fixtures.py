@@ -1,14 +1,19 @@
 """A tiny training setup for the train tests: a random HF Qwen3 target with a chat tokenizer saved beside it,
-a synthetic prompt/completion JSONL corpus, and a config for both (configs/tiny.py with smaller rows)."""
+a synthetic prompt/completion JSONL corpus, and a config for both (configs/tiny.py with smaller rows); a workdir of
+random drafters as the trainer writes it; the D-PACE weights one slot at a time."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import torch
 from flax import nnx
 from jax.sharding import Mesh
@@ -18,16 +23,20 @@ from transformers import AutoTokenizer
 from configs import tiny
 from dflash_jax.data import BatchLoader
 from dflash_jax.models.drafter import DrafterConfig
-from dflash_jax.weights.targets import load_target
 from dflash_jax.ops.backends import resolve_attention_impl
+from dflash_jax.runtime.workdir import append_config_history
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.train import validate
 from dflash_jax.train.checkpoint import Checkpointer
 from dflash_jax.train.state import StateSpec, TrainState, init_train_state, state_spec
 from dflash_jax.train.step import StepFunctions, make_step
-from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE
-from tests.hf_fixtures import qwen3_config, save_qwen3
+from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE, drafter_from_torch_layout
+from dflash_jax.weights.targets import load_target
+
+from tests.drafter_fixtures import CONFIGS, make_config, random_weights
+from tests.hf_fixtures import qwen3_config, randomize_parameters, save_qwen3
 from tests.tokenizer_fixture import _WORDS, make_chat_tokenizer
+
 
 TARGET_VOCAB = 640  # > len(tokenizer) (600), so the mask token defaults to len(tokenizer), an unused row
 
@@ -36,6 +45,23 @@ def make_target(directory: Path, *, num_layers: int = 6, seed: int = 0) -> Path:
     """A random fp32 Qwen3 target (H=64) plus the test tokenizer, loadable by load_target/AutoTokenizer."""
     save_qwen3(directory, qwen3_config(vocab_size=TARGET_VOCAB, num_hidden_layers=num_layers,
                                        tie_word_embeddings=True), seed=seed)
+    make_chat_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def make_qwen3_moe_target(directory: Path, *, seed: int = 0, **overrides) -> Path:
+    """A random tiny Qwen3-MoE target (6 layers, 8 experts, 2 per token, H=64) plus the test tokenizer; `overrides`
+    replace config fields."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    fields = dict(
+        vocab_size=TARGET_VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, tie_word_embeddings=True, max_position_embeddings=256)
+    config = Qwen3MoeConfig(**{**fields, **overrides})
+    model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+    randomize_parameters(model, seed=seed).save_pretrained(directory)
     make_chat_tokenizer().save_pretrained(directory)
     return directory
 
@@ -143,3 +169,35 @@ def build(config: ConfigDict, mesh: Mesh) -> Setup:
 
 def mesh_of(data: int = 1, fsdp: int = 1, tensor: int = 1) -> Mesh:
     return make_mesh(data, fsdp, tensor, devices=jax.devices()[: data * fsdp * tensor])
+
+
+def training_workdir(tmp_path, steps=(2, 4)):
+    """A workdir as `python -m dflash_jax.train` leaves it: drafter_config.json, config_history.jsonl and Orbax
+    checkpoints of the TrainState (written by the trainer's own Checkpointer), one drafter per step."""
+    config = make_config(*CONFIGS["sliding_full"])
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "drafter_config.json").write_text(json.dumps(dataclasses.asdict(config)))
+    append_config_history(workdir, ConfigDict({"target_dir": "/ckpt/target"}), step=0)
+    checkpointer = Checkpointer(workdir, keep=5)
+    weights = {}
+    for step in steps:
+        weights[step] = random_weights(config, seed=step)
+        params = nnx.state(drafter_from_torch_layout(weights[step], config), nnx.Param)
+        state = TrainState(jnp.asarray(step, jnp.int32), params, optax.adam(1e-3).init(params),
+                           jax.random.key_data(jax.random.key(0)))
+        checkpointer.save(step, state, {"position": step})
+    checkpointer.close()
+    return workdir, config, weights
+
+
+def loop_dpace(ce: np.ndarray, mask: np.ndarray, alpha: float) -> np.ndarray:
+    """The formula one slot at a time: w_j = Σ_{m >= j, trained} Π_{i <= m} s_i, s_i = 1 where untrained."""
+    weights = np.zeros_like(ce, np.float64)
+    for index in np.ndindex(ce.shape[:-1]):
+        c, m = ce[index].astype(np.float64), mask[index]
+        s = [(1 - alpha) * np.exp(-c[i]) + alpha if m[i] else 1.0 for i in range(len(c))]
+        for j in range(len(c)):
+            if m[j]:
+                weights[index + (j,)] = sum(np.prod(s[: k + 1]) for k in range(j, len(c)) if m[k])
+    return weights

@@ -1,4 +1,4 @@
-"""Convert a Hugging Face target checkpoint (Qwen3, Qwen3.5/3.6) into an Orbax/tensorstore target directory.
+"""Convert a Hugging Face target checkpoint (Qwen3, Qwen3.5/3.6, and their MoE variants) into an Orbax/tensorstore target directory.
 
     dflash-jax convert --hf_dir /ckpt/Qwen3.6-27B --out /ckpt/Qwen3.6-27B-orbax [--dtype bfloat16]
 

@@ -123,6 +123,9 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
                                  generated=max_new_tokens if continuation == "generate" or speed else 0)
     # The drafter is small: it loads, and is checked against the target's config, before the target does.
     drafter, drafter_config, source = load_drafter(workdir, drafter_dir, step)
+    if drafter_config.method != "dflash":  # exact τ and decoding do not apply the Markov bias yet (design §18)
+        raise ConfigError(f"the drafter ({source}) is a {drafter_config.method!r} drafter: evaluation is "
+                          f"implemented for 'dflash' only")
     expected = (target_config.num_hidden_layers, target_config.vocab_size, target_config.hidden_size)
     if (drafter_config.num_target_layers, drafter_config.vocab_size, drafter_config.hidden_size) != expected:
         raise ConfigError(f"the drafter ({source}) was made for a target with (layers, vocab, hidden) = "

@@ -45,7 +45,8 @@ def export(workdir: str, out: str, *, step: int | None = None, overwrite: bool =
     drafter, config, step = restore_drafter(workdir, step)
     facts = training_facts(workdir, step)
     with staged_output(out) as local_out:  # a bucket --out: written locally, then uploaded
-        export_drafter(drafter, config, local_out, overwrite=overwrite, inputs=[workdir])
+        export_drafter(drafter, config, local_out, overwrite=overwrite, inputs=[workdir],
+                       target=facts.target)
         write_model_card(local_out, config, facts, drafter=push_to_hub_repo or absolute(out))
         if push_to_hub_repo:
             print(f"uploaded to {push_to_hub(local_out, push_to_hub_repo)}")

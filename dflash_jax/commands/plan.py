@@ -12,7 +12,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from dflash_jax.commands import cli
-from dflash_jax.planning import compare as plan_compare
+from dflash_jax.planning import analytic, compare as plan_compare
 from dflash_jax.planning import report
 from dflash_jax.planning.plan import (check_budget, format_plan, gpu_cluster, granule_of, plan_train_step,
                                       target_architecture, topology_devices)
@@ -29,8 +29,13 @@ _MESH = flags.DEFINE_string("mesh", None, "Mesh sizes, e.g. data=1,fsdp=32,tenso
                             flag_values=FLAGS)
 _HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Memory budget per device in GiB (default: config.hbm_gib, else "
                               "the device kind's HBM).", flag_values=FLAGS)
-_COMPARE = flags.DEFINE_bool("compare", False, "Plan every target layout and mesh the topology allows "
-                              "(planning/compare.py) and rank them by predicted step time.", flag_values=FLAGS)
+_COMPARE = flags.DEFINE_bool("compare", False, "Predict every target layout and mesh the topology allows, compile "
+                             "those that could win (see --compile_within) and rank them by predicted time per "
+                             "token (planning/compare.py).", flag_values=FLAGS)
+_COMPILE_WITHIN = flags.DEFINE_float("compile_within", analytic.COMPILE_MARGIN, "--compare: compile the candidates "
+                                     "predicted to fit whose analytical time per token is within this factor of the "
+                                     "best's; with --layouts or --tensor_sizes given, every candidate they name.",
+                                     flag_values=FLAGS)
 _LAYOUTS = flags.DEFINE_string("layouts", ",".join(TARGET_LAYOUTS), "--compare: the target layouts to try.",
                                flag_values=FLAGS)
 _EPOCH_TOKENS = flags.DEFINE_float("epoch_tokens", None, "The corpus's tokens an epoch (train logs them at its "
@@ -66,10 +71,11 @@ def main() -> None:
     epoch_tokens = None if _EPOCH_TOKENS.value is None else int(_EPOCH_TOKENS.value)
     if _COMPARE.value:
         granules = cluster.hosts if cluster else len({granule_of(d) for d in devices})
+        named = FLAGS["layouts"].present or FLAGS["tensor_sizes"].present
         candidates = plan_compare.compare_plans(
             config, target_config, devices, granules, plan_compare.check_layouts(_LAYOUTS.value),
             plan_compare.parse_sizes(_TENSOR_SIZES.value), _HBM_GIB.value or config.hbm_gib, chip, per_host,
-            epoch_tokens)
+            epoch_tokens, margin=None if named else _COMPILE_WITHIN.value)
         print(plan_compare.format_comparison(candidates))
         if _JSON.value:
             report.write_json(_JSON.value, report.comparison_record(candidates))

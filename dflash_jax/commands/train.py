@@ -8,8 +8,10 @@ r"""Train a DFlash drafter:
 drafter_config.json, config_history.jsonl (runtime/workdir.py). On several hosts, run the same command on each
 (see config.distributed and runtime/distributed.py).
 
-Exit codes: 0 the run reached config.total_steps; 75 (EX_TEMPFAIL) stopped by SIGTERM/SIGINT after saving
-its checkpoint, rerun to resume (schedulers requeue on it); 2 a user error, reported in one `error:` line.
+Exit codes (docs/failure_handling.md): 0 the run reached config.total_steps; 2 a user error, reported in one
+`error:` line; 74 a storage outage, rerun to resume; 75 (EX_TEMPFAIL) stopped by SIGTERM/SIGINT after saving
+its checkpoint, rerun to resume (schedulers requeue on it); 76 stopped by SIGTERM/SIGINT, but the stop outlasted
+config.stop_grace_seconds: rerun to resume from the last complete checkpoint, which its one line names.
 """
 
 from __future__ import annotations

@@ -218,10 +218,6 @@ class ResponseScores:
 _SLOT_COUNTS = ("slot_matches", "slot_count", "slot_run", "slot_run_before")
 
 
-def score_response(scorer: DraftScorer, example: Example, budgets: Sequence[int]) -> ResponseScores:
-    return score_responses(scorer, [example], budgets)[0]
-
-
 def score_responses(scorer: DraftScorer, examples: Sequence[Example], budgets: Sequence[int]
                     ) -> list[ResponseScores]:
     """Each example's verification steps and slot counts; the scorer takes the texts several per forward."""

@@ -28,25 +28,30 @@ class TargetContext(NamedTuple):
     """What the frozen target gives the drafter for a batch of rows; no gradient flows into any of it."""
 
     features: jax.Array  # [b, T, n*H] the feature layers, concatenated in target_layer_ids order
-    labels: jax.Array  # [b, N, B-1] int32: the token drafted slot k = 1..B-1 of the block at anchor a predicts
+    # [b, N, D] int32: the token each drafted slot of the block at anchor a predicts (`drafted_slots`: D = B-1
+    # slots k = 1..B-1, or D = B for "dspark")
+    labels: jax.Array
     block_embeds: jax.Array  # [b, N*B, H] the target's embedding of the block ids
     lm_head: jax.Array  # [H, V]
-    # [b, N, B-1, H] the target's final-normed hidden state at a+k-1, whose logits are its distribution for
-    # drafted slot k; only when the loss compares distributions (design §18), else None
+    # [b, N, D, H] the target's final-normed hidden state before each drafted slot's label, whose logits are its
+    # distribution for that slot; only when the loss compares distributions (design §18), else None
     label_hidden: jax.Array | None = None
 
 
-def drafted_slots(grid: AnchorGrid) -> np.ndarray:
-    """[N, B-1] the row positions a+k of the drafted slots k = 1..B-1 (clipped to the row; slots past its
-    end are never trained). Slot 0 holds the anchor's own token and is never trained (w_0 = 0), so neither
-    its label nor its logits are computed."""
-    return np.minimum(grid.anchors[:, None] + np.arange(1, grid.block_size)[None, :], grid.seq_len - 1)
+def drafted_slots(grid: AnchorGrid, from_anchor: bool = False) -> np.ndarray:
+    """[N, D] the row positions of the tokens the drafted slots predict, clipped to the row (slots past its
+    end are never trained): a+k for the DFlash slots k = 1..B-1 (D = B-1; slot 0 holds the anchor's own token
+    and is never trained, so neither its label nor its logits are computed), or with `from_anchor` a+k+1 for
+    every slot k = 0..B-1 (D = B, DSpark's layout, design §18). Either way a+1..a+D."""
+    count = grid.block_size if from_anchor else grid.block_size - 1
+    return np.minimum(grid.anchors[:, None] + np.arange(1, count + 1)[None, :], grid.seq_len - 1)
 
 
-def target_labels(hidden: jax.Array, lm_head: jax.Array, grid: AnchorGrid, vocab_chunk: int) -> jax.Array:
-    """[b, N, B-1] the target's greedy token at a+k-1 for drafted slot k of the block at anchor a (it
-    predicts a+k). hidden: the target's final-normed hidden states [b, T, H]; lm_head: [H, V]."""
-    label_source = drafted_slots(grid) - 1
+def target_labels(hidden: jax.Array, lm_head: jax.Array, grid: AnchorGrid, vocab_chunk: int,
+                  from_anchor: bool = False) -> jax.Array:
+    """[b, N, D] the target's greedy token at i-1 for the drafted slot whose label sits at i (`drafted_slots`).
+    hidden: the target's final-normed hidden states [b, T, H]; lm_head: [H, V]."""
+    label_source = drafted_slots(grid, from_anchor) - 1
     if label_source.size >= grid.seq_len:  # slots overlap (S < B): one argmax per row position is cheaper
         return greedy_labels(hidden, lm_head, vocab_chunk)[:, label_source]
     labels = greedy_labels(hidden[:, label_source.reshape(-1)], lm_head, vocab_chunk)
@@ -62,15 +67,17 @@ def target_context(target, input_ids: jax.Array, positions: jax.Array, segment_i
                    config: DrafterConfig, *, labels: str = "target", vocab_chunk: int = 8192,
                    with_distribution: bool = False) -> TargetContext:
     """The target over rows [b, T] and what the drafter reads of it (see the module docstring);
-    with_distribution: also the hidden states behind its distribution at the drafted slots (`label_hidden`)."""
+    with_distribution: also the hidden states behind its distribution at the drafted slots (`label_hidden`).
+    The drafted slots are those of config.method: k = 1..B-1, or every slot for "dspark" (design §18)."""
     out = target(input_ids, positions, segment_ids, config.target_layer_ids)
     lm_head = target.lm_head_kernel()
+    from_anchor = config.method == "dspark"
     if labels == "data":
-        slot_labels = input_ids[:, drafted_slots(grid)]
+        slot_labels = input_ids[:, drafted_slots(grid, from_anchor)]
     else:
-        slot_labels = target_labels(out.hidden, lm_head, grid, vocab_chunk)
+        slot_labels = target_labels(out.hidden, lm_head, grid, vocab_chunk, from_anchor)
     block_ids = block_token_ids(input_ids, grid.anchors, grid.block_size, config.mask_token_id)
-    label_hidden = out.hidden[:, drafted_slots(grid) - 1] if with_distribution else None
+    label_hidden = out.hidden[:, drafted_slots(grid, from_anchor) - 1] if with_distribution else None
     return jax.lax.stop_gradient(TargetContext(
         constrain(drafter_features(out), ROWS_EMBED), constrain(slot_labels, ("activation_batch", None, None)),
         constrain(target.embed(block_ids), ROWS_EMBED), lm_head, label_hidden))

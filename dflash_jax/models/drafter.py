@@ -25,6 +25,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
+from dflash_jax.models.dspark_heads import ConfidenceHead, MarkovHead
 from dflash_jax.models.layers import (MLP, Linear, RMSNorm, apply_rope, decoder_layer_params,
                                       rope_inverse_frequencies)
 from dflash_jax.ops.backends import resolve_attention_impl
@@ -34,6 +35,8 @@ from dflash_jax.ops.splash_attention import dflash_attention_splash
 from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, constrain
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# The drafter family members that build (design §18): the DFlash backbone alone, or with DSpark's heads.
+BUILT_METHODS = ("dflash", "dspark")
 # Rematerialisation of each drafter layer in training (jax.checkpoint per layer, design §13): what its forward
 # keeps for the backward.
 REMAT_POLICIES = {
@@ -76,6 +79,10 @@ class DrafterConfig:
     mask_token_id: int
     vocab_size: int
     max_position_embeddings: int
+    # design §18: "dspark" adds the Markov bias of rank markov_rank (0 for "dflash": no head) and the
+    # confidence head. Defaults keep the drafter_config.json of earlier dflash runs readable.
+    method: str = "dflash"
+    markov_rank: int = 0
 
     def __post_init__(self):
         # JSON configs give lists; keep tuples so the config stays immutable and comparable.
@@ -117,6 +124,11 @@ class DrafterConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"DrafterConfig.mask_token_id ({self.mask_token_id}) must lie in "
                              f"[0, vocab_size = {self.vocab_size})")
+        if self.method not in BUILT_METHODS:
+            raise ValueError(f"DrafterConfig.method must be one of {BUILT_METHODS}, got {self.method!r}")
+        if (self.method == "dspark") != (isinstance(self.markov_rank, int) and self.markov_rank >= 1):
+            raise ValueError(f"DrafterConfig.markov_rank must be a positive int for method 'dspark' and 0 otherwise, "
+                             f"got {self.markov_rank!r} for method {self.method!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError(f"DrafterConfig.rope_scaling must be None or a dict, got {self.rope_scaling!r}")
 
@@ -211,7 +223,8 @@ class DrafterLayer(nnx.Module):
 
 
 class Drafter(nnx.Module):
-    """fc + hidden_norm over the target features, the decoder layers, and the final norm (design §3).
+    """fc + hidden_norm over the target features, the decoder layers, and the final norm (design §3); for
+    method "dspark" also `markov_head` and `confidence_head` (design §18; None otherwise).
 
     param_dtype: storage dtype of the weights (fp32 master weights by default); dtype: compute dtype
     (defaults to param_dtype). attention_impl picks the training forward's §5 attention backend: "xla",
@@ -243,6 +256,13 @@ class Drafter(nnx.Module):
             DrafterLayer(config, config.window(i), rngs=rngs, param_dtype=param_dtype, dtype=dtype)
             for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(hidden, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        # DSpark's heads (design §18), built after the backbone so that its initialisation is the same for every
+        # method. The drafter's forward never applies them: the loss adds the bias inside its LM-head chunks.
+        dspark = config.method == "dspark"
+        self.markov_head = nnx.data(MarkovHead(config.vocab_size, config.vocab_size, config.markov_rank, rngs=rngs,
+                                               param_dtype=param_dtype) if dspark else None)
+        self.confidence_head = nnx.data(ConfidenceHead(hidden, config.markov_rank, rngs=rngs,
+                                                       param_dtype=param_dtype) if dspark else None)
 
     def init_cache(self, batch: int, capacity: int) -> DrafterCache:
         """An empty decoding cache of `capacity` context columns per row."""

@@ -106,10 +106,10 @@ class SparseMoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         rows = x.reshape(-1, x.shape[-1])
         weights, experts = route(self.gate(rows), self.top_k, self.normalize)
-        out = self.experts(rows, experts, weights)
-        if self.has_shared_expert:
-            out = out + jax.nn.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
-        return out.reshape(x.shape)
+        out = self.experts(rows, experts, weights).reshape(x.shape)
+        if self.has_shared_expert:  # on x as given: the MLP pins its [batch, length, mlp] activations' layout
+            out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 class Experts(nnx.Module):

@@ -1,13 +1,14 @@
 """Qwen3.5/3.6 hybrid target (transformers models/qwen3_5/modeling_qwen3_5.py, text model) in Flax NNX.
 
 Layers follow `layer_types`: Gated DeltaNet (`gated_deltanet.py`) or gated full attention, each followed by a
-SwiGLU MLP, with zero-centred (1+w) RMSNorms throughout (design §8.2). layer_types is a repetition of a
-period (27B: 16 × [GDN, GDN, GDN, attention]); the layers at each position of the period are stacked along a
-leading `layers` axis and one `nnx.scan` step runs one period, so compile time is that of one period whatever
-the depth. Requested feature layers are captured inside the scan into a small [n, B, T, H] buffer. The
-attention layers run on the backend chosen at construction (`attention_impl`, as in `qwen3.py`). Given a
-decode cache (`init_cache`: the attention layers' keys/values, the Gated DeltaNet layers' conv inputs and
-recurrent states), the same layers run incrementally.
+SwiGLU MLP (`qwen3_5_moe`: routed experts and a gated shared expert, `moe.py`, design §8.5), with zero-centred
+(1+w) RMSNorms throughout (design §8.2). layer_types is a repetition of a period (27B: 16 × [GDN, GDN, GDN,
+attention]); the layers at each position of the period are stacked along a leading `layers` axis and one
+`nnx.scan` step runs one period, so compile time is that of one period whatever the depth. Requested feature
+layers are captured inside the scan into a small [n, B, T, H] buffer. The attention layers run on the backend
+chosen at construction (`attention_impl`, as in `qwen3.py`). Given a decode cache (`init_cache`: the attention
+layers' keys/values, the Gated DeltaNet layers' conv inputs and recurrent states), the same layers run
+incrementally.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jax.sharding import Mesh
 
 from dflash_jax.models.gated_deltanet import GatedDeltaNet, RecurrentCache
 from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
+from dflash_jax.models.moe import SparseMoE
 from dflash_jax.models.qwen3_5_config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5Config
 from dflash_jax.models.target import (NO_SEGMENT, AttentionCache, EmbeddingAndHead, TargetOutput,
                                       causal_self_attention, feature_slots, move_columns, write_columns)
@@ -96,7 +98,13 @@ class DecoderLayer(nnx.Module):
             self.self_attn = GatedAttention(config, param_dtype=param_dtype, rngs=rngs, attention_impl=attention_impl,
                                             mesh=mesh)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, zero_centered=True, param_dtype=param_dtype)
-        self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
+        moe = config.moe
+        if moe is None:
+            self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
+        else:  # qwen3_5_moe (design §8.5)
+            self.mlp = SparseMoE(hidden, moe.expert_intermediate_size, moe.num_experts, moe.top_k,
+                                 moe.normalize_top_k, shared_intermediate_size=moe.shared_expert_intermediate_size,
+                                 rngs=rngs, param_dtype=param_dtype)
 
     def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | RecurrentCache | None = None,
                  seen: jax.Array | None = None):

@@ -1,4 +1,6 @@
-"""Qwen3.5/3.6 text-model configuration (transformers `Qwen3_5TextConfig`, models/qwen3_5/configuration_qwen3_5.py)."""
+"""Qwen3.5/3.6 text-model configuration (transformers `Qwen3_5TextConfig`, models/qwen3_5/configuration_qwen3_5.py),
+and of its mixture-of-experts variant (`Qwen3_5MoeTextConfig`, `qwen3_5_moe`: the same layers with every MLP
+replaced by routed experts and a shared expert, design §8.5)."""
 
 from __future__ import annotations
 
@@ -6,9 +8,11 @@ import dataclasses
 from collections.abc import Mapping
 
 from dflash_jax.models.layers import decoder_layer_params
+from dflash_jax.models.moe_config import MoeSettings
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # the multimodal wrapper and its text config
 _POSITIVE_INTS = (*_REQUIRED, "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
                   "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
                   "max_position_embeddings")
@@ -18,7 +22,7 @@ _POSITIVE_INTS = (*_REQUIRED, "num_key_value_heads", "head_dim", "linear_num_key
 class Qwen3_5Config:
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLP's; 0 with `moe` (a qwen3_5_moe config has no dense MLP)
     num_hidden_layers: int
     num_attention_heads: int
     layer_types: tuple[str, ...]  # one of LINEAR_ATTENTION / FULL_ATTENTION per layer
@@ -34,12 +38,21 @@ class Qwen3_5Config:
     partial_rotary_factor: float = 0.25  # RoPE rotates the first head_dim * factor features of each head
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
+    moe: MoeSettings | None = None  # qwen3_5_moe: every layer's MLP is routed experts + a shared expert
 
     def __post_init__(self):
         for name in _POSITIVE_INTS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Qwen3.5 config field {name!r} must be a positive integer, got {value!r}")
+        dense = self.intermediate_size
+        if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0 or (dense == 0) != bool(self.moe):
+            raise ValueError(f"Qwen3.5 config field 'intermediate_size' must be a positive integer (0 only for a "
+                             f"qwen3_5_moe config, which has no dense MLP), got {dense!r}")
+        if self.moe is not None and (not self.moe.has_shared_expert or not all(self.moe.sparse_layers)
+                                     or len(self.moe.sparse_layers) != self.num_hidden_layers):
+            raise ValueError("qwen3_5_moe settings must make every layer sparse with a shared expert "
+                             "(MoeSettings.from_qwen3_5_moe)")
         for name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -73,8 +86,11 @@ class Qwen3_5Config:
     @property
     def layer_matmul_params(self) -> int:
         """Weights every token is multiplied by in the decoder layers (projections, the MLP and the depthwise
-        convolution; not the embedding or the LM head), for FLOP counts."""
-        hidden, mlp = self.hidden_size, 3 * self.hidden_size * self.intermediate_size
+        convolution; not the embedding or the LM head), for FLOP counts. With `moe`, the MLP is the k routed
+        experts a token reaches, the router and the gated shared expert (design §8.5)."""
+        hidden = self.hidden_size
+        mlps = (self.moe.active_mlp_params(hidden, self.intermediate_size) if self.moe is not None
+                else (3 * hidden * self.intermediate_size,) * self.num_hidden_layers)
         # q_proj yields [query | gate]: one more q-sized projection than a Qwen3 layer.
         attention = decoder_layer_params(hidden, self.num_attention_heads, self.num_key_value_heads, self.head_dim,
                                          0) + hidden * self.num_attention_heads * self.head_dim
@@ -83,7 +99,8 @@ class Qwen3_5Config:
         mixed = 2 * key_dim + value_dim
         delta_net = (hidden * (mixed + value_dim + 2 * self.linear_num_value_heads) + value_dim * hidden
                      + mixed * self.linear_conv_kernel_dim)  # in_proj_qkv, z, b, a; out_proj; conv1d
-        return sum(mlp + (attention if kind == FULL_ATTENTION else delta_net) for kind in self.layer_types)
+        return sum(mlp + (attention if kind == FULL_ATTENTION else delta_net)
+                   for mlp, kind in zip(mlps, self.layer_types))
 
     @property
     def attention_layers(self) -> int:
@@ -101,11 +118,14 @@ class Qwen3_5Config:
     @classmethod
     def from_hf(cls, config: Mapping) -> Qwen3_5Config:
         """From a Hugging Face config.json dict: the multimodal wrapper (reads `text_config`) or a flat text
-        config. Absent optional fields take transformers' `Qwen3_5TextConfig` defaults."""
+        config; a `qwen3_5_moe` / `qwen3_5_moe_text` one has experts and no dense MLP. Absent optional fields
+        take transformers' `Qwen3_5TextConfig` defaults."""
         text = config.get("text_config", config)
         if not isinstance(text, Mapping):
             raise ValueError(f"Qwen3.5 config field 'text_config' must be an object, got {text!r}")
-        missing = [name for name in _REQUIRED if text.get(name) is None]
+        is_moe = config.get("model_type") in MOE_MODEL_TYPES
+        required = _REQUIRED if is_moe else (*_REQUIRED, "intermediate_size")
+        missing = [name for name in required if text.get(name) is None]
         if missing:
             raise ValueError(f"Qwen3.5 config is missing required field(s): {', '.join(missing)}")
         if text.get("attention_bias"):
@@ -129,8 +149,10 @@ class Qwen3_5Config:
             "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
             "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "rms_norm_eps",
             "max_position_embeddings") if text.get(name) is not None}
+        moe = MoeSettings.from_qwen3_5_moe(text, text["num_hidden_layers"]) if is_moe else None
         return cls(**{name: text[name] for name in _REQUIRED}, **optional, layer_types=tuple(layer_types),
-                   rope_theta=theta, partial_rotary_factor=partial, tie_word_embeddings=tied)
+                   rope_theta=theta, partial_rotary_factor=partial, tie_word_embeddings=tied,
+                   intermediate_size=0 if is_moe else text["intermediate_size"], moe=moe)
 
 
 def _rope_settings(text: Mapping) -> tuple[float, float]:

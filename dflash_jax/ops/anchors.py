@@ -98,16 +98,25 @@ def slot_mask(
     segment_ids: jax.Array | np.ndarray,
     anchors: np.ndarray,
     block_size: int,
+    from_anchor: bool = False,
 ) -> jax.Array:
-    """[batch, N, B] bool: slot k is trained iff k >= 1, the anchor is valid, a+k < T,
-    segment_ids[a+k] == segment_ids[a] and loss_mask[a+k] == 1."""
+    """[batch, N, B] bool: slot k, whose label sits at i = a+k (i = a+k+1 with `from_anchor`, DSpark's layout
+    where every slot predicts the next token, design §18), is trained iff k >= 1 (any k with `from_anchor`),
+    the anchor is valid, i < T, segment_ids[i] == segment_ids[a] and loss_mask[i] == 1."""
     trained = jnp.asarray(loss_mask).astype(bool)
     segment_ids = jnp.asarray(segment_ids)
-    index, in_row = _slot_indices(trained.shape[1], anchors, block_size)
+    index, in_row = _slot_indices(trained.shape[1], np.asarray(anchors) + int(from_anchor), block_size)
     same_document = segment_ids[:, index] == segment_ids[:, jnp.asarray(anchors)][:, :, None]
-    not_anchor_slot = jnp.arange(block_size) >= 1
+    drafted_slot = jnp.arange(block_size) >= (0 if from_anchor else 1)
     valid = anchor_validity(trained, anchors)[:, :, None]
-    return valid & in_row[None] & not_anchor_slot[None, None, :] & same_document & trained[:, index]
+    return valid & in_row[None] & drafted_slot[None, None, :] & same_document & trained[:, index]
+
+
+def slot_tokens(input_ids: jax.Array | np.ndarray, anchors: np.ndarray, block_size: int) -> jax.Array:
+    """[batch, N, B]: input_ids[a+k] (clipped into the row), the data token at each block slot; DSpark's Markov
+    head reads it as the token before slot k's label (design §18)."""
+    index, _ = _slot_indices(jnp.asarray(input_ids).shape[1], anchors, block_size)
+    return jnp.asarray(input_ids)[:, index]
 
 
 def block_token_ids(
@@ -126,12 +135,6 @@ def block_positions(positions: jax.Array | np.ndarray, anchors: np.ndarray, bloc
     positions = jnp.asarray(positions)
     offsets = jnp.arange(block_size, dtype=positions.dtype)[None, None, :]
     return (positions[:, jnp.asarray(anchors)][:, :, None] + offsets).reshape(positions.shape[0], -1)
-
-
-def block_segment_ids(segment_ids: jax.Array | np.ndarray, anchors: np.ndarray, block_size: int) -> jax.Array:
-    """[batch, N*B]: segment_ids[a] for every slot of the block at anchor a."""
-    segment_ids = jnp.asarray(segment_ids)
-    return jnp.repeat(segment_ids[:, jnp.asarray(anchors)], block_size, axis=1)
 
 
 def anchor_utilisation(valid: jax.Array | np.ndarray) -> jax.Array:

@@ -1,33 +1,34 @@
-"""`dflash-jax plan --compare`: the target layouts and meshes a topology allows, each compiled and planned
-(plan.py), ranked by predicted time per token among those that fit (design §13).
+"""`dflash-jax plan --compare`: the target layouts and meshes a topology allows, each predicted without
+compiling (analytic.py), then those that could win compiled and planned (plan.py), ranked by predicted time per
+token among those that fit (design §13.1).
 
 Candidates: every layout of sharding.TARGET_LAYOUTS (--layouts) times every tensor size of --tensor_sizes
 that divides a slice or host; within one, the rest of its devices on fsdp; across slices or hosts (TPU
 multi-slice, a GPU cluster) the data axis (mesh.dcn_data), so only data parallelism crosses the slow links. A
-candidate whose target alone exceeds the memory budget, or whose rows do not split over its (data, fsdp)
-shards, is listed with the reason and not compiled. The ranking is by the time a token takes (the step time
-over the step's tokens: candidates with more (data, fsdp) shards take more rows a step when the batch is given
-per device) with no overlap (the roofline's upper end), then with perfect overlap: the run's length for the
-config's epochs.
+candidate predicted not to fit the memory budget, or whose rows do not split over its (data, fsdp) shards, is
+listed with the reason and not compiled; with a margin, neither is one whose predicted time per token is more
+than that factor over the best prediction's (listed as predicted only). The ranking is by the time a token
+takes (roofline.Roofline.per_token): the compiled candidates that fit, then those predicted only.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import NamedTuple
 
-from flax import nnx
 from ml_collections import ConfigDict
 
+from dflash_jax.planning import analytic
+from dflash_jax.planning.analytic import Prediction, mesh_text
 from dflash_jax.planning.chips import Chip, chip_of_kind
 from dflash_jax.runtime.errors import ConfigError
-from dflash_jax.ops.backends import resolve_attention_impl
-from dflash_jax.planning.plan import GIB, Plan, granule_of, plan_train_step, target_bytes_by_layout
+from dflash_jax.planning.plan import GIB, Plan, granule_of, plan_train_step
 from dflash_jax.planning.roofline import format_bytes, format_ranges, format_run
 from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
-from dflash_jax.train import validate
 from dflash_jax.train.config import base_config
-from dflash_jax.weights.families import family_of
+
+log = logging.getLogger(__name__)
 
 
 class Candidate(NamedTuple):
@@ -35,116 +36,121 @@ class Candidate(NamedTuple):
     mesh: dict[str, int]  # data, fsdp, tensor within one slice or host, and dcn_data
     plan: Plan | None  # None when it was not compiled
     reason: str  # why not, or why it does not fit
-
-
-def candidate_meshes(devices: int, granules: int, tensor_sizes: tuple[int, ...]) -> list[dict[str, int]]:
-    per_granule = devices // granules
-    return [dict(data=1, fsdp=per_granule // tensor, tensor=tensor, dcn_data=granules)
-            for tensor in tensor_sizes if tensor <= per_granule and per_granule % tensor == 0]
+    prediction: Prediction | None = None  # the analytical one (analytic.py)
 
 
 def compare_plans(config: ConfigDict, target_config, devices: list, granules: int, layouts: tuple[str, ...],
                   tensor_sizes: tuple[int, ...], hbm_gib: float | None = None, chip: Chip | None = None,
-                  devices_per_host: int | None = None, epoch_tokens: int | None = None) -> list[Candidate]:
-    """Every candidate planned (or the reason it was not), best first."""
+                  devices_per_host: int | None = None, epoch_tokens: int | None = None,
+                  margin: float | None = None) -> list[Candidate]:
+    """Every candidate, best first: compiled where it is predicted to fit and, with a margin, to take at most
+    `margin` times the best prediction's time per token; the others with their prediction only."""
     chip = chip or chip_of_kind(devices[0].device_kind)
-    found = []
-    for sizes in candidate_meshes(len(devices), granules, tensor_sizes):
-        rows = (sizes["data"] * sizes["dcn_data"]) * sizes["fsdp"]
-        # data.rows_per_device: each candidate's batch is that many rows per (data, fsdp) shard of its own.
-        candidate_config = validate.resolve_batch_size(ConfigDict(config.to_dict()), rows)
-        candidate_config.mesh.update(sizes)
-        micro_batch = candidate_config.data.batch_size // config.grad_accum_steps
-        if micro_batch % rows:
-            found.extend(Candidate(layout, sizes, None, f"{micro_batch} rows per micro-batch do not split over "
-                                                        f"{rows} (data, fsdp) shards") for layout in layouts)
+    budget = hbm_gib if hbm_gib is not None else (chip.hbm_bytes / GIB if chip else None)
+    predictions = analytic.predict_candidates(config, target_config, devices, granules, layouts, tensor_sizes,
+                                              None if budget is None else budget * GIB, chip)
+    best = predictions[0].roofline if predictions and predictions[0].fits else None
+    found, compiled = [], {}  # (mesh, predicted times) -> the layout compiled for them
+    for prediction in predictions:
+        line = prediction.roofline
+        ratio = line.per_token[0] / best.per_token[0] if best is not None and line is not None else 1.0
+        if not prediction.fits or (margin is not None and ratio > margin):
+            found.append(Candidate(prediction.layout, prediction.mesh, None, prediction.reason or
+                                   f"predicted only: {ratio:.2f}x the best prediction", prediction))
             continue
-        mesh = make_mesh(**sizes, devices=devices)
-        by_layout = _target_bytes(config, target_config, mesh)
-        budget = hbm_gib if hbm_gib is not None else (chip.hbm_bytes / GIB if chip else None)
-        for layout in layouts:
-            if budget is not None and by_layout[layout] > budget * GIB:
-                found.append(Candidate(layout, sizes, None, f"the target alone takes "
-                                                            f"{by_layout[layout] / GIB:.1f} GiB per device"))
-                continue
-            candidate_config.target_layout = layout
-            try:
-                plan = plan_train_step(candidate_config, target_config, mesh, hbm_gib, chip, devices_per_host,
-                                       epoch_tokens)
-            except ConfigError as error:  # e.g. heads that tensor does not divide
-                found.append(Candidate(layout, sizes, None, str(error)))
-                continue
-            fits = plan.hbm_bytes is None or plan.total_bytes <= plan.hbm_bytes
-            found.append(Candidate(layout, sizes, plan, "" if fits else
-                                   f"needs {plan.total_bytes / GIB:.1f} GiB of {plan.hbm_bytes / GIB:.1f}"))
+        same = (tuple(prediction.mesh.values()), line and line.per_token)
+        if margin is not None and line is not None and same in compiled:  # ranked after it: more memory
+            found.append(Candidate(prediction.layout, prediction.mesh, None, f"predicted only: the same time as "
+                                   f"{compiled[same]} on this mesh, in more memory", prediction))
+            continue
+        compiled[same] = prediction.layout
+        found.append(_compiled(prediction, target_config, devices, hbm_gib, chip, devices_per_host, epoch_tokens))
     return sorted(found, key=_rank)
 
 
+def _compiled(prediction: Prediction, target_config, devices: list, hbm_gib: float | None, chip: Chip | None,
+              devices_per_host: int | None, epoch_tokens: int | None) -> Candidate:
+    mesh = make_mesh(**prediction.mesh, devices=devices)
+    try:
+        plan = plan_train_step(prediction.config, target_config, mesh, hbm_gib, chip, devices_per_host, epoch_tokens)
+    except ConfigError as error:  # e.g. heads that tensor does not divide
+        return Candidate(prediction.layout, prediction.mesh, None, str(error), prediction)
+    fits = plan.hbm_bytes is None or plan.total_bytes <= plan.hbm_bytes
+    return Candidate(prediction.layout, prediction.mesh, plan, "" if fits else
+                     f"needs {plan.total_bytes / GIB:.1f} GiB of {plan.hbm_bytes / GIB:.1f}", prediction)
+
+
 def is_default_mesh(config: ConfigDict) -> bool:
-    """A mesh left as base_config gives it: train chooses one (design §13)."""
+    """A mesh left as base_config gives it: train chooses one (design §13.1)."""
     return dict(config.mesh) == dict(base_config().mesh)
 
 
 def choose_mesh(config: ConfigDict, target_config, devices: list, hbm_gib: float, chip: Chip,
-                tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[ConfigDict, Candidate, str]:
+                tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[ConfigDict, Plan, str]:
     """For a mesh left at its defaults: every candidate of `devices` (the data axis across their slices or hosts),
-    in config.target_layout or, when "auto", every layout; the config with the best's mesh and layout, the best,
-    and the comparison's table. A ConfigError when none fits."""
+    in config.target_layout or, when "auto", every layout, predicted without compiling (analytic.py); the best
+    compiled and planned, or, should its plan not fit after all, the next. The config with the chosen mesh and
+    layout, its plan, and one line naming the choice and why. A ConfigError when none fits."""
     layouts = TARGET_LAYOUTS if config.target_layout == "auto" else (config.target_layout,)
     granules = len({granule_of(device) for device in devices})
-    candidates = compare_plans(config, target_config, devices, granules, layouts, tensor_sizes, hbm_gib, chip)
-    table = format_comparison(candidates)
-    if not candidates or not fits(candidates[0]):
-        raise ConfigError(f"no mesh of the {len(devices)} devices fits the train step in {hbm_gib:.1f} GiB per "
-                          f"device:\n{table}")
-    best = candidates[0]
-    chosen = ConfigDict(config.to_dict())
-    chosen.mesh.update(best.mesh)
-    chosen.target_layout = best.layout
-    return chosen, best, table
-
-
-def _target_bytes(config: ConfigDict, target_config, mesh) -> dict[str, int]:
-    attention_impl = resolve_attention_impl(config.attention_impl, mesh.devices.flat[0].platform)
-    target = family_of(target_config).abstract_model(
-        target_config, param_dtype=validate.dtype_of(config.target_dtype), attention_impl=attention_impl, mesh=mesh)
-    return target_bytes_by_layout(nnx.state(target), mesh)
+    predictions = analytic.predict_candidates(config, target_config, devices, granules, layouts, tensor_sizes,
+                                              hbm_gib * GIB, chip)
+    for prediction in (p for p in predictions if p.fits):
+        chosen = ConfigDict(config.to_dict())
+        chosen.mesh.update(prediction.mesh)
+        chosen.target_layout = prediction.layout
+        mesh = make_mesh(**prediction.mesh, devices=devices)
+        try:
+            plan = plan_train_step(chosen, target_config, mesh, hbm_gib, chip)
+        except ConfigError as error:  # e.g. heads that tensor does not divide
+            log.warning("%s on %s: %s; trying the next candidate", prediction.layout, mesh_text(prediction.mesh), error)
+            continue
+        if plan.total_bytes <= plan.hbm_bytes:
+            return chosen, plan, analytic.format_choice(prediction, predictions)
+        log.warning("%s on %s, predicted to fit, needs %.2f GiB per device; trying the next candidate",
+                    prediction.layout, mesh_text(prediction.mesh), plan.total_bytes / GIB)
+    reasons = "; ".join(f"{p.layout} {mesh_text(p.mesh)}: {p.reason or 'over the budget once compiled'}"
+                        for p in predictions)
+    raise ConfigError(f"no mesh of the {len(devices)} devices fits the train step in {hbm_gib:.1f} GiB per "
+                      f"device ({reasons})")
 
 
 def fits(candidate: Candidate) -> bool:
     """Compiled, within the budget, and with a predicted time (the chip's peaks known)."""
-    return _rank(candidate)[0] == 0
+    return candidate.plan is not None and not candidate.reason and candidate.plan.roofline is not None
 
 
 def _rank(candidate: Candidate) -> tuple:
-    plan = candidate.plan
-    if plan is None or candidate.reason or plan.roofline is None:
-        return (1, candidate.plan is None, math.inf, math.inf)
-    # Per token: with data.rows_per_device a candidate's batch grows with its (data, fsdp) shards, so a shorter
-    # step may carry fewer tokens; for the config's epochs the run's length is what counts.
-    fastest, slowest = plan.roofline.step_seconds
-    tokens = plan.roofline.tokens_per_step
-    return (0, False, slowest / tokens, fastest / tokens)
-
-
-def _mesh_text(sizes: dict[str, int]) -> str:
-    return ",".join(f"{axis}={size}" for axis, size in sizes.items())
+    """The compiled candidates that fit by their plan's time per token, then those predicted only by their
+    prediction's (with analytic.rank_key's ties), then the rest."""
+    plan, prediction = candidate.plan, candidate.prediction
+    ties = analytic.rank_key(prediction)[3:] if prediction is not None else ()
+    if fits(candidate):
+        return (0, *plan.roofline.per_token, *ties)
+    if plan is None and prediction is not None and prediction.fits and prediction.roofline is not None:
+        return (1, *prediction.roofline.per_token, *ties)
+    return (2, math.inf, math.inf, *ties)
 
 
 def format_comparison(candidates: list[Candidate]) -> str:
     lines = ["| layout | mesh (per slice or host) | memory per device | bytes per device on each link | step "
-             "(overlap - none) | MFU | tokens/s | run | bound | note |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "(overlap - none) | MFU | tokens/s | run | bound | from | note |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for candidate in candidates:
-        plan, mesh = candidate.plan, _mesh_text(candidate.mesh)
-        if plan is None or plan.roofline is None:
-            lines.append(f"| {candidate.layout} | {mesh} | | | | | | | | {candidate.reason or 'no chip peaks'} |")
+        plan, prediction, mesh = candidate.plan, candidate.prediction, mesh_text(candidate.mesh)
+        if plan is not None and plan.roofline is not None:
+            total, line, source = plan.total_bytes, plan.roofline, "compiled"
+        elif plan is None and prediction is not None and prediction.roofline is not None:
+            total, line, source = prediction.memory["total"], prediction.roofline, "predicted"
+        else:
+            source = "compiled" if plan is not None else ""
+            lines.append(f"| {candidate.layout} | {mesh} | | | | | | | | {source} | "
+                         f"{candidate.reason or 'no chip peaks'} |")
             continue
-        line = plan.roofline
         links = ", ".join(f"{name} {format_bytes(size)}" for name, size in line.link_bytes.items())
         step, mfu, tokens = format_ranges(line)
-        lines.append(f"| {candidate.layout} | {mesh} | {format_bytes(plan.total_bytes)} | {links} | {step} | {mfu} | "
-                     f"{tokens} | {format_run(line)} | {line.bound} | {candidate.reason} |")
+        lines.append(f"| {candidate.layout} | {mesh} | {format_bytes(total)} | {links} | {step} | {mfu} | "
+                     f"{tokens} | {format_run(line)} | {line.bound} | {source} | {candidate.reason} |")
     best = candidates[0] if candidates and fits(candidates[0]) else None
     if best is None:
         lines.append("no candidate fits")

@@ -173,11 +173,11 @@ def device_memory_gib(device) -> float | None:
 
 def target_bytes_by_layout(target_state, mesh) -> dict[str, int]:
     """What the target's weights take per device in each layout (sharding.TARGET_LAYOUTS)."""
-    return {layout: _per_device_bytes(_abstract(target_state, state_shardings(target_state, mesh, layout)))
+    return {layout: per_device_bytes(_abstract(target_state, state_shardings(target_state, mesh, layout)))
             for layout in TARGET_LAYOUTS}
 
 
-def _per_device_bytes(tree) -> int:
+def per_device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
                for x in jax.tree.leaves(tree))
 
@@ -203,6 +203,15 @@ def granule_of(device) -> int:
     return device.process_index
 
 
+def abstract_config(config: ConfigDict) -> ConfigDict:
+    """A copy of `config` to plan with: no tokenizer is read, and the mask token's id (0 when not given) changes
+    no shape."""
+    config = ConfigDict(config.to_dict())
+    if config.drafter.mask_token_id is None:
+        config.drafter.mask_token_id = 0
+    return config
+
+
 def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | None = None, chip: Chip | None = None,
                     devices_per_host: int | None = None, epoch_tokens: int | None = None) -> Plan:
     """Compile the train step of `config` for `mesh` from abstract arrays and measure it (see `Plan`). chip: the
@@ -213,9 +222,7 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
     config = validate.resolve_batch_size(config, mesh.shape["data"] * mesh.shape["fsdp"])  # rows_per_device
     validate.validate_batch_layout(config, mesh.shape["data"] * mesh.shape["fsdp"])
     validate.validate_target_layout(config)
-    config = ConfigDict(config.to_dict())  # a copy: the mask token and the layout may be settled below
-    if config.drafter.mask_token_id is None:  # no tokenizer is read; the mask token's id changes no shape
-        config.drafter.mask_token_id = 0
+    config = abstract_config(config)  # the layout may be settled below
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer=None)
     target = family_of(target_config).abstract_model(target_config, param_dtype=validate.dtype_of(config.target_dtype),
                                    attention_impl=attention_impl, mesh=mesh)
@@ -256,8 +263,8 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
         backend=backend, device_kind=kind, mesh=dict(mesh.shape),
         rows_per_device=config.data.batch_size / (mesh.shape["data"] * mesh.shape["fsdp"]),
         target_layout=config.target_layout, target_bytes=by_layout[config.target_layout],
-        target_bytes_by_layout=by_layout, params_bytes=_per_device_bytes(spec.abstract.params),
-        opt_state_bytes=_per_device_bytes(spec.abstract.opt_state), batch_bytes=_per_device_bytes(batch),
+        target_bytes_by_layout=by_layout, params_bytes=per_device_bytes(spec.abstract.params),
+        opt_state_bytes=per_device_bytes(spec.abstract.opt_state), batch_bytes=per_device_bytes(batch),
         argument_bytes=memory.argument_size_in_bytes, temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes, total_bytes=total,
         xla_flops=float(analysis.get("flops", 0.0)) if analysis else 0.0, model_flops=model_flops, cost=cost,
         roofline=line, largest=largest_arrays(hlo),

@@ -1,10 +1,10 @@
 """`plan --json FILE`: every figure the plan's tables print, machine-readable (design §13).
 
 One record per planned step (`plan_record`); `plan --compare` writes one per candidate, best first, with the
-reason a candidate was not compiled or does not fit. Bytes are per device; FLOPs as the tables give them (the
-model's count for all devices and per device, the compiler's per device); times in seconds. Every time, MFU and
-tokens/s is a prediction of the roofline (roofline.py), as a [perfect overlap, no overlap] pair where the table
-shows a range.
+reason a candidate was not compiled or does not fit, and its analytical prediction (analytic.py). Bytes are
+per device; FLOPs as the tables give them (the model's count for all devices and per device, the compiler's
+per device); times in seconds. Every time, MFU and tokens/s is a prediction of the roofline (roofline.py), as
+a [perfect overlap, no overlap] pair where the table shows a range.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 
+from dflash_jax.planning.analytic import Prediction
 from dflash_jax.planning.compare import Candidate, fits
 from dflash_jax.planning.plan import Plan
 from dflash_jax.runtime.paths import as_path
@@ -51,12 +52,24 @@ def plan_record(plan: Plan) -> dict:
     return record
 
 
+def prediction_record(prediction: Prediction | None) -> dict | None:
+    """A candidate's analytical prediction (analytic.py): bytes per device by part, and the step time as a
+    [perfect overlap, no overlap] pair where the chip's peaks are known."""
+    if prediction is None:
+        return None
+    line = prediction.roofline
+    return {"memory_bytes": prediction.memory, "fits": prediction.fits,
+            "step_seconds": None if line is None else list(line.step_seconds),
+            "seconds_by_resource": None if line is None else line.seconds}
+
+
 def comparison_record(candidates: list[Candidate]) -> dict:
     """The candidates as `format_comparison` ranks them, and the best that fits (None when none does)."""
     best = candidates[0] if candidates and fits(candidates[0]) else None
     return {"candidates": [{"layout": candidate.layout, "mesh": candidate.mesh, "note": candidate.reason,
-                            "fits": fits(candidate),
-                            "plan": None if candidate.plan is None else plan_record(candidate.plan)}
+                            "fits": fits(candidate), "compiled": candidate.plan is not None,
+                            "plan": None if candidate.plan is None else plan_record(candidate.plan),
+                            "predicted": prediction_record(candidate.prediction)}
                            for candidate in candidates],
             "best": None if best is None else {"layout": best.layout, "mesh": best.mesh}}
 

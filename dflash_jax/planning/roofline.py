@@ -32,6 +32,13 @@ class Roofline(NamedTuple):
         """(perfect overlap, no overlap)."""
         return max(self.seconds.values()), sum(self.seconds.values())
 
+    @property
+    def per_token(self) -> tuple[float, float]:
+        """(no overlap, perfect overlap) over the step's tokens: what candidates are ranked by (with the batch
+        given per device, one with more (data, fsdp) shards takes more rows a step)."""
+        fastest, slowest = self.step_seconds
+        return slowest / self.tokens_per_step, fastest / self.tokens_per_step
+
     def mfu(self, step_seconds: float) -> float:
         return self.model_flops / (self.chip.bf16_flops * step_seconds)
 

@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
-# Exit codes a launcher acts on (commands/train.py lists them all): a storage outage, retryable by rerunning the
-# command, which resumes (74 = EX_IOERR).
+# Exit codes a launcher acts on (docs/failure_handling.md lists them all): a storage outage, retryable by rerunning
+# the command, which resumes (74 = EX_IOERR).
 EXIT_STORAGE_OUTAGE = os.EX_IOERR
 EMULATOR_ENV, ENDPOINT_ENV = "STORAGE_EMULATOR_HOST", "DFLASH_JAX_GCS_ENDPOINT"
 _TENSORSTORE_URL_ENV, _TENSORSTORE_TOKEN_ENV = "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING"
@@ -181,11 +181,12 @@ def bounded_gcs_filesystem():
 
 
 class Deadline:
-    """A watchdog for work that cannot be interrupted (TensorStore's threads, a stuck upload): while an entry is
-    open and its time passes, `report_and_exit(message(), code)` ends the process. One daemon thread serves all
-    entries."""
+    """A watchdog for work that cannot be interrupted (TensorStore's threads, a stuck upload, a stop's grace
+    budget, runtime/stop.py): while an entry is open and its time passes, `report_and_exit(message(), code)` ends
+    the process. One daemon thread serves all entries. The lock is reentrant because a signal handler may open
+    an entry while the main thread, which it interrupted, holds it."""
 
-    _lock = threading.Lock()
+    _lock = threading.RLock()
     _open: dict[int, tuple[float, Callable[[], str], int]] = {}
     _ids = itertools.count()
     _thread: threading.Thread | None = None
@@ -196,7 +197,7 @@ class Deadline:
             key = next(cls._ids)
             cls._open[key] = (time.monotonic() + seconds, message, code)
             if cls._thread is None:
-                cls._thread = threading.Thread(target=cls._watch, name="storage-deadline", daemon=True)
+                cls._thread = threading.Thread(target=cls._watch, name="deadline", daemon=True)
                 cls._thread.start()
         return key
 

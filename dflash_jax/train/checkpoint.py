@@ -38,6 +38,10 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         self._manager = ocp.CheckpointManager(self._workdir / CHECKPOINTS_DIR, options=options,
                                               item_names=("state", "data"))
+        # The newest step known to be complete, and the save in flight: what a stop whose grace ran out names
+        # (runtime/stop.py) without asking the storage, which may be the part that no longer answers.
+        self._complete: int | None = None
+        self._in_flight: int | None = None
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -60,13 +64,17 @@ class Checkpointer:
                     _set_aside(self._workdir, bad)
             sync_global_devices("dflash_jax: unreadable checkpoints set aside")
             self._manager.reload()
+        self._complete = step
         return step, state, data
 
     def save(self, step: int, state: TrainState, data_state: dict[str, Any]) -> None:
         """Starts writing in the background (arrays are copied off the device first, so the caller may
         donate or overwrite `state` right away); `wait` or `close` blocks until it is on disk."""
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                         data=ocp.args.JsonSave(data_state)), force=True)
+        with self._bounded("checkpoint save"):  # it first waits for the previous save to finish
+            self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                             data=ocp.args.JsonSave(data_state)), force=True)
+        self._finished()
+        self._in_flight = step
 
     def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         """The state (placed on the shardings carried by `abstract_state`) and the data position at `step`."""
@@ -78,11 +86,23 @@ class Checkpointer:
     def wait(self) -> None:
         with self._bounded("checkpoint save"):
             self._manager.wait_until_finished()
+        self._finished()
 
     def close(self) -> None:
-        with self._bounded("checkpoint save"):
-            self._manager.wait_until_finished()
+        self.wait()
         self._manager.close()
+
+    def resume_point(self) -> str:
+        """Where a rerun resumes, in words, from what this process knows (no storage call)."""
+        where = os.fspath(self._workdir / CHECKPOINTS_DIR)
+        if self._complete is None:
+            return f"no checkpoint in {where} is complete: a rerun starts from step 0"
+        return f"the last complete checkpoint is step {self._complete} in {where}: a rerun resumes from it"
+
+    def _finished(self) -> None:
+        """The save in flight has finished (the manager waited for it)."""
+        if self._in_flight is not None:
+            self._complete, self._in_flight = self._in_flight, None
 
     def _bounded(self, operation: str):
         """A save or restore in a bucket runs in TensorStore's threads, whose own retries of an unanswered

@@ -17,9 +17,14 @@ def bce_with_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def confidence_loss(confidence_logits: jax.Array, total_variation: jax.Array, mask: jax.Array,
-                    decay: jax.Array) -> jax.Array:
-    """confidence_logits, total_variation (per slot, detached here), mask, decay: same shape -> scalar."""
+                    decay: jax.Array, normaliser: jax.Array | None = None) -> jax.Array:
+    """confidence_logits, total_variation (per slot, detached here), mask, decay: same shape -> scalar.
+
+    normaliser: the denominator instead of Σ m + 1e-8, for one micro-batch of a batch: the whole batch's trained
+    slot count (the train step's, as for the token terms), so the micro-batches' losses add up to the batch's."""
     accept_rate = jax.lax.stop_gradient(1.0 - total_variation.astype(jnp.float32))
     mask = mask.astype(jnp.float32)
     per_slot = bce_with_logits(confidence_logits.astype(jnp.float32), accept_rate)
-    return jnp.sum(per_slot * mask * decay) / (jnp.sum(mask) + CONFIDENCE_EPS)
+    if normaliser is None:
+        normaliser = jnp.sum(mask) + CONFIDENCE_EPS
+    return jnp.sum(per_slot * mask * decay) / normaliser

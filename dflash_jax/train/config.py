@@ -185,6 +185,13 @@ def base_config() -> ConfigDict:
     config.storage = ConfigDict()
     config.storage.deadline_seconds = placeholder(float)
     config.storage.retries = placeholder(int)
+    # After SIGTERM/SIGINT (design §7.3), the rest of the run (the step in flight, its metrics, the checkpoint
+    # save, closing the files) gets this many seconds; past them the process exits with code 76 and one line
+    # naming the last complete checkpoint, where the rerun resumes. Below the notice schedulers give between
+    # their SIGTERM and their kill, 30 s at the short end (Compute Engine preemption, Kubernetes' default grace
+    # period, Slurm's default KillWait) and up to 120 s elsewhere, so that the process ends on its own, with
+    # that line, before a kill would end it without one.
+    config.stop_grace_seconds = 25.0
     config.peak_tflops_per_device = placeholder(float)  # for MFU; None = look up the device kind
     # XLA's persistent compilation cache (set by the train command): a rerun with the same shapes, such as a
     # resume after preemption, loads the compiled step instead of compiling it again. None =

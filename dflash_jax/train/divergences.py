@@ -21,30 +21,42 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.train.loss import map_row_chunks
+from dflash_jax.train.loss import draft_logits, map_row_chunks, rematerialised_chunks
 
 TERMS = ("ce", "kl", "rkl", "jsd", "tv")
 
 
 def lm_head_divergences(hidden: jax.Array, target_hidden: jax.Array, lm_head_kernel: jax.Array, labels: jax.Array,
-                        terms: tuple[tuple[str, float], ...], row_chunk: int
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        terms: tuple[tuple[str, float], ...], row_chunk: int,
+                        markov: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per row, the weighted sum Σ weight·term over `terms` ((name, weight) pairs of TERMS), the TV (for the
     confidence target; it carries no gradient) and whether the label is the drafter's argmax.
 
     hidden, target_hidden: [..., R, H]; lm_head_kernel: [H, V]; labels: [..., R] int. Neither side's [R, V]
     logits exist at once beyond one chunk of `row_chunk` rows; the forward keeps d(sum)/d hidden ([..., R, H])
     as the only residual, so the backward computes no logits. Only `hidden` gets a gradient.
+
+    markov = (e [..., R, r], W2 [r, V]): DSpark's Markov bias e @ W2 is added to the drafter's logits of each
+    row chunk (design §18); hidden, e and W2 then get their gradients by `rematerialised_chunks`.
     """
     unknown = [name for name, _ in terms if name not in TERMS]
     if unknown:
         raise ValueError(f"unknown loss terms {unknown}; known: {TERMS}")
     kernel = jax.lax.stop_gradient(lm_head_kernel)
-    return _divergences(hidden, jax.lax.stop_gradient(target_hidden), kernel, labels, tuple(terms), row_chunk)
+    target_hidden, terms = jax.lax.stop_gradient(target_hidden), tuple(terms)
+    if markov is None:
+        return _divergences(hidden, target_hidden, kernel, labels, terms, row_chunk)
+    prev_embeddings, w2 = markov
+
+    def chunk(h, th, y, e):
+        total, tv, correct = _chunk_statistics(h, th, kernel, y, terms, with_gradient=False, markov=(e, w2))
+        return total, jax.lax.stop_gradient(tv), correct
+
+    return rematerialised_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, target_hidden, labels, prev_embeddings)
 
 
-def _chunk_statistics(h, th, kernel, y, terms, with_gradient):
-    z = jnp.dot(h.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+def _chunk_statistics(h, th, kernel, y, terms, with_gradient, markov=None):
+    z = draft_logits(h, kernel, markov)
     t = jnp.dot(th.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
     log_q = jax.nn.log_softmax(z, axis=-1)
     log_p = jax.nn.log_softmax(t, axis=-1)

@@ -18,12 +18,14 @@ import numpy as np
 from dflash_jax.sharding import ROWS, ROWS_EMBED, ROWS_VOCAB, constrain
 
 
-def position_weights(block_size: int, gamma: float) -> np.ndarray:
-    """w_0 = 0 and w_k = exp(-(k-1)/gamma) for k >= 1 (DFlash position decay; design §6)."""
+def position_weights(block_size: int, gamma: float, from_anchor: bool = False) -> np.ndarray:
+    """w_0 = 0 and w_k = exp(-(k-1)/gamma) for k >= 1 (DFlash position decay; design §6); with `from_anchor`
+    (DSpark, every slot drafted, design §18) w_k = exp(-k/gamma) for every k."""
     if gamma <= 0:
         raise ValueError(f"gamma must be > 0, got {gamma}")
+    first = 0 if from_anchor else 1
     k = np.arange(block_size, dtype=np.float64)
-    return np.where(k >= 1, np.exp(-(k - 1) / gamma), 0.0).astype(np.float32)
+    return np.where(k >= first, np.exp(-(k - first) / gamma), 0.0).astype(np.float32)
 
 
 def dpace_weights(ce: jax.Array, slot_mask: jax.Array, alpha: float) -> jax.Array:
@@ -73,8 +75,28 @@ def map_row_chunks(fn: Callable, row_chunk: int, axis: int, *arrays: jax.Array):
     return jax.tree.map(lambda out: jax.lax.slice_in_dim(out, 0, rows, axis=axis), outputs)
 
 
-def lm_head_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: jax.Array, row_chunk: int
-                          ) -> tuple[jax.Array, jax.Array]:
+def draft_logits(h: jax.Array, kernel: jax.Array, markov: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+    """One row chunk's draft logits h @ kernel in fp32, plus DSpark's Markov bias e @ W2 when `markov` = (e
+    [..., c, r], W2 [r, V]) is given (design §18): the bias exists for the chunk's rows only."""
+    # Both products run in the weights' dtype with fp32 accumulation: a bf16 head is never copied to fp32
+    # (its [H, V] copy would be the step's largest temporary, and an fp32 dot runs at a fraction of the bf16 rate).
+    logits = jnp.dot(h.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+    if markov is not None:
+        prev_embeddings, w2 = markov
+        logits = logits + jnp.dot(prev_embeddings.astype(w2.dtype), w2, preferred_element_type=jnp.float32)
+    return logits
+
+
+def rematerialised_chunks(chunk: Callable, row_chunk: int, axis: int, *arrays: jax.Array):
+    """`map_row_chunks` of `chunk` differentiated by autodiff with each chunk rematerialised (DSpark's path,
+    design §18): the forward keeps only the chunks' inputs, and the backward recomputes each chunk's logits to
+    take its gradient, into the trainable W2 too, whose gradient Σ_rows e·dℓ/dz needs the incoming per-row
+    cotangents and so cannot be fused into the forward as the hidden states' is."""
+    return map_row_chunks(jax.checkpoint(chunk), row_chunk, axis, *arrays)
+
+
+def lm_head_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: jax.Array, row_chunk: int,
+                          markov: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """Per-row cross-entropy of logits = hidden @ lm_head_kernel against `labels`, and whether the label is
     the logits' argmax. hidden: [..., R, H]; lm_head_kernel: [H, V]; labels: [..., R] int.
 
@@ -86,17 +108,27 @@ def lm_head_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: 
     [..., R, V] logits never exist. `correct` compares the label's logit with the row maximum (no argmax):
     it holds iff the label attains the maximum and no lower id does, i.e. exactly argmax(logits) == label
     with ties resolved to the lowest id, as `jnp.argmax` and `ops.lm_head.greedy_labels` resolve them.
+
+    markov = (e [..., R, r], W2 [r, V]): DSpark's Markov bias e @ W2 is added to each row chunk's logits (design
+    §18); both get gradients, by `rematerialised_chunks` instead of the fused gradient.
     """
     if hidden.ndim == 3:  # [b, R, H]: rows stay split over the batch axes under a mesh (design §13)
         hidden, labels = constrain(hidden, ROWS_EMBED), constrain(labels, ROWS)
-    return _lm_head_cross_entropy(hidden, jax.lax.stop_gradient(lm_head_kernel), labels, row_chunk)
+    kernel = jax.lax.stop_gradient(lm_head_kernel)
+    if markov is None:
+        return _lm_head_cross_entropy(hidden, kernel, labels, row_chunk)
+    prev_embeddings, w2 = markov
+
+    def chunk(h, y, e):
+        return _logit_statistics(h, kernel, y, with_gradient=False, markov=(e, w2))
+
+    return rematerialised_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, labels, prev_embeddings)
 
 
-def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradient: bool):
+def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradient: bool,
+                      markov: tuple[jax.Array, jax.Array] | None = None):
     """One row chunk: (ce, correct) and, if with_gradient, d ce / d h. h: [..., c, H]; y: [..., c]."""
-    # Both products run in the head's dtype with fp32 accumulation: a bf16 head is never copied to fp32
-    # (its [H, V] copy would be the step's largest temporary, and an fp32 dot runs at a fraction of the bf16 rate).
-    logits = jnp.dot(h.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+    logits = draft_logits(h, kernel, markov)
     if logits.ndim == 3:  # [b, c, V]: the vocabulary splits over `tensor` under a mesh
         logits = constrain(logits, ROWS_VOCAB)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
@@ -173,11 +205,12 @@ def trained_slot_count(slot_mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.sum(slot_mask.astype(jnp.float32)), 1.0)
 
 
-def acceptance_metrics(slot_correct: np.ndarray, slot_count: np.ndarray) -> dict[str, float]:
-    """Per-slot accuracy acc_k (k >= 1), EAL = Σ_k Π_{i<=k} acc_i and τ_est = 1 + EAL (design §6)."""
+def acceptance_metrics(slot_correct: np.ndarray, slot_count: np.ndarray, first_slot: int = 1) -> dict[str, float]:
+    """Per-slot accuracy acc_k of the drafted slots k >= first_slot (1; 0 for DSpark, design §18),
+    EAL = Σ_k Π_{i<=k} acc_i and τ_est = 1 + EAL (design §6)."""
     slot_correct, slot_count = np.asarray(slot_correct, np.float64), np.asarray(slot_count, np.float64)
-    accuracy = np.where(slot_count > 0, slot_correct / np.maximum(slot_count, 1.0), 0.0)[1:]
+    accuracy = np.where(slot_count > 0, slot_correct / np.maximum(slot_count, 1.0), 0.0)[first_slot:]
     eal = float(np.sum(np.cumprod(accuracy)))
-    metrics = {f"acc_{k}": float(a) for k, a in enumerate(accuracy, start=1)}
+    metrics = {f"acc_{k}": float(a) for k, a in enumerate(accuracy, start=first_slot)}
     metrics.update(eal=eal, tau_est=1.0 + eal)
     return metrics

@@ -4,7 +4,7 @@
 
 - "adamw": AdamW on every parameter; weight decay on the weight matrices only (never on norm weights).
 - "muon": Muon on the weight matrices (fc and every q/k/v/o and MLP projection, each its own matrix, per layer),
-  AdamW on everything else (the norm weights). This is the split and the update of torch.optim.Muon as vLLM's
+  AdamW on everything else (the norm weights, DSpark's Markov weights over the vocabulary). This is the split and the update of torch.optim.Muon as vLLM's
   speculators trains with it (`--optimizer muon`, its default), with the AdamW-matched update size:
 
       B  <- mu*B + (1-mu)*g                      momentum, an EMA of the clipped gradient
@@ -39,6 +39,7 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (a, b, c)
 NS_EPS = 1e-7  # floor of the Frobenius norm that scales NS5's input, as in torch.optim.Muon
 ADAMW_MATCHED_RMS = 0.2  # update RMS that AdamW typically has (Liu et al. 2025, §2.2)
 LAYERS_AXIS = "layers"  # logical axis of weights stacked over layers: one matrix per layer
+VOCAB_AXIS = "vocab"
 
 
 def learning_rate_schedule(config: ConfigDict, peak: float | None = None) -> optax.Schedule:
@@ -88,9 +89,15 @@ def is_matrix(param) -> bool:
     return matrix_axes(param) is not None
 
 
+def is_muon_matrix(param) -> bool:
+    """A weight matrix Muon updates: not one over the vocabulary (DSpark's Markov W1 and W2, design §18), which
+    speculators leaves to AdamW as it does embeddings and LM heads."""
+    return is_matrix(param) and VOCAB_AXIS not in (getattr(param, "out_sharding", None) or ())
+
+
 def split_matrices(tree: nnx.State) -> tuple[nnx.State, nnx.State]:
-    """(the weight matrices, everything else) of a params-shaped State."""
-    return nnx.split_state(tree, lambda _, param: is_matrix(param), ...)
+    """(the weight matrices Muon updates, everything else) of a params-shaped State."""
+    return nnx.split_state(tree, lambda _, param: is_muon_matrix(param), ...)
 
 
 class MuonState(NamedTuple):

@@ -5,13 +5,17 @@ micro-batches whose gradients are summed in a scan (the loss is normalised by th
 count, so accumulation gives exactly the full-batch gradient). Per micro-batch:
 
 1. `teacher`: the frozen target runs on the rows (no gradient; its attention on the backend it was loaded
-   with, config.attention_impl in train/loop.py) and yields the drafter's `TargetContext`: the feature
+   with, config.attention_impl in train/startup.py) and yields the drafter's `TargetContext`: the feature
    layers, the labels of the drafted slots k >= 1, the block embeddings and the LM head (the pair forward,
    models/dflash.py).
 2. `drafter_loss`: optional uniform noise on the raw features (never on the labels' path), the drafter
    forward, the borrowed (frozen) LM head + cross-entropy in row chunks with the gradient fused into its
    forward (train/loss.py), the slot mask and position weights (the fixed decay, or D-PACE's from the
    detached CE of the same pass).
+
+For method "dspark" (design §18) every block slot is drafted (slot k predicts the token after a+k), the Markov
+bias W2·W1[input_ids[a+k]] is added to each slot's logits inside the fused loss's row chunks, and the confidence
+head's BCE against the detached 1 − TV of the same pass is added with weight config.drafter.confidence_alpha.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from ml_collections import ConfigDict
 
 from dflash_jax.models.dflash import TargetContext, target_context
 from dflash_jax.models.drafter import DrafterConfig
-from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, anchor_utilisation, anchor_validity, slot_mask
+from dflash_jax.ops.anchors import (AnchorGrid, DrafterInputs, anchor_utilisation, anchor_validity, slot_mask,
+                                    slot_tokens)
 from dflash_jax.ops.gated_delta import delta_rule_matmuls
 from dflash_jax.sharding import BATCH_AXES, TARGET_LAYOUTS, batch_sharding, layout_rules, replicated
+from dflash_jax.train.confidence import confidence_loss
 from dflash_jax.train.loss import (dflash_loss, dpace_weights, lm_head_cross_entropy, position_weights,
                                    trained_slot_count)
 from dflash_jax.train.divergences import lm_head_divergences
@@ -43,9 +49,10 @@ BATCH_KEYS = ("input_ids", "positions", "segment_ids", "loss_mask")
 
 
 class LossAux(NamedTuple):
-    labels: jax.Array  # [b, N, B-1] (drafted slots)
+    labels: jax.Array  # [b, N, D] (drafted slots: D = B-1, or B for dspark)
     slot_correct: jax.Array  # [B]
     slot_count: jax.Array  # [B]
+    confidence_loss: jax.Array  # scalar, already in the loss with its weight (0 without a confidence head)
 
 
 class StepFunctions(NamedTuple):
@@ -65,10 +72,16 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
                          f"{list(TARGET_LAYOUTS)} before the step is made (plan.py settles 'auto')")
     grid = anchor_grid(config)
     anchors, block = grid.anchors, grid.block_size
-    weights = jnp.asarray(position_weights(block, config.loss.gamma))
+    dspark = drafter_config.method == "dspark"  # every slot drafted, the Markov bias and confidence (design §18)
+    weights = jnp.asarray(position_weights(block, config.loss.gamma, from_anchor=dspark))
     dpace = config.loss.position_weights == "dpace"  # weights from the drafter's own confidence (design §6)
     terms = parse_loss_terms(config.loss.terms)
-    distribution = terms != (("ce", 1.0),)  # the fused loss against the target's distribution (design §18)
+    confidence_alpha = config.drafter.confidence_alpha if dspark else 0.0
+    # The fused loss against the target's distribution (design §18), also for the confidence target 1 − TV.
+    distribution = terms != (("ce", 1.0),) or confidence_alpha > 0
+
+    def trained_slots(batch: dict[str, jax.Array]) -> jax.Array:
+        return slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block, from_anchor=dspark)
 
     def teacher(target_state: nnx.State, batch: dict[str, jax.Array]) -> TargetContext:
         # Traced under the rules of the target's layout, which decide its embedding lookup (models/layers.py),
@@ -89,22 +102,35 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
         hidden, _ = drafter(features, teacher.block_embeds,
                             DrafterInputs.from_rows(grid, batch["positions"], batch["segment_ids"]))
         rows = hidden.shape[0]
-        drafted = hidden.reshape(rows, grid.num_anchors, block, -1)[:, :, 1:]  # slot 0 is never trained
+        drafted = hidden.reshape(rows, grid.num_anchors, block, -1)
+        if not dspark:
+            drafted = drafted[:, :, 1:]  # DFlash's slot 0 is never trained
         drafted = drafted.reshape(rows, -1, drafted.shape[-1])
+        markov = None
+        if dspark:  # e_k = W1[x_{a+k}], the data token before slot k's label; the bias is added per row chunk
+            prev_ids = slot_tokens(batch["input_ids"], anchors, block).reshape(rows, -1)
+            prev_embeddings = drafter.markov_head.prev_embeddings(prev_ids).astype(drafter.dtype)
+            markov = (prev_embeddings, drafter.markov_head.w2[...].astype(drafter.dtype))
         if distribution:  # ce is then the weighted sum of the terms per slot
-            ce, _, correct = lm_head_divergences(drafted, teacher.label_hidden.reshape(drafted.shape),
-                                                 teacher.lm_head, teacher.labels.reshape(rows, -1), terms,
-                                                 config.loss.row_chunk)
+            ce, tv, correct = lm_head_divergences(drafted, teacher.label_hidden.reshape(drafted.shape),
+                                                  teacher.lm_head, teacher.labels.reshape(rows, -1), terms,
+                                                  config.loss.row_chunk, markov)
         else:
             ce, correct = lm_head_cross_entropy(drafted, teacher.lm_head, teacher.labels.reshape(rows, -1),
-                                                config.loss.row_chunk)
-        mask = slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block)
-        anchor_slot = ((0, 0), (0, 0), (1, 0))  # slot 0: ce 0, not correct (its mask is 0)
-        ce = jnp.pad(ce.reshape(teacher.labels.shape), anchor_slot)
-        correct = jnp.pad(correct.reshape(teacher.labels.shape), anchor_slot)
+                                                config.loss.row_chunk, markov)
+        mask = trained_slots(batch)
+        ce, correct = ce.reshape(teacher.labels.shape), correct.reshape(teacher.labels.shape)
+        if not dspark:
+            anchor_slot = ((0, 0), (0, 0), (1, 0))  # slot 0: ce 0, not correct (its mask is 0)
+            ce, correct = jnp.pad(ce, anchor_slot), jnp.pad(correct, anchor_slot)
         slot_weights = dpace_weights(ce, mask, config.loss.dpace_alpha) if dpace else weights
         out = dflash_loss(ce, correct, mask, slot_weights, normaliser)
-        return out.loss, LossAux(teacher.labels, out.slot_correct, out.slot_count)
+        loss, confidence = out.loss, jnp.zeros((), jnp.float32)
+        if confidence_alpha > 0:  # always with the fixed decay, also under D-PACE (speculators)
+            logits = drafter.confidence_head(drafted, prev_embeddings).reshape(mask.shape)
+            confidence = confidence_loss(logits, tv.reshape(mask.shape), mask, weights, normaliser)
+            loss = loss + confidence_alpha * confidence
+        return loss, LossAux(teacher.labels, out.slot_correct, out.slot_count, confidence)
 
     tx = make_optimizer(config)
     schedule = learning_rate_schedule(config)
@@ -120,26 +146,27 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
 
     def sharded_step(state: TrainState, target_state: nnx.State, batch: dict[str, jax.Array]
                      ) -> tuple[TrainState, dict[str, jax.Array]]:
-        normaliser = trained_slot_count(slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block))
+        normaliser = trained_slot_count(trained_slots(batch))
         rng, step_key = jax.random.split(jax.random.wrap_key_data(state.rng))
 
         def micro_step(micro_batch, noise_key):
             (loss, aux), grads = jax.value_and_grad(drafter_loss, has_aux=True)(
                 state.params, teacher(target_state, micro_batch), micro_batch, noise_key, normaliser)
-            return grads, loss, aux.slot_correct, aux.slot_count
+            return grads, loss, aux.slot_correct, aux.slot_count, aux.confidence_loss
 
         if accum == 1:
-            grads, loss, slot_correct, slot_count = micro_step(batch, step_key)
+            grads, loss, slot_correct, slot_count, confidence = micro_step(batch, step_key)
         else:
             def accumulate(totals, inputs):
                 return jax.tree.map(jnp.add, totals, micro_step(*inputs)), None
 
-            zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()), jnp.zeros(block), jnp.zeros(block))
+            zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()), jnp.zeros(block), jnp.zeros(block),
+                     jnp.zeros(()))
             # Row r goes to micro-batch r % accum: every micro-batch keeps an even share of each device's rows.
             micro_batches = {key: jax.lax.with_sharding_constraint(
                 jnp.swapaxes(value.reshape(-1, accum, value.shape[-1]), 0, 1), micro_sharding)
                 for key, value in batch.items()}
-            (grads, loss, slot_correct, slot_count), _ = jax.lax.scan(
+            (grads, loss, slot_correct, slot_count, confidence), _ = jax.lax.scan(
                 accumulate, zeros, (micro_batches, jax.random.split(step_key, accum)))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         metrics = {
@@ -150,6 +177,8 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
             "grad_norm": optax.tree.norm(grads),  # before clipping
             "learning_rate": schedule(state.step),
         }
+        if confidence_alpha > 0:
+            metrics["confidence_loss"] = confidence  # unweighted; `loss` holds it times confidence_alpha
         new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state,
                                jax.random.key_data(rng))
         return new_state, metrics

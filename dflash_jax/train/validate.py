@@ -39,7 +39,7 @@ BAD_RECORDS = ("raise", "skip")
 DTYPES = ("float32", "bfloat16", "float16")
 EVAL_CONTINUATIONS = ("generate", "data")  # config.eval_continuation
 DRAFTER_METHODS = ("dflash", "dspark", "dflash2")  # config.drafter.method (design §18)
-METHODS_NOT_YET_TRAINABLE = ("dspark", "dflash2")
+METHODS_NOT_YET_TRAINABLE = ("dflash2",)
 
 
 def _field(config: ConfigDict, path: str):
@@ -169,6 +169,7 @@ def validate_config(config: ConfigDict) -> None:
              f"config.storage.deadline_seconds must be > 0, got {storage.deadline_seconds}")
     _require(storage.retries is None or storage.retries >= 0,
              f"config.storage.retries must be >= 0, got {storage.retries}")
+    _require(config.stop_grace_seconds > 0, f"config.stop_grace_seconds must be > 0, got {config.stop_grace_seconds}")
     _require(config.eval_every >= 0, f"config.eval_every must be >= 0 (0 = never), got {config.eval_every}")
     _require(config.eval_continuation in EVAL_CONTINUATIONS,
              f"config.eval_continuation must be one of {EVAL_CONTINUATIONS}, got {config.eval_continuation!r}")
@@ -209,6 +210,9 @@ def validate_config(config: ConfigDict) -> None:
     _require(drafter.num_feature_layers >= 1,
              f"config.drafter.num_feature_layers must be >= 1, got {drafter.num_feature_layers}")
     validate_method(drafter)
+    _require(drafter.method == "dflash" or not config.eval_every,
+             f"config.eval_every={config.eval_every}: exact τ is not implemented yet for "
+             f"config.drafter.method={drafter.method!r} (no Markov bias in evaluation); set config.eval_every=0")
 
 
 def validate_method(drafter: ConfigDict) -> None:
@@ -337,6 +341,9 @@ def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> Draf
     _require(list(layer_ids) == sorted(set(layer_ids)),
              f"config.drafter.target_layer_ids {list(layer_ids)} must be strictly increasing to be served by vLLM "
              f"(for this {num_target_layers}-layer target, set fewer config.drafter.num_feature_layers or explicit ids)")
+    _require(drafter.intermediate_size or target_config.intermediate_size,
+             "config.drafter.intermediate_size must be set: this target has experts and no dense MLP width for the "
+             "drafter to default to")
     fields = dict(
         hidden_size=hidden,
         intermediate_size=drafter.intermediate_size or target_config.intermediate_size,
@@ -355,6 +362,8 @@ def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> Draf
         mask_token_id=resolve_mask_token_id(config, tokenizer, target_config.vocab_size),
         vocab_size=target_config.vocab_size,
         max_position_embeddings=target_config.max_position_embeddings,
+        method=drafter.method,
+        markov_rank=drafter.markov_rank if drafter.method == "dspark" else 0,
     )
     try:
         return DrafterConfig(**fields)

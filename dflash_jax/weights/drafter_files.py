@@ -2,7 +2,9 @@
 
 The z-lab directory (design §10): config.json + model.safetensors, the layout vLLM loads with
 `method: "dflash"`: a flat Qwen3 config plus the DFlash keys, and the drafter's own
-tensors (bf16, PyTorch [out, in], unprefixed; no embed_tokens/lm_head, so vLLM shares the target's).
+tensors (bf16, PyTorch [out, in], unprefixed; no embed_tokens/lm_head, so vLLM shares the target's). A DSpark
+drafter is written in the speculators layout vLLM serves with `method: "dspark"` (weights/speculators_dspark.py,
+design §18.1): the same backbone tensors plus its two heads, and a speculators config.json.
 `export_drafter` writes a `Drafter`; `load_drafter_dir` reads such a directory (ours or a published z-lab
 one) back into NNX. A training workdir holds drafter_config.json and Orbax checkpoints of the train state;
 `restore_drafter` reads the drafter of one of them. `load_drafter` takes either.
@@ -10,6 +12,7 @@ one) back into NNX. A training workdir holds drafter_config.json and Orbax check
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -32,6 +35,7 @@ from dflash_jax.runtime.workdir import library_logs_captured, newest_readable
 from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.output_dir import FILE_MODE, check_output_dir, prepare_output_dir, write_text
 from dflash_jax.weights.safetensors_dir import SINGLE_FILE, CheckpointReader, read_config
+from dflash_jax.weights.speculators_dspark import HEAD_TENSORS, dspark_config, is_dspark, zlab_view
 
 CONFIG_FILE = "config.json"
 # A training workdir (`dflash-jax train --workdir`): the drafter's architecture and the train state checkpoints.
@@ -82,12 +86,20 @@ def zlab_config(config: DrafterConfig) -> dict:
     }
 
 
+def export_config(config: DrafterConfig, target: str | None = None) -> dict:
+    """config.json of the export: the z-lab one, or for DSpark the speculators one naming `target`."""
+    zlab = zlab_config(config)
+    return dspark_config(zlab, config.markov_rank, target) if config.method == "dspark" else zlab
+
+
 def serve_command(target: str, export_dir: str | Path, config: DrafterConfig) -> str:
-    """The `vllm serve` line of design §10 for this export. vLLM (0.32) serves a drafter that mixes sliding and
-    full attention layers only with its V2 model runner, which an environment variable selects."""
-    spec = json.dumps({"method": "dflash", "model": str(export_dir), "num_speculative_tokens": config.block_size - 1},
-                      separators=(",", ":"))
-    runner = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(set(config.layer_types)) > 1 else ""
+    """The `vllm serve` line of design §10 for this export. vLLM (0.32) serves DSpark, and a drafter that mixes
+    sliding and full attention layers, only with its V2 model runner, which an environment variable selects; a
+    DSpark block drafts block_size tokens (design §18), a DFlash one block_size - 1."""
+    dspark = config.method == "dspark"
+    spec = json.dumps({"method": config.method, "model": str(export_dir),
+                       "num_speculative_tokens": config.block_size - (0 if dspark else 1)}, separators=(",", ":"))
+    runner = "VLLM_USE_V2_MODEL_RUNNER=1 " if dspark or len(set(config.layer_types)) > 1 else ""
     return f"{runner}vllm serve {target} --speculative-config '{spec}'"
 
 
@@ -106,15 +118,19 @@ def check_out_dir(out_dir: str | os.PathLike, overwrite: bool, inputs: Iterable[
 
 
 def export_drafter(drafter: Drafter, config: DrafterConfig, out_dir: str | os.PathLike, *, overwrite: bool = False,
-                   inputs: Iterable[str | os.PathLike] = ()) -> Path:
+                   inputs: Iterable[str | os.PathLike] = (), target: str | None = None) -> Path:
     """Write `drafter` as config.json + model.safetensors (bf16) into `out_dir`; returns the directory.
 
     Refuses a non-empty `out_dir` unless `overwrite` and it holds an earlier export and nothing else (vLLM
     reads every *.safetensors of the directory, so nothing else may be left there); `inputs` are the paths
     the export was made from, which `out_dir` must lie outside of. Files are readable by others (0644).
+    `target` is the verifier a DSpark config names (vLLM requires the key, not the value).
     """
     if drafter.config != config:
         raise ValueError(f"export_drafter: the drafter was built with {drafter.config}, not with {config}")
+    if config.method not in ("dflash", "dspark"):  # design §18: no DFlash2 layout is written yet
+        raise CheckpointError(f"export of method {config.method!r} drafters is not implemented yet (only 'dflash' "
+                              f"and 'dspark')")
     check_servable_layer_ids(config.target_layer_ids, "export_drafter")
     partial_name = SINGLE_FILE + ".partial"
     out_dir = prepare_output_dir(out_dir, kind=OUTPUT_KIND, entries=[CONFIG_FILE, SINGLE_FILE, partial_name, CARD_FILE],
@@ -127,7 +143,7 @@ def export_drafter(drafter: Drafter, config: DrafterConfig, out_dir: str | os.Pa
     save_file(tensors, str(partial), metadata={"format": "pt"})  # transformers insists on format=pt
     os.chmod(partial, FILE_MODE)  # safetensors writes 0600
     os.replace(partial, out_dir / SINGLE_FILE)
-    write_text(out_dir / CONFIG_FILE, json.dumps(zlab_config(config), indent=2) + "\n")
+    write_text(out_dir / CONFIG_FILE, json.dumps(export_config(config, target), indent=2) + "\n")
     return out_dir
 
 
@@ -209,6 +225,17 @@ def drafter_config_from_zlab(raw: dict, where: Path | str = CONFIG_FILE) -> Draf
         raise CheckpointError(f"{where}: {error}") from None
 
 
+def drafter_config_from_file(raw: dict, where: Path | str = CONFIG_FILE) -> DrafterConfig:
+    """A DrafterConfig from an export's config.json dict: the z-lab layout, or the speculators DSpark one."""
+    if not is_dspark(raw):
+        return drafter_config_from_zlab(raw, where)
+    zlab, markov_rank = zlab_view(raw, Path(where))
+    try:
+        return dataclasses.replace(drafter_config_from_zlab(zlab, where), method="dspark", markov_rank=markov_rank)
+    except (ValueError, TypeError) as error:
+        raise CheckpointError(f"{where}: {error}") from None
+
+
 def load_drafter_dir(directory: str | Path, *, param_dtype=jnp.float32, **drafter_kwargs) -> tuple[Drafter,
                                                                                                   DrafterConfig]:
     """Read a drafter directory in the z-lab layout into NNX; returns (drafter, config).
@@ -218,7 +245,7 @@ def load_drafter_dir(directory: str | Path, *, param_dtype=jnp.float32, **drafte
     `directory` may also be a Hugging Face Hub repo id (weights/hub.py).
     """
     directory = Path(local_dir(directory, "drafter"))
-    config = drafter_config_from_zlab(read_config(directory), directory / CONFIG_FILE)
+    config = drafter_config_from_file(read_config(directory), directory / CONFIG_FILE)
     return read_drafter_weights(directory, config, param_dtype=param_dtype, **drafter_kwargs), config
 
 
@@ -238,8 +265,10 @@ def _torch_name(path: tuple) -> tuple[str, bool]:
     """NNX parameter path -> (z-lab export name, whether the tensor is a Linear kernel to transpose).
 
     The module attributes above carry the export names, so ('layers', 0, 'self_attn', 'q_proj', 'kernel')
-    becomes 'layers.0.self_attn.q_proj.weight'.
+    becomes 'layers.0.self_attn.q_proj.weight'; DSpark's heads have names of their own (HEAD_TENSORS).
     """
+    if tuple(path) in HEAD_TENSORS:
+        return HEAD_TENSORS[tuple(path)]
     *module_path, leaf = path
     return ".".join(map(str, module_path)) + ".weight", leaf == "kernel"
 

@@ -11,7 +11,7 @@ a checkpoint that still carries an `lm_head.weight` copy has it ignored (as tran
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
 from dflash_jax.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from dflash_jax.weights import hf_qwen3, hf_qwen3_5
+from dflash_jax.weights.hf_moe import has_fused_experts
 from dflash_jax.weights.mapping import WeightRule, transpose
 
 LM_HEAD = "lm_head.weight"
@@ -33,7 +34,8 @@ class TargetFamily:
 
     config_type: type  # its config class; config_type.from_hf(config.json dict) raises ValueError naming the field
     model: type[nnx.Module]  # model(config, param_dtype=, rngs=, attention_impl=, mesh=)
-    text_rules: Callable[[Any, str], list[WeightRule]]  # embedding, decoder layers, final norm under a prefix
+    # embedding, decoder layers, final norm: text_rules(config, prefix, fused_experts) (weights/hf_moe.py layouts)
+    text_rules: Callable[[Any, str, bool], list[WeightRule]]
     prefixes: tuple[str, ...] = ("model.",)  # where the text model's tensors may sit, most specific first
     skipped: tuple[str, ...] = ()  # tensors of parts a target does not use (a vision tower, an MTP head)
 
@@ -44,12 +46,16 @@ class TargetFamily:
         """The prefix the checkpoint's tensors use: the first of `prefixes` any name starts with."""
         return next((p for p in self.prefixes if any(name.startswith(p) for name in names)), self.prefixes[-1])
 
-    def weight_rules(self, config, prefix: str) -> list[WeightRule]:
+    def weight_rules(self, config, prefix: str, fused_experts: bool = False) -> list[WeightRule]:
         """HF tensor -> NNX variable, the LM head included when untied."""
-        rules = self.text_rules(config, prefix)
+        rules = self.text_rules(config, prefix, fused_experts)
         if not config.tie_word_embeddings:
             rules.append(WeightRule(LM_HEAD, ("lm_head", "kernel"), transpose))
         return rules
+
+    def checkpoint_rules(self, config, names: Collection[str]) -> list[WeightRule]:
+        """The weight rules of a checkpoint holding tensors `names`: its prefix and expert layout read off them."""
+        return self.weight_rules(config, self.prefix(names), has_fused_experts(names))
 
     def ignored(self, config) -> tuple[str, ...]:
         """Prefixes of checkpoint tensors that are read by no rule and are not an error."""
@@ -66,7 +72,9 @@ QWEN3 = TargetFamily(Qwen3Config, Qwen3, hf_qwen3.text_rules)
 QWEN3_5 = TargetFamily(Qwen3_5Config, Qwen3_5, hf_qwen3_5.text_rules,
                        prefixes=(hf_qwen3_5.MULTIMODAL_PREFIX, hf_qwen3_5.TEXT_ONLY_PREFIX),
                        skipped=hf_qwen3_5.SKIPPED_PREFIXES)
-FAMILIES = {"qwen3": QWEN3, "qwen3_moe": QWEN3, "qwen3_5": QWEN3_5, "qwen3_5_text": QWEN3_5}
+# A MoE model_type selects the same family: its config then carries `moe` (models/moe_config.py).
+FAMILIES = {"qwen3": QWEN3, "qwen3_moe": QWEN3, "qwen3_5": QWEN3_5, "qwen3_5_text": QWEN3_5,
+            "qwen3_5_moe": QWEN3_5, "qwen3_5_moe_text": QWEN3_5}
 
 
 def family_of(config) -> TargetFamily:

@@ -4,6 +4,7 @@ holds them (its family entry, with the LM head rule, is in weights/families.py).
 from __future__ import annotations
 
 from dflash_jax.models.qwen3 import Qwen3Config
+from dflash_jax.weights.hf_moe import moe_tensors
 from dflash_jax.weights.mapping import WeightRule, identity, transpose
 
 # HF name under `<prefix>layers.{layer}.` -> NNX path under `layers` (stacked over layers), fix-up.
@@ -22,23 +23,22 @@ _DENSE_MLP_TENSORS = (
     ("mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), transpose),
     ("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), transpose),
 )
-# qwen3_moe sparse layers: the router [E, H] and one tensor per expert, stacked [E, ...] (design §8.5).
-_ROUTER = ("mlp.gate.weight", ("mlp", "gate", "kernel"), transpose)
-_EXPERT_TENSORS = tuple((f"mlp.experts.{{expert}}.{name}.weight", ("mlp", "experts", name), transpose)
-                        for name in ("gate_proj", "up_proj", "down_proj"))
 
 
-def text_rules(config: Qwen3Config, prefix: str) -> list[WeightRule]:
-    """The embedding, the decoder layers (stacked along `layers`) and the final norm under `prefix`."""
+def text_rules(config: Qwen3Config, prefix: str, fused_experts: bool = False) -> list[WeightRule]:
+    """The embedding, the decoder layers (stacked along `layers`) and the final norm under `prefix`; a qwen3_moe
+    config's sparse layers take the router and the experts in the checkpoint's layout (`hf_moe.py`)."""
     layers = range(config.num_hidden_layers)
     moe = config.moe
-    sparse = moe is not None and moe.sparse_layers[0]
-    mlp = (*_LAYER_TENSORS, _ROUTER) if sparse else (*_LAYER_TENSORS, *_DENSE_MLP_TENSORS)
+    if moe is not None and moe.sparse_layers[0]:
+        mlp = moe_tensors(moe, config.hidden_size, fused_experts)
+    else:
+        mlp = [(name, path, fixup, None) for name, path, fixup in _DENSE_MLP_TENSORS]
     return [
         WeightRule(f"{prefix}embed_tokens.weight", ("embed_tokens", "embedding")),
         *(WeightRule(f"{prefix}layers.{{layer}}.{name}", ("layers", *path), fixup, layers)
-          for name, path, fixup in mlp),
-        *(WeightRule(f"{prefix}layers.{{layer}}.{name}", ("layers", *path), fixup, layers, moe.num_experts)
-          for name, path, fixup in (_EXPERT_TENSORS if sparse else ())),
+          for name, path, fixup in _LAYER_TENSORS),
+        *(WeightRule(f"{prefix}layers.{{layer}}.{name}", ("layers", *path), fixup, layers, experts)
+          for name, path, fixup, experts in mlp),
         WeightRule(f"{prefix}norm.weight", ("norm", "weight")),
     ]

@@ -1,5 +1,6 @@
-"""The Hugging Face tensor names of a Qwen3.5/3.6 target (design §8.4), as `dflash_jax.models.qwen3_5.Qwen3_5`
-holds them (its family entry, with the LM head rule, is in weights/families.py).
+"""The Hugging Face tensor names of a Qwen3.5/3.6 target (design §8.4), dense or MoE (§8.5), as
+`dflash_jax.models.qwen3_5.Qwen3_5` holds them (its family entry, with the LM head rule, is in
+weights/families.py).
 
 Text weights sit under `model.language_model.` (Qwen3_5ForConditionalGeneration, the released layout) or
 `model.` (a text-only Qwen3_5ForCausalLM `save_pretrained`); `lm_head.weight` is unprefixed. The vision tower
@@ -11,15 +12,18 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_jax.models.qwen3_5 import LINEAR_ATTENTION, Qwen3_5Config
+from dflash_jax.weights.hf_moe import moe_tensors
 from dflash_jax.weights.mapping import WeightRule, identity, transpose
 
 MULTIMODAL_PREFIX, TEXT_ONLY_PREFIX = "model.language_model.", "model."
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 
 
-_SHARED = (  # in every decoder layer: (HF suffix, NNX path below the layer, fix-up)
+_NORMS = (  # in every decoder layer: (HF suffix, NNX path below the layer, fix-up)
     ("input_layernorm.weight", ("input_layernorm", "weight"), identity),
     ("post_attention_layernorm.weight", ("post_attention_layernorm", "weight"), identity),
+)
+_DENSE_MLP = (
     ("mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), transpose),
     ("mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), transpose),
     ("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), transpose),
@@ -64,17 +68,23 @@ def _fused_rows(x: np.ndarray, rows: slice, fused_shape: tuple[int, ...]) -> np.
     return x[rows]
 
 
-def text_rules(config: Qwen3_5Config, prefix: str) -> list[WeightRule]:
+def text_rules(config: Qwen3_5Config, prefix: str, fused_experts: bool = False) -> list[WeightRule]:
     """The embedding, the decoder layers and the final norm under `prefix`. HF layer i is position i % p of
-    the period, repetition i // p."""
+    the period, repetition i // p. A qwen3_5_moe config's layers take the router, the experts in the
+    checkpoint's layout and the shared expert (`hf_moe.py`)."""
     period = config.layer_period()
     repeats = config.num_hidden_layers // len(period)
+    if config.moe is not None:
+        mlp = moe_tensors(config.moe, config.hidden_size, fused_experts)
+    else:
+        mlp = [(name, path, fixup, None) for name, path, fixup in _DENSE_MLP]
     rules = [WeightRule(f"{prefix}embed_tokens.weight", ("embed_tokens", "embedding")),
              WeightRule(f"{prefix}norm.weight", ("norm", "weight"))]
     for position, layer_type in enumerate(period):
         mixer = (*_LINEAR_ATTENTION, *_split_qkv(config)) if layer_type == LINEAR_ATTENTION else _FULL_ATTENTION
         layers = [position + repeat * len(period) for repeat in range(repeats)]
-        for suffix, path, fixup in (*_SHARED, *mixer):
+        tensors = [(name, path, fixup, None) for name, path, fixup in (*_NORMS, *mixer)] + mlp
+        for suffix, path, fixup, experts in tensors:
             rules.append(WeightRule(f"{prefix}layers.{{layer}}.{suffix}", ("periods", "layers", position, *path),
-                                    fixup, layers=layers))
+                                    fixup, layers=layers, experts=experts))
     return rules

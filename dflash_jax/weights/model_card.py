@@ -70,7 +70,8 @@ def model_card(config: DrafterConfig, facts: TrainingFacts, drafter: str) -> str
         on = "" if facts.measured_on is None else f", on {facts.measured_on}"
         taus = f"exact τ {facts.exact_tau:.3f}{per_response}" + (f"; DDTree τ {ddtree}" if ddtree else "") + \
             f" (step {facts.eval_step}, greedy, block size {config.block_size}{on})"
-    rows = [("target", f"`{facts.target}`"),
+    rows = [("method", f"`{config.method}`"),
+            ("target", f"`{facts.target}`"),
             ("training data", ", ".join(f"`{f}`" for f in facts.data_files) or "not recorded"),
             ("training steps", str(facts.steps)),
             ("block size", str(config.block_size)),
@@ -78,19 +79,18 @@ def model_card(config: DrafterConfig, facts: TrainingFacts, drafter: str) -> str
             ("drafter layers", f"{config.num_hidden_layers} ({', '.join(config.layer_types)})"),
             ("mask token id", str(config.mask_token_id)),
             ("last evaluation", taus)]
+    if config.method == "dspark":
+        rows.insert(5, ("Markov rank", str(config.markov_rank)))
     table = "\n".join(["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)])
     return f"""---
 {base_model}tags:
-- dflash
+- {config.method}
 - speculative-decoding
 ---
 
-# DFlash drafter for {facts.target}
+# {_TITLES[config.method]} drafter for {facts.target}
 
-A [DFlash](https://z-lab.ai/projects/dflash) block-diffusion drafter: from the target's hidden states it drafts
-{config.block_size - 1} tokens in one forward pass, which the target verifies in one pass. Trained with
-dflash_jax; the weights are bf16 in the z-lab layout (`DFlashDraftModel`), without embedding or LM head (the
-target's are shared).
+{_intro(config)}
 
 {table}
 
@@ -104,10 +104,33 @@ mean averages each response's own τ instead.
 {serve_command(facts.target, drafter, config)}
 ```
 
-## Serve with SGLang
+{_sglang_section(facts.target, drafter, config)}"""
+
+
+_TITLES = {"dflash": "DFlash", "dspark": "DSpark"}
+
+
+def _intro(config: DrafterConfig) -> str:
+    if config.method == "dspark":
+        return f"""A DSpark drafter: the DFlash block-diffusion backbone drafts {config.block_size} tokens in one forward pass
+from the target's hidden states, a low-rank Markov head biases each token's logits by the token before it, and
+a confidence head estimates each token's acceptance. Trained with dflash_jax; the weights are bf16 in the
+speculators layout (`speculators_model_type: dspark`), without embedding or LM head (the target's are shared).
+vLLM serves it with `method: "dspark"` on its V2 model runner (GPU)."""
+    return f"""A [DFlash](https://z-lab.ai/projects/dflash) block-diffusion drafter: from the target's hidden states it drafts
+{config.block_size - 1} tokens in one forward pass, which the target verifies in one pass. Trained with
+dflash_jax; the weights are bf16 in the z-lab layout (`DFlashDraftModel`), without embedding or LM head (the
+target's are shared)."""
+
+
+def _sglang_section(target: str, drafter: str, config: DrafterConfig) -> str:
+    """SGLang's DFLASH algorithm serves the z-lab layout only, so a DSpark card has no SGLang command."""
+    if config.method != "dflash":
+        return ""
+    return f"""## Serve with SGLang
 
 ```bash
-{sglang_command(facts.target, drafter, config.block_size)}
+{sglang_command(target, drafter, config.block_size)}
 ```
 """
 

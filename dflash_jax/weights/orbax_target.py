@@ -72,7 +72,7 @@ def write_orbax_target(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfl
     copied = [item for item in sorted(hf_dir.iterdir())
               if item.is_file() and not item.name.endswith(".safetensors") and item.name != INDEX_FILE]
     entries = [PARAMS_DIR, PARAMS_DIR + ".partial_save", MARKER_FILE, *(item.name for item in copied)]
-    rules = family.weight_rules(config, family.prefix(reader.names()))
+    rules = family.checkpoint_rules(config, reader.names())
     _check_tensor_names(reader, rules, family.ignored(config))
     abstract = family.abstract_model(config, param_dtype=dtype)
     variables = dict(nnx.to_flat_state(nnx.state(abstract)))
@@ -86,14 +86,19 @@ def write_orbax_target(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfl
     for rule in rules:
         variable = variables[rule.path]
         value = np.empty(variable.shape, np.dtype(variable.dtype))
-        for index, name in enumerate(rule.names()):
-            piece = rule.fixup(reader.read(name))
-            expected = value.shape[1:] if rule.layers is not None else value.shape
-            if piece.shape != expected:
-                raise CheckpointError(f"{hf_dir}: tensor {name} has shape {tuple(reader.shape(name))}, which does "
-                                      f"not fit {leaf_name(rule.path)} {value.shape} of this config")
-            value[index if rule.layers is not None else ...] = piece  # casts to the stored dtype
-            bar.update(1)
+        stacked = (rule.layers is not None) + (rule.experts is not None)  # leading [layers] and/or [experts] axes
+        for layer, group in enumerate(rule.layer_names()):
+            for expert, name in enumerate(group):
+                index = ((layer,) if rule.layers is not None else ()) + ((expert,) if rule.experts is not None else ())
+                try:
+                    piece = rule.fixup(reader.read(name))
+                except ValueError as error:  # a fix-up that checks its input's shape itself
+                    raise CheckpointError(f"{hf_dir}: tensor {name} {error}") from None
+                if piece.shape != value.shape[stacked:]:
+                    raise CheckpointError(f"{hf_dir}: tensor {name} has shape {tuple(reader.shape(name))}, which "
+                                          f"does not fit {leaf_name(rule.path)} {value.shape} of this config")
+                value[index] = piece  # casts to the stored dtype
+                bar.update(1)
         ocp.partial.save(out_dir / PARAMS_DIR, {leaf_name(rule.path): value})
         del value
     bar.close()

@@ -42,6 +42,6 @@ def load_target(checkpoint_dir: str | Path, *, param_dtype=jnp.bfloat16, mesh: M
     reader = CheckpointReader(checkpoint_dir)
     abstract = family.abstract_model(config, param_dtype=param_dtype, attention_impl=attention_impl, mesh=mesh)
     shardings = state_shardings(nnx.state(abstract), mesh, target_layout) if mesh is not None else None
-    rules = family.weight_rules(config, family.prefix(reader.names()))
+    rules = family.checkpoint_rules(config, reader.names())
     model = load_weights(abstract, reader, rules, ignore_prefixes=family.ignored(config), shardings=shardings)
     return model, config

@@ -17,8 +17,8 @@ from dflash_jax.eval.examples import read_examples
 from dflash_jax.train.loop import train
 from dflash_jax.weights.drafter_files import drafter_config_from_zlab, zlab_config
 from tests.command import dflash_jax, user_error
-from tests.data.test_data import completion_records, make_loader, write_jsonl
-from tests.models.test_drafter import make_config
+from tests.data_fixtures import completion_records, make_loader, write_jsonl
+from tests.drafter_fixtures import make_config
 from tests.tokenizer_fixture import make_chat_tokenizer
 from tests.train_fixtures import make_target, tiny_config, write_corpus
 

@@ -42,8 +42,9 @@ def test_tpu_pod_dry_run_prints_every_command_of_a_run():
             "--config.data.train_files=gs://b/d\\ it\\'\\''s > /dev/null") in lines[6]
     assert lines[7].startswith(f"gcloud compute tpus tpu-vm ssh pod1 {where} --worker=0 '--command=tail -n +1 -F ")
     assert lines[8] == "# on exit code 75 or a lost slice: recreate it if lost, install, train again"
-    assert lines[9] == f"gcloud compute tpus queued-resources delete pod1 {where} --force --quiet"
-    assert len(lines) == 10
+    assert lines[9] == "# on exit code 74 or 76: train again, at most 3 times"
+    assert lines[10] == f"gcloud compute tpus queued-resources delete pod1 {where} --force --quiet"
+    assert len(lines) == 11
 
 
 def test_tpu_pod_dry_run_of_single_steps():
@@ -130,6 +131,90 @@ def test_tpu_pod_run_stops_on_a_training_failure(tmp_path):
     assert "tpu-vm delete" not in Path(env["CALLS"]).read_text()
 
 
+@pytest.mark.parametrize("exits, retries, code, runs", [("74 76 0", None, 0, 3), ("74 74 74", "2", 74, 3)])
+def test_tpu_pod_run_trains_again_after_a_storage_outage_or_an_expired_grace_a_bounded_number_of_times(
+        tmp_path, exits, retries, code, runs):
+    env = {**fake_commands(tmp_path / "bin", {"gcloud": GCLOUD}), "EXITS": exits, "DFLASH_JAX_RETRY_BACKOFF": "0",
+           **({"DFLASH_JAX_RETRIES": retries} if retries else {})}
+    result = run("tpu_pod.sh", "run", "pod5", "--zone", "z", "--type", "v5p-8", *TRAIN, env=env)
+    assert result.returncode == code, result.stderr
+    log = Path(env["CALLS"]).read_text().splitlines()
+    starts = [line for line in log if "--worker=all" in line and "tpu_vm.sh" in line]
+    assert len(starts) == runs and len(set(starts)) == 1  # the same command on every worker each time
+    assert all("DFLASH_JAX_RETRIES=0 " in line for line in starts)  # the pod reruns, not each worker alone
+    assert "training again (1 of " in result.stderr
+    if code:
+        assert "training failed with exit code 74" in result.stderr
+
+
+def local_launcher(tmp_path: Path, script: str, python: str) -> tuple[Path, dict[str, str]]:
+    """A copy of `script` with the launch/ files it sources, in a checkout whose .venv/bin/python is a stand-in
+    that logs its arguments and runs `python` (a shell script)."""
+    repo = tmp_path / "repo"
+    (repo / "launch").mkdir(parents=True)
+    for name in (script, "retry.sh", "performance.sh"):
+        (repo / "launch" / name).write_text((REPO / "launch" / name).read_text())
+    (repo / ".venv").mkdir()
+    env = fake_commands(repo / ".venv" / "bin", {"python": python})
+    return repo / "launch" / script, {**env, "PATH": "/usr/bin:/bin", "DFLASH_JAX_RETRY_BACKOFF": "0"}
+
+
+# The trainer's stand-in: the exit codes listed in $EXITS, one per run.
+EXITING = 'exit $(echo $EXITS | cut -d" " -f"$(grep -c "^python" "$CALLS")")'
+
+
+@pytest.mark.parametrize("script", ["gpu.sh", "tpu_vm.sh"])
+@pytest.mark.parametrize("exits, retries, code, runs", [
+    ("74 74 0", None, 0, 3),  # a storage outage twice, then the run ends
+    ("76 0", None, 0, 2),  # a stop whose save outlasted its grace (the signal was not the launcher's)
+    ("2", None, 2, 1),  # a user error: never rerun
+    ("75", None, 75, 1),  # a stop that saved its checkpoint: the scheduler's to requeue
+    ("74 74 74 74", "2", 74, 3),  # at most DFLASH_JAX_RETRIES reruns
+])
+def test_local_launchers_rerun_the_same_command_on_74_and_76_a_bounded_number_of_times(
+        tmp_path, script, exits, retries, code, runs):
+    launcher, env = local_launcher(tmp_path, script, EXITING)
+    env = {**env, "EXITS": exits, **({"DFLASH_JAX_RETRIES": retries} if retries else {})}
+    result = subprocess.run(["bash", str(launcher), *TRAIN], capture_output=True, text=True, timeout=60,
+                            env={"HOME": os.environ["HOME"], **env})
+    assert result.returncode == code, result.stderr
+    commands = Path(env["CALLS"]).read_text().splitlines()
+    assert len(commands) == runs and len(set(commands)) == 1, commands
+    assert commands[0].startswith("python -m dflash_jax.train --config configs/qwen27b.py --workdir gs://bucket/run1 ")
+    assert result.stderr.count("which a rerun resumes from: rerun") == runs - 1
+
+
+def test_a_local_launcher_passes_a_stop_signal_on_and_reruns_nothing_after_it(tmp_path):
+    """SIGTERM to the launcher alone (a container's first process) reaches the trainer as SIGTERM; its exit code
+    76 then goes up unchanged: the stop was asked for."""
+    import signal
+    import time
+
+    trainer = 'trap \'echo "python got TERM" >> "$CALLS"; kill $!; exit 76\' TERM\nsleep 60 &\nwait'
+    launcher, env = local_launcher(tmp_path, "gpu.sh", trainer)
+    process = subprocess.Popen(["bash", str(launcher), *TRAIN], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env={"HOME": os.environ["HOME"], **env})
+    calls = Path(env["CALLS"])
+    deadline = time.monotonic() + 60
+    while not (calls.exists() and "python " in calls.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the trainer's trap is set once it runs its `sleep`
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 76, err
+    assert calls.read_text().splitlines()[1:] == ["python got TERM"]  # one run, stopped by the passed-on signal
+
+
+def test_the_retry_backoff_doubles_from_its_base():
+    script = "source launch/retry.sh; for n in 1 2 3; do retry_backoff $n; done"
+    backoffs = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, check=True,
+                              env={"PATH": "/usr/bin:/bin", "DFLASH_JAX_RETRY_BACKOFF": "5"}).stdout.split()
+    assert backoffs == ["5", "10", "20"]
+    default = subprocess.run(["bash", "-c", "source launch/retry.sh; retry_backoff 1"], cwd=REPO, check=True,
+                             capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}).stdout.split()
+    assert default == ["60"]
+
+
 SLURM = {"SLURM_JOB_NODELIST": "gpu-[003-006,9]", "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_ID": "1234",
          "SLURM_SUBMIT_DIR": "/shared/dflash_jax"}
 
@@ -137,22 +222,39 @@ SLURM = {"SLURM_JOB_NODELIST": "gpu-[003-006,9]", "SLURM_JOB_NUM_NODES": "4", "S
 def test_slurm_dry_run_prints_the_srun_command_with_the_coordinator_from_slurm():
     result = run("slurm.sbatch", "--dry-run", *TRAIN, env=SLURM)
     assert result.returncode == 0, result.stderr
-    command, requeue = result.stdout.splitlines()
+    command, retry, requeue = result.stdout.splitlines()
     assert command.startswith("srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 env "
                               "JAX_COORDINATOR_ADDRESS=gpu-003:29500 JAX_NUM_PROCESSES=4 ")
     assert "JAX_PROCESS_ID=\\$SLURM_PROCID" in command
     assert command.endswith("/shared/dflash_jax/.venv/bin/python --config configs/qwen27b.py --workdir "
                             "gs://bucket/run1 --config.total_steps=10 --config.data.train_files=gs://b/d\\ it\\'s ")
-    assert requeue == "# on exit code 75: scontrol requeue $SLURM_JOB_ID"
+    assert retry == "# on exit code 74, or 76 without a stop signal: srun again, at most ${DFLASH_JAX_RETRIES:-3} times"
+    assert requeue == "# on exit code 75 or 76: scontrol requeue $SLURM_JOB_ID"
 
 
-@pytest.mark.parametrize("exit_code, requeued", [(75, True), (0, False), (1, False)])
-def test_slurm_requeues_the_job_exactly_when_the_run_stopped_with_75(tmp_path, exit_code, requeued):
-    env = {**SLURM, "SLURM_SUBMIT_DIR": str(REPO),
+@pytest.mark.parametrize("exit_code, requeued", [(75, True), (76, True), (0, False), (1, False)])
+def test_slurm_requeues_the_job_exactly_when_the_run_stopped_with_75_or_76(tmp_path, exit_code, requeued):
+    env = {**SLURM, "SLURM_SUBMIT_DIR": str(REPO), "DFLASH_JAX_RETRY_BACKOFF": "0",
            **fake_commands(tmp_path / "bin", {"srun": f"exit {exit_code}", "scontrol": "true"})}
     result = run("slurm.sbatch", *TRAIN, env=env)
     assert result.returncode == exit_code
     assert ("scontrol requeue 1234" in Path(env["CALLS"]).read_text()) == requeued
+
+
+@pytest.mark.parametrize("exits, code, runs, requeued", [
+    ("74 74 0", 0, 3, False),  # storage outages: srun again in the allocation
+    ("76 0", 0, 2, False),  # an expired grace without a signal to the batch shell: srun again
+    ("2", 2, 1, False),
+    ("74 74 74 74", 74, 4, False),  # three reruns at most
+])
+def test_slurm_runs_srun_again_on_a_storage_outage_a_bounded_number_of_times(tmp_path, exits, code, runs, requeued):
+    env = {**SLURM, "SLURM_SUBMIT_DIR": str(REPO), "EXITS": exits, "DFLASH_JAX_RETRY_BACKOFF": "0",
+           **fake_commands(tmp_path / "bin", {"srun": EXITING.replace("^python", "^srun"), "scontrol": "true"})}
+    result = run("slurm.sbatch", *TRAIN, env=env)
+    assert result.returncode == code, result.stderr
+    log = Path(env["CALLS"]).read_text().splitlines()
+    assert len([line for line in log if line.startswith("srun ")]) == runs
+    assert ("scontrol requeue 1234" in log) == requeued
 
 
 def test_slurm_requeues_when_the_batch_shell_itself_gets_the_stop_signal(tmp_path):

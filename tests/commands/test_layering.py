@@ -28,7 +28,7 @@ FLOORS = {
 }
 # Modules of a room that also reach one floor up, each for a stated reason (design §17).
 EXCEPTIONS = {
-    "dflash_jax.train.loop": {"planning"},  # a run plans its step, and may choose its mesh, before it starts
+    "dflash_jax.train.startup": {"planning"},  # a run plans its step, and may choose its mesh, before it starts
     "dflash_jax.train.flops": {"planning"},  # the chip table's peaks, for MFU
 }
 # `python -m dflash_jax.<command>`: shims that only start a command.
@@ -127,3 +127,23 @@ def test_the_table_rejects_an_import_that_climbs(module, target, bad):
 
 def test_a_cycle_is_found():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_test_module_imports_another(tmp_path):
+    """No test module imports another: what tests share lives in tests/*_fixtures.py or a folder's conftest.py."""
+    tests = PACKAGE.parent / "tests"
+    assert imports_of_test_modules(tests) == []
+    (tmp_path / "test_a.py").write_text("from tests.models.test_drafter import make_config\nimport tests.test_b\n")
+    assert imports_of_test_modules(tmp_path) == [
+        "test_a.py imports tests.models.test_drafter", "test_a.py imports tests.test_b"]
+
+
+def imports_of_test_modules(root: pathlib.Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(root)} imports {name}" for name in names
+                      if name.startswith("tests.") and name.rsplit(".", 1)[-1].startswith("test_")]
+    return found

@@ -18,10 +18,10 @@ from dflash_jax.runtime.errors import ConfigError, DataError
 from dflash_jax.train.config import base_config
 from dflash_jax.train.validate import resolve_chat_template_kwargs
 from tests.command import dflash_jax
+from tests.data_fixtures import REASONING_CONTENT, SYSTEM, TOOL_CHAT
 from tests.tokenizer_fixture import make_chat_tokenizer, make_qwen_tokenizer
 
 TEMPLATES = ("qwen3", "qwen3_5")
-SYSTEM = {"role": "system", "content": "Answer briefly."}
 THINK_IN_CONTENT = [
     SYSTEM,
     {"role": "user", "content": "What is a block?"},
@@ -29,22 +29,8 @@ THINK_IN_CONTENT = [
     {"role": "user", "content": "And a row?"},
     {"role": "assistant", "content": "<think>\nRows hold packed documents.\n</think>\n\nA row is packed."},
 ]
-REASONING_CONTENT = [
-    SYSTEM,
-    {"role": "user", "content": "What is a block?"},
-    {"role": "assistant", "content": "A block is a draft.", "reasoning_content": "The user asks about blocks."},
-    {"role": "user", "content": "And a row?"},
-    {"role": "assistant", "content": "A row is packed.", "reasoning_content": "Rows hold packed documents."},
-]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-TOOL_CHAT = [
-    {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant", "content": "",
-     "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-    {"role": "tool", "content": '{"temp": 21}'},
-    {"role": "assistant", "content": "It is 21 degrees."},
-]
 # What each template renders for each assistant turn, after its `<|im_start|>assistant\n` header. Both drop
 # the reasoning of turns before the last user query and give every later turn a <think> block.
 END = "<|im_end|>"

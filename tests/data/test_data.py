@@ -7,7 +7,6 @@ import logging
 import re
 import tracemalloc
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from dflash_jax.data import (
     tokenize_record,
 )
 from dflash_jax.runtime.errors import DataError
+from tests.data_fixtures import completion_records, make_loader, row_documents, write_jsonl
 from tests.tokenizer_fixture import make_chat_tokenizer
 
 SYSTEM_USER_ASSISTANT = [
@@ -40,37 +40,10 @@ TWO_ASSISTANT_TURNS = [
 ]
 
 
-def write_jsonl(path: Path, lines: list[Any]) -> Path:
-    """Write records (dicts become JSON, strings are written verbatim) one per line."""
-    path.write_text("".join((json.dumps(x) if not isinstance(x, str) else x) + "\n" for x in lines))
-    return path
-
-
-def completion_records(count: int, seed: int = 0, max_words: int = 30) -> list[dict[str, str]]:
-    rng = np.random.default_rng(seed)
-    words = "the model trains a draft block of tokens for each anchor in the packed row".split()
-    return [
-        {"prompt": f"Record {i}:", "completion": " " + " ".join(rng.choice(words, rng.integers(1, max_words)))}
-        for i in range(count)
-    ]
-
-
-def make_loader(paths: list[Path], **overrides: Any) -> BatchLoader:
-    options = dict(seq_len=64, anchor_stride=8, batch_size=4, seed=0)
-    options.update(overrides)
-    return BatchLoader(paths, make_chat_tokenizer(), **options)
-
-
 def trained_runs(document: Document) -> list[np.ndarray]:
     """The token ids of each maximal run of loss_mask == 1."""
     edges = np.flatnonzero(np.diff(np.concatenate([[0], document.loss_mask, [0]])))
     return [document.input_ids[start:end] for start, end in zip(edges[::2], edges[1::2])]
-
-
-def row_documents(batch: dict[str, np.ndarray], row: int) -> list[dict[str, np.ndarray]]:
-    """The per-document slices of one batch row, in order of segment id."""
-    segments = batch["segment_ids"][row]
-    return [{key: value[row][segments == s] for key, value in batch.items()} for s in np.unique(segments[segments > 0])]
 
 
 # -- tokenization -------------------------------------------------------------------------------------------

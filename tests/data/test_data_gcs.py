@@ -9,12 +9,11 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from dflash_jax.data import BatchLoader
 from dflash_jax.data.jsonl import JsonlShare
+from tests.data_fixtures import assert_same
 from tests.gcs_fixture import gcs_server
-from tests.data.test_data_sources import assert_same, formats  # noqa: F401 (formats: the module fixture)
 from tests.tokenizer_fixture import make_qwen_tokenizer
 
 OPTIONS = dict(seq_len=64, anchor_stride=8, seed=5, batch_size=2)

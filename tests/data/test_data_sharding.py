@@ -14,7 +14,7 @@ import pytest
 
 from dflash_jax.data import BatchLoader, Prefetcher, merge_states
 from dflash_jax.runtime.errors import DataError
-from tests.data.test_data import completion_records, write_jsonl
+from tests.data_fixtures import completion_records, write_jsonl
 from tests.tokenizer_fixture import make_chat_tokenizer
 
 BATCH = 8

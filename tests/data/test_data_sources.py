@@ -5,67 +5,26 @@ directories are their files; a weighted mix draws each source weight times per e
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
-from pathlib import Path
 
-import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import zstandard
 
 from dflash_jax.data import BatchLoader, merge_states, resolve_sources, tokenize_record
 from dflash_jax.data.records import parse_object
 from dflash_jax.runtime.errors import DataError
-from tests.data.test_chat_templates import REASONING_CONTENT, TOOL_CHAT
-from tests.data.test_data import completion_records, row_documents, write_jsonl
+from tests.data_fixtures import assert_same, completion_records, mixed_records, row_documents, write_jsonl
 from tests.tokenizer_fixture import make_qwen_tokenizer
 
 OPTIONS = dict(seq_len=64, anchor_stride=8, seed=5)
 
 
-# Two calls with different arguments: in a table both argument structs get both fields, one of them null.
-TWO_CALLS = [TOOL_CHAT[0], {"role": "assistant", "content": "", "tool_calls": [
-    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lyon", "unit": "C"}}}]},
-    *TOOL_CHAT[2:]]
-
-
-def mixed_records(count: int = 36) -> list[dict]:
-    """Completions, chats with reasoning and tool chats: rows of one table with every column, mostly null."""
-    records = completion_records(count, seed=3, max_words=40)
-    for i in range(0, count, 6):
-        records[i] = {"messages": (REASONING_CONTENT, TOOL_CHAT, TWO_CALLS)[i // 6 % 3]}
-    return records
-
-
-@pytest.fixture(scope="module")
-def formats(tmp_path_factory) -> dict[str, str]:
-    """The same records as JSONL, gzip and zstd JSONL, Parquet (small row groups) and a save_to_disk dataset."""
-    root = tmp_path_factory.mktemp("formats")
-    records = mixed_records()
-    jsonl = write_jsonl(root / "train.jsonl", records)
-    (root / "train.jsonl.gz").write_bytes(gzip.compress(jsonl.read_bytes()))
-    (root / "train.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl.read_bytes()))
-    # A table gives every row every column: the fields a record lacks are nulls.
-    table = pa.Table.from_pylist([{key: r.get(key) for key in ("messages", "prompt", "completion")} for r in records])
-    pq.write_table(table, root / "train.parquet", row_group_size=5)
-    datasets.Dataset(table).save_to_disk(str(root / "saved"))
-    return {"jsonl": str(jsonl), "gz": f"{jsonl}.gz", "zst": f"{jsonl}.zst", "parquet": str(root / "train.parquet"),
-            "saved": str(root / "saved")}
-
-
 def loader(path, tokenizer, **overrides) -> BatchLoader:
     paths = [path] if isinstance(path, str) else path
     return BatchLoader(paths, tokenizer, **{**OPTIONS, "batch_size": 1, **overrides})
-
-
-def assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
-    for key in a:
-        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
 def test_every_format_gives_the_jsonl_batches_and_resumes_exactly(formats):

@@ -14,7 +14,7 @@ from flax import nnx
 
 from dflash_jax.eval.ddtree import DraftTree, accepted_depth, build_tree, verification_tree
 from dflash_jax.eval.ddtree_decode import DDTreeGenerator
-from dflash_jax.eval.exact_tau import DraftScorer, Example, score_response
+from dflash_jax.eval.exact_tau import DraftScorer, Example, score_responses
 from dflash_jax.eval.generate import SpeculativeGenerator, continue_text
 from dflash_jax.models.qwen3 import KVCache, Qwen3, Qwen3Config
 from tests.decode_check import tiny_drafter, tiny_hybrid_target
@@ -177,5 +177,5 @@ def test_ddtree_generation_is_plain_greedy_with_the_offline_ddtree_steps(targets
         plain = generators[family]["plain"].generate(prompt, NEW_TOKENS)
         tree_run = generators[family]["ddtree"].generate(prompt, NEW_TOKENS)
         np.testing.assert_array_equal(tree_run.tokens, plain.tokens)
-        response = score_response(scorer, Example(prompt, plain.tokens), budgets=(BUDGET,))
+        response = score_responses(scorer, [Example(prompt, plain.tokens)], budgets=(BUDGET,))[0]
         assert response.tree_steps[BUDGET] == [length - 1 for length in tree_run.acceptance_lengths]

@@ -23,7 +23,7 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.weights.targets import load_target
 from dflash_jax.train import validate
 from dflash_jax.weights.drafter_files import export_drafter, load_drafter_dir
-from tests.train.test_multihost import REPO, outputs_of, start_two_processes
+from tests.process_fixtures import REPO, outputs_of, start_two_processes
 from tests.train_fixtures import make_qwen3_5_target, make_target, tiny_config, write_corpus
 
 

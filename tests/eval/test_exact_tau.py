@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from dflash_jax.eval.ddtree import accepted_depth, build_tree
-from dflash_jax.eval.exact_tau import (DraftScorer, Example, _score, evaluate_drafter, score_response, score_responses,
+from dflash_jax.eval.exact_tau import (DraftScorer, Example, _score, evaluate_drafter, score_responses,
                                       summarize, walk)
 from dflash_jax.commands.evaluate import placed
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
@@ -19,8 +19,8 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, block_token_ids
 from dflash_jax.sharding import make_mesh, replicated
 from dflash_jax.weights.targets import load_target
+from tests.eval_fixtures import BLOCK, VOCAB, drafter_config
 from tests.hf_fixtures import qwen3_config, save_qwen3
-from tests.eval.test_generate import BLOCK, VOCAB, drafter_config
 
 NEW_TOKENS = 28
 
@@ -62,8 +62,8 @@ def test_walk_statistics_on_hand_built_drafts():
     greedy_b[1] = (greedy_b[1] + 1) % VOCAB
     scorer = FakeScorer({10: (greedy_a, hand_built(text_a, runs_a, extra=((3, 2),))),
                          3: (greedy_b, hand_built(text_b, {1: 0}))})
-    responses = [score_response(scorer, Example(text_a[:2], text_a[2:]), budgets=(BLOCK - 1,)),
-                 score_response(scorer, Example(text_b[:1], text_b[1:]), budgets=(BLOCK - 1,))]
+    responses = [score_responses(scorer, [Example(text_a[:2], text_a[2:])], budgets=(BLOCK - 1,))[0],
+                 score_responses(scorer, [Example(text_b[:1], text_b[1:])], budgets=(BLOCK - 1,))[0]]
     # A: anchor 2 accepts 3 -> anchor 6, whose 3 right drafts are capped to 2 so the bonus is the last
     # token (position 9). B: one step, nothing accepted.
     assert responses[0].block_steps == [3, 2] and responses[1].block_steps == [0]
@@ -82,7 +82,7 @@ def test_walk_statistics_on_hand_built_drafts():
 def test_examples_need_a_prompt_and_a_continuation():
     scorer = FakeScorer({})
     with pytest.raises(ValueError, match="needs a prompt and a continuation, got 3 and 0 tokens"):
-        score_response(scorer, Example(np.arange(3), np.arange(0)), budgets=())
+        score_responses(scorer, [Example(np.arange(3), np.arange(0))], budgets=())[0]
     with pytest.raises(ValueError, match="at least one"):
         evaluate_drafter(None, None, [])
     assert walk(lambda p: 5, start=4, end=5) == []  # a one-token continuation needs no verification
@@ -142,7 +142,7 @@ def test_exact_tau_equals_the_generators_tau(tmp_path):
 
     report, plain_runs, speculative_runs = benchmark(plain, speculative, prompts, NEW_TOKENS)
     assert report["outputs_differing_from_plain"] == 0
-    responses = [score_response(scorer, example, budgets=(3, 8)) for example in examples]
+    responses = [score_responses(scorer, [example], budgets=(3, 8))[0] for example in examples]
     for example, plain_run, speculative_run, response in zip(examples, plain_runs, speculative_runs, responses):
         np.testing.assert_array_equal(speculative_run.tokens, example.continuation_ids)
         np.testing.assert_array_equal(plain_run.tokens, example.continuation_ids)
@@ -191,7 +191,7 @@ def check_stop_tokens_end_responses_as_bonuses(scorer, speculative, examples, ru
         end = first_seen[len(first_seen) // 2] + 1
         stopped = speculative.generate(example.prompt_ids, NEW_TOKENS, stop_token_ids=(continuation[end - 1],))
         np.testing.assert_array_equal(stopped.tokens, continuation[:end])
-        expected = score_response(scorer, Example(example.prompt_ids, continuation[:end]), budgets=()).block_steps
+        expected = score_responses(scorer, [Example(example.prompt_ids, continuation[:end])], budgets=())[0].block_steps
         assert [length - 1 for length in stopped.acceptance_lengths] == expected
         checked += 1
     assert checked >= 2
@@ -226,4 +226,4 @@ def test_batched_scorer_gives_the_one_example_figures(tmp_path):
         np.testing.assert_allclose(got[2], want[2], rtol=0, atol=1e-6)  # their log-probs
     assert _score._cache_size() == compiled + 1  # the padded batch included
     assert summarize(score_responses(batched, examples, budgets), BLOCK) == summarize(
-        [score_response(one, example, budgets) for example in examples], BLOCK)
+        [score_responses(one, [example], budgets)[0] for example in examples], BLOCK)

@@ -13,21 +13,13 @@ import pytest
 from flax import nnx
 
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, continue_text
-from dflash_jax.models.drafter import DecodeStep, Drafter, DrafterConfig
+from dflash_jax.models.drafter import DecodeStep, Drafter
 from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, block_token_ids
 from dflash_jax.weights.targets import load_target
+from tests.eval_fixtures import BLOCK, VOCAB, drafter_config
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
-VOCAB, BLOCK = 96, 4
 PROMPT_LENGTHS = (3, 7, 12)
-
-
-def drafter_config() -> DrafterConfig:
-    return DrafterConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                         layer_types=("sliding_attention", "full_attention"), sliding_window=5, block_size=BLOCK,
-                         target_layer_ids=(0, 2), num_target_layers=3, mask_token_id=VOCAB - 1, vocab_size=VOCAB,
-                         max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")

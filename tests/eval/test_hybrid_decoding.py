@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax.eval.exact_tau import DraftScorer, Example, score_response
+from dflash_jax.eval.exact_tau import DraftScorer, Example, score_responses
 from dflash_jax.eval.generate import SpeculativeGenerator, continue_text
 from dflash_jax.models.qwen3_5 import FULL_ATTENTION
 from dflash_jax.models.target import NO_SEGMENT
@@ -116,6 +116,6 @@ def test_speculative_generation_is_plain_greedy_and_its_tau_is_exact_tau(target,
         plain = generators["plain"].generate(prompt, NEW_TOKENS)
         speculative = generators["speculative"].generate(prompt, NEW_TOKENS)
         np.testing.assert_array_equal(speculative.tokens, plain.tokens)
-        response = score_response(scorer, Example(prompt, plain.tokens), budgets=())
+        response = score_responses(scorer, [Example(prompt, plain.tokens)], budgets=())[0]
         assert response.block_steps == [length - 1 for length in speculative.acceptance_lengths]
         assert response.greedy_agreement[0] == response.greedy_agreement[1]

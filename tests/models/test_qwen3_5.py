@@ -22,46 +22,9 @@ from dflash_jax.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5,
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.weights.targets import load_target
 from tests.decode_check import max_relative_error_of_cached_logits
+from tests.hf_fixtures import QWEN3_5_TEXT_CONFIG, QWEN3_5_VISION_CONFIG, randomize_qwen3_5
 
 LIN, FULL = LINEAR_ATTENTION, FULL_ATTENTION
-
-# Value/key head ratio 3 like the 27B, two periods of [GDN, GDN, GDN, attention].
-TEXT_CONFIG = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
-    linear_value_head_dim=24, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    max_position_embeddings=512,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                     "mrope_section": [2, 1, 1], "mrope_interleaved": True})
-VISION_CONFIG = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                     num_position_embeddings=16)
-
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every weight random, norms included: 1p-norm weights away from 0 and the gated norm away from 1, so
-    `w` vs `1 + w` mistakes cannot hide. Matrices use HF's initializer_range 0.02: larger
-    random weights make this 8-layer net so sensitive that HF's own fp32 drifts ~1e-4 from a float64
-    reference, which would leave no margin for the 1e-4 check."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            shape = param.shape
-            sign = torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0)
-            magnitude = 0.3 + 0.5 * torch.rand(shape, generator=generator)
-            if name.endswith("linear_attn.norm.weight"):
-                value = 1.0 + sign * magnitude
-            elif name.endswith("norm.weight"):
-                value = sign * magnitude
-            elif name.endswith("A_log"):
-                value = torch.log(1.0 + 15.0 * torch.rand(shape, generator=generator))
-            elif name.endswith("dt_bias"):
-                value = torch.randn(shape, generator=generator)
-            elif name.endswith("conv1d.weight"):
-                value = 0.3 * torch.randn(shape, generator=generator)
-            else:
-                value = 0.02 * torch.randn(shape, generator=generator)
-            param.copy_(value)
-
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
@@ -71,12 +34,13 @@ def checkpoints(tmp_path_factory):
                               Qwen3_5TextConfig)
 
     root = tmp_path_factory.mktemp("qwen3_5")
-    text_only = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT_CONFIG)).eval()
-    randomize(text_only, seed=0)
+    text_only = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**QWEN3_5_TEXT_CONFIG)).eval()
+    randomize_qwen3_5(text_only, seed=0)
     text_only.save_pretrained(root / "causal_lm")
     multimodal = Qwen3_5ForConditionalGeneration(
-        HFConfig(text_config=TEXT_CONFIG, vision_config=VISION_CONFIG, tie_word_embeddings=False)).eval()
-    randomize(multimodal, seed=1)
+        HFConfig(text_config=QWEN3_5_TEXT_CONFIG, vision_config=QWEN3_5_VISION_CONFIG,
+                 tie_word_embeddings=False)).eval()
+    randomize_qwen3_5(multimodal, seed=1)
     multimodal.save_pretrained(root / "conditional_generation", max_shard_size="200KB")
     assert (root / "conditional_generation" / "model.safetensors.index.json").is_file()
     return {"causal_lm": (root / "causal_lm", text_only),
@@ -200,8 +164,8 @@ def test_27b_abstract_parameter_count():
 
 def test_config_from_wrapped_and_flat_forms():
     wrapped = Qwen3_5Config.from_hf({"model_type": "qwen3_5", "tie_word_embeddings": False,
-                                     "text_config": {**TEXT_CONFIG, "layer_types": None}})
-    legacy = {key: value for key, value in TEXT_CONFIG.items() if key != "rope_parameters"}
+                                     "text_config": {**QWEN3_5_TEXT_CONFIG, "layer_types": None}})
+    legacy = {key: value for key, value in QWEN3_5_TEXT_CONFIG.items() if key != "rope_parameters"}
     flat = Qwen3_5Config.from_hf({**legacy, "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                   "full_attention_interval": 4})
     assert wrapped == flat
@@ -209,11 +173,11 @@ def test_config_from_wrapped_and_flat_forms():
 
 
 def test_layer_period_falls_back_to_whole_stack():
-    config = Qwen3_5Config.from_hf({**TEXT_CONFIG, "num_hidden_layers": 3, "layer_types": [LIN, FULL, FULL]})
+    config = Qwen3_5Config.from_hf({**QWEN3_5_TEXT_CONFIG, "num_hidden_layers": 3, "layer_types": [LIN, FULL, FULL]})
     assert config.layer_period() == (LIN, FULL, FULL)
     abstract = nnx.eval_shape(lambda: Qwen3_5(config, rngs=nnx.Rngs(0)))
     assert abstract.periods.layers[2].self_attn.q_proj.kernel.shape == (1, 64, 256)  # one "repetition"
-    assert Qwen3_5Config.from_hf({**TEXT_CONFIG, "full_attention_interval": 2}).layer_period() == (LIN, FULL)
+    assert Qwen3_5Config.from_hf({**QWEN3_5_TEXT_CONFIG, "full_attention_interval": 2}).layer_period() == (LIN, FULL)
 
 
 @pytest.mark.parametrize("change, field", [
@@ -228,7 +192,7 @@ def test_layer_period_falls_back_to_whole_stack():
 ])
 def test_config_errors_name_the_field(change, field):
     with pytest.raises(ValueError, match=field):
-        Qwen3_5Config.from_hf({**TEXT_CONFIG, **change})
+        Qwen3_5Config.from_hf({**QWEN3_5_TEXT_CONFIG, **change})
 
 
 # --- loader errors ----------------------------------------------------------------------------------------

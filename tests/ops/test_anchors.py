@@ -11,7 +11,7 @@ import pytest
 
 from dflash_jax.data import Cursor, Document, RowPacker, place_row, row_capacity
 from dflash_jax.ops.anchors import (AnchorGrid, anchor_utilisation, anchor_validity, block_positions,
-                                   block_segment_ids, block_token_ids, slot_mask)
+                                   block_token_ids, slot_mask)
 
 MASK_TOKEN_ID = 999
 
@@ -41,7 +41,6 @@ def reference(batch: dict[str, np.ndarray], stride: int, block_size: int) -> dic
         "slots": np.zeros((rows, n, block_size), bool),
         "ids": np.zeros((rows, n * block_size), np.int32),
         "positions": np.zeros((rows, n * block_size), np.int32),
-        "segments": np.zeros((rows, n * block_size), np.int32),
     }
     for r in range(rows):
         ids, positions, segments, loss = (batch[k][r] for k in ("input_ids", "positions", "segment_ids", "loss_mask"))
@@ -55,7 +54,6 @@ def reference(batch: dict[str, np.ndarray], stride: int, block_size: int) -> dic
                 )
                 out["ids"][r, j * block_size + k] = ids[a] if k == 0 else MASK_TOKEN_ID
                 out["positions"][r, j * block_size + k] = positions[a] + k
-                out["segments"][r, j * block_size + k] = segments[a]
     return out
 
 
@@ -66,7 +64,6 @@ def grid_outputs(batch: dict[str, jax.Array | np.ndarray], anchors: np.ndarray, 
         "slots": slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block_size),
         "ids": block_token_ids(batch["input_ids"], anchors, block_size, MASK_TOKEN_ID),
         "positions": block_positions(batch["positions"], anchors, block_size),
-        "segments": block_segment_ids(batch["segment_ids"], anchors, block_size),
         "utilisation": anchor_utilisation(valid),
     }
 
@@ -85,7 +82,7 @@ def test_anchor_grid_matches_the_spec_loop(seq_len: int, stride: int, block_size
     else:
         got = jax.jit(functools.partial(grid_outputs, anchors=anchors, block_size=block_size))(batch)
     expected = reference(batch, stride, block_size)
-    for key in ("valid", "slots", "ids", "positions", "segments"):
+    for key in ("valid", "slots", "ids", "positions"):
         np.testing.assert_array_equal(np.asarray(got[key]), expected[key], err_msg=key)
     assert got["valid"].dtype == jnp.bool_ and got["slots"].dtype == jnp.bool_
     assert got["ids"].dtype == jnp.int32

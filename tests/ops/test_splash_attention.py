@@ -19,7 +19,7 @@ from dflash_jax.ops.mask import dense_mask
 from dflash_jax.ops.splash_attention import dflash_attention_splash, splash_tile_fraction, splash_tiles
 from dflash_jax.sharding import make_mesh
 from dflash_jax.weights.drafter_files import drafter_from_torch_layout
-from tests.models.test_drafter import BLOCK, FULL, SEQ_LEN, SLIDING, forward, make_config, packed_rows, random_weights
+from tests.drafter_fixtures import BLOCK, FULL, SEQ_LEN, SLIDING, forward, make_config, packed_rows, random_weights
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAD = 4, 2, 16, -1
 

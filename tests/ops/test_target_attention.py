@@ -27,9 +27,8 @@ from dflash_jax.ops.splash_attention import causal_attention_splash
 from dflash_jax.sharding import make_mesh, replicated
 from dflash_jax.train.step import put_batch
 from dflash_jax.weights.targets import load_target
-from tests.hf_fixtures import qwen3_config, save_qwen3
-from tests.eval.test_generate import VOCAB, drafter_config
-from tests.models.test_qwen3_5 import TEXT_CONFIG
+from tests.eval_fixtures import VOCAB, drafter_config
+from tests.hf_fixtures import QWEN3_5_TEXT_CONFIG, qwen3_config, save_qwen3
 from tests.train_fixtures import build, make_target, mesh_of, tiny_config, write_corpus
 
 SEQ_LEN = 300  # not a multiple of the chunks below, nor of the kernel's 128
@@ -139,7 +138,7 @@ def test_targets_agree_on_every_backend(family, monkeypatch):
                              num_attention_heads=6, num_key_value_heads=2, head_dim=16)
         make = lambda impl: Qwen3(config, rngs=nnx.Rngs(0), attention_impl=impl)  # noqa: E731
     else:
-        config = Qwen3_5Config.from_hf({**TEXT_CONFIG, "num_hidden_layers": 4})
+        config = Qwen3_5Config.from_hf({**QWEN3_5_TEXT_CONFIG, "num_hidden_layers": 4})
         make = lambda impl: Qwen3_5(config, rngs=nnx.Rngs(0), attention_impl=impl)  # noqa: E731
     inputs = model_inputs(config.vocab_size)
     dense_out = forward(make("xla"), inputs)

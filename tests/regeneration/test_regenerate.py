@@ -27,7 +27,7 @@ from dflash_jax.ops.lm_head import fp32_logits
 from dflash_jax.weights.targets import load_target
 from dflash_jax.regeneration.decode import BatchDecoder
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
-from tests.train.test_multihost import cpu_env, outputs_of, start_two_processes
+from tests.process_fixtures import cpu_env, outputs_of, start_two_processes
 from tests.train_fixtures import make_qwen3_5_target, make_target, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from dflash_jax.regeneration import output, shares
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
 from tests.gcs_fixture import gcs_server
 from tests.openai_server import OpenAIServer
-from tests.regeneration.test_regenerate_server import canned, run_server, write_jsonl
+from tests.regeneration_fixtures import canned, run_server, write_jsonl
 from tests.tokenizer_fixture import make_chat_tokenizer
 
 OUT = "gs://regen/out.jsonl"

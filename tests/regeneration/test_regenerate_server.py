@@ -24,18 +24,16 @@ from transformers import AutoTokenizer
 from dflash_jax.commands import regenerate
 from dflash_jax.regeneration.decode import BatchDecoder
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX
-from dflash_jax.regeneration.server_client import Retry
 from dflash_jax.train.validate import mesh_from_config
 from dflash_jax.weights.targets import load_target
 from tests.command import dflash_jax, user_error
 from tests.openai_server import OpenAIServer
-from tests.tokenizer_fixture import make_chat_tokenizer
+from tests.regeneration_fixtures import FAST_RETRY, canned, run_server, write_jsonl
 from tests.train_fixtures import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 TOY_TARGET = REPO / "dflash_jax/assets/toy_target"
 MAX_NEW = 12
-FAST_RETRY = Retry(attempts=4, first_delay_s=0.01, max_delay_s=0.05)
 RECORDS = [
     {"prompt": "def parse(line):\n    return", "source": "a"},
     {"messages": [{"role": "system", "content": "Write Python."}, {"role": "user", "content": "import os"},
@@ -44,11 +42,6 @@ RECORDS = [
     {"prompt": "for i in range(10):", "completion": "x"},
     {"messages": [{"role": "user", "content": "    def __init__(self):"}]},
 ]
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def lines(path: Path) -> list[dict]:
@@ -93,26 +86,6 @@ def test_output_equals_the_jax_path_turn_by_turn(tmp_path):
     second_turn = next(b for b in chats if len(b["messages"]) == 4)
     answer = lines(tmp_path / "jax.jsonl")[1]["messages"][2]["content"]
     assert second_turn["messages"][2] == {"role": "assistant", "content": answer} and answer != "old answer"
-
-
-def canned(tokenizer):
-    """generate() for OpenAIServer: a short answer that names the prompt's length, then the stop token."""
-    def generate(prompt: list[int], body: dict) -> tuple[list[int], str]:
-        return tokenizer(f" ok {len(prompt)}", add_special_tokens=False)["input_ids"] + body["stop_token_ids"][:1], \
-            "stop"
-    return generate
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tokenizer")
-    make_chat_tokenizer().save_pretrained(directory)
-    return directory
-
-
-def run_server(servers, prompts: Path, out: Path, tokenizer_dir: Path, **kwargs):
-    return regenerate.run_server([s.url for s in servers], [str(prompts)], str(out), max_new_tokens=8,
-                                 tokenizer=str(tokenizer_dir), progress=False, retry=FAST_RETRY, **kwargs)
 
 
 def test_concurrency_bound_and_transient_failures_retried(tmp_path, tokenizer_dir):

@@ -11,7 +11,8 @@ and exported with convert/export_drafter.py:
   sliding  all sliding-window layers (causal blocks, window W)
   mixed    sliding + full: exported untrained (no training run), since vLLM 0.32 on CPU refuses it
            (see check_vllm.py)
-Writes OUT/artifacts.json for check_vllm.py: target, drafters {name: {dir, trained}}, block_size, prompts.
+  dspark   the full drafter's config as an untrained DSpark drafter, for check_vllm_dspark.py
+Writes OUT/artifacts.json for check_vllm.py: target, drafters {name: {dir, trained}}, dspark, block_size, prompts.
 """
 
 from __future__ import annotations
@@ -122,6 +123,18 @@ def export_untrained_mixed(full_run: Path, out: Path) -> Path:
     return export_drafter(Drafter(config, rngs=nnx.Rngs(0)), config, out / "drafter_mixed", overwrite=True)
 
 
+def export_untrained_dspark(full_run: Path, out: Path) -> Path:
+    """The "full" run's drafter config as a DSpark drafter (Markov rank 8), randomly initialised and exported:
+    vLLM on CPU can only parse it (check_vllm_dspark.py)."""
+    from flax import nnx
+
+    from dflash_jax.models.drafter import Drafter, DrafterConfig
+    from dflash_jax.weights.drafter_files import export_drafter
+    full = DrafterConfig(**json.loads((full_run / "drafter_config.json").read_text()))
+    config = dataclasses.replace(full, method="dspark", markov_rank=8)
+    return export_drafter(Drafter(config, rngs=nnx.Rngs(0)), config, out / "drafter_dspark", overwrite=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -149,7 +162,8 @@ def main() -> None:
     if "full" not in drafters:
         drafters["full"] = {"dir": str(export(full_run, out / "drafter_full")), "trained": True}
     drafters["mixed"] = {"dir": str(export_untrained_mixed(full_run, out)), "trained": False}
-    artifacts = {"target": str(target), "drafters": drafters, "block_size": BLOCK_SIZE, "prompts": prompts,
+    artifacts = {"target": str(target), "drafters": drafters, "dspark": str(export_untrained_dspark(full_run, out)),
+                 "block_size": BLOCK_SIZE, "prompts": prompts,
                  "max_tokens": NEW_TOKENS}
     (out / "artifacts.json").write_text(json.dumps(artifacts, indent=2) + "\n")
     print(f"wrote {out / 'artifacts.json'} (target {target}, drafters {sorted(drafters)})")

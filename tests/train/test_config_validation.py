@@ -74,7 +74,8 @@ def config(**overrides):
     ({"optim.name": "muon", "optim.muon_ns_dtype": "float16"}, "config.optim.muon_ns_dtype must be 'float32' or"),
     ({"drafter.method": "eagle3"}, "config.drafter.method must be one of ('dflash', 'dspark', 'dflash2'), got 'eagle3'"),
     ({"drafter.method": "dflash2"}, "config.drafter.method='dflash2' is not implemented yet; use 'dflash'"),
-    ({"drafter.method": "dspark"}, "config.drafter.method='dspark' is not implemented yet; use 'dflash'"),
+    ({"drafter.method": "dspark", "eval_every": 100},
+     "config.eval_every=100: exact τ is not implemented yet for config.drafter.method='dspark'"),
     ({"drafter.markov_rank": 0}, "config.drafter.markov_rank must be >= 1, got 0"),
     ({"loss.terms": "kld"}, "config.loss.terms must be a JSON object such as '{\"ce\": 0.1, \"tv\": 0.9}', got 'kld'"),
     ({"loss.terms": '{"kl": 1, "nla": 1}'}, "config.loss.terms has unknown terms ['nla']"),
@@ -82,6 +83,7 @@ def config(**overrides):
     ({"loss.terms": {}}, "config.loss.terms is empty"),
     ({"loss.terms": "kl"}, "config.loss.position_weights='dpace' is defined for the 'ce' term alone"),
     ({"drafter.confidence_alpha": -1.0}, "config.drafter.confidence_alpha must be >= 0, got -1.0"),
+    ({"stop_grace_seconds": 0.0}, "config.stop_grace_seconds must be > 0, got 0.0"),
 ])
 def test_static_config_errors_name_their_field(overrides, message):
     with pytest.raises(ConfigError) as error:
@@ -269,7 +271,7 @@ def test_cli_reports_an_unknown_override_as_one_line(tmp_path):
 
 def test_a_workdir_refuses_a_different_drafter(tmp_path):
     # What train() checks before touching checkpoints, and writes once the start is accepted.
-    from dflash_jax.train.loop import _check_drafter_config, _write_drafter_config
+    from dflash_jax.train.startup import _check_drafter_config, _write_drafter_config
 
     resolved = resolve_drafter_config(config(), TARGET, make_chat_tokenizer())
     _write_drafter_config(tmp_path / "drafter_config.json", resolved)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dflash_jax.train.loss import dflash_loss, dpace_weights, lm_head_cross_entropy
+from tests.train_fixtures import loop_dpace
 
 
 def speculators_dpace(elementwise_loss: torch.Tensor, loss_mask: torch.Tensor, block_size: int,
@@ -25,18 +26,6 @@ def speculators_dpace(elementwise_loss: torch.Tensor, loss_mask: torch.Tensor, b
         prefix = torch.cumprod(smooth, dim=-1)
         suffix = torch.flip(torch.cumsum(torch.flip(prefix * mask, dims=[-1]), dim=-1), dims=[-1])
         return (suffix * mask).reshape(1, -1)
-
-
-def loop_dpace(ce: np.ndarray, mask: np.ndarray, alpha: float) -> np.ndarray:
-    """The formula one slot at a time: w_j = Σ_{m >= j, trained} Π_{i <= m} s_i, s_i = 1 where untrained."""
-    weights = np.zeros_like(ce, np.float64)
-    for index in np.ndindex(ce.shape[:-1]):
-        c, m = ce[index].astype(np.float64), mask[index]
-        s = [(1 - alpha) * np.exp(-c[i]) + alpha if m[i] else 1.0 for i in range(len(c))]
-        for j in range(len(c)):
-            if m[j]:
-                weights[index + (j,)] = sum(np.prod(s[: k + 1]) for k in range(j, len(c)) if m[k])
-    return weights
 
 
 def random_blocks(seed: int, shape=(3, 5, 8)):

@@ -25,8 +25,7 @@ from dflash_jax.runtime.workdir import (CONFIG_HISTORY, ERRORS_LOG, LOCK_FILE, M
                                       WorkdirLock, drop_metrics_after)
 from dflash_jax.weights.drafter_files import CHECKPOINTS_DIR
 from tests.command import dflash_jax, user_error
-from tests.weights.test_export import training_workdir
-from tests.train_fixtures import losses, make_target, tiny_config, write_corpus
+from tests.train_fixtures import losses, make_target, tiny_config, training_workdir, write_corpus
 
 # A trace that Python prints for an abandoned TensorStore read when it is collected would reach the console too.
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")

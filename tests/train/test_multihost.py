@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,11 +25,10 @@ import pytest
 from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.runtime import distributed
 from dflash_jax.train.loop import train
+from tests.process_fixtures import REPO, cpu_env, outputs_of, start_two_processes
 from tests.train_fixtures import losses, make_target, restore_last, tiny_config, write_corpus
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 16  # long enough for a stop to land before the end; the same in every run (LR schedule)
-DEVICES_PER_PROCESS = 4
 # The same run for every launch. Two micro-batches of eight rows, one row per device each, and feature noise:
 # the rows each process feeds and the RNG must both line up with the single-process run.
 SETTINGS = {"compute_dtype": "float32", "data.seq_len": 64, "data.anchor_stride": 8, "drafter.block_size": 8,
@@ -55,12 +53,6 @@ def straight(files, tmp_path_factory):
     return config, workdir
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def train_command(target_dir: Path, train_file: Path, workdir: Path, *extra: str) -> list[str]:
     """The train command of SETTINGS; the session's compilation cache lets later launches of the same
     program (the second pair of processes, the one-process resume) skip XLA's compile."""
@@ -68,30 +60,6 @@ def train_command(target_dir: Path, train_file: Path, workdir: Path, *extra: str
             "--workdir", str(workdir), f"--config.target_dir={target_dir}", f"--config.data.train_files={train_file}",
             *(f"--config.{key}={value}" for key, value in SETTINGS.items()),
             f"--config.compilation_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}", *extra]
-
-
-def cpu_env(devices: int) -> dict[str, str]:
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-                JAX_DISABLE_MOST_OPTIMIZATIONS="1", PYTHONPATH=str(REPO))
-
-
-def start_two_processes(command: list[str]) -> list[subprocess.Popen]:
-    """`command` as processes 0 and 1 of one run, four CPU devices each."""
-    env = dict(cpu_env(DEVICES_PER_PROCESS), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",  # across processes
-               JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}", JAX_NUM_PROCESSES="2")
-    return [subprocess.Popen(command, cwd=REPO, env=dict(env, JAX_PROCESS_ID=str(index)),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for index in (0, 1)]
-
-
-def outputs_of(processes: list[subprocess.Popen], returncode: int = 0) -> list[str]:
-    try:
-        outputs = [process.communicate(timeout=300)[0] for process in processes]
-    finally:
-        for process in processes:
-            process.kill()  # no-op once exited; a hung peer must not outlive the test
-    for index, (process, output) in enumerate(zip(processes, outputs)):
-        assert process.returncode == returncode, f"process {index}:\n{output[-3000:]}"
-    return outputs
 
 
 def assert_each_process_built_only_its_rows(outputs: list[str], records: int) -> None:

@@ -20,11 +20,10 @@ from dflash_jax.runtime.workdir import append_config_history
 from dflash_jax.weights.drafter_files import (drafter_config_from_zlab, drafter_from_torch_layout, drafter_to_torch_layout,
                                              export_drafter, load_drafter_dir, serve_command, zlab_config)
 from tests.command import dflash_jax, user_error
-from tests.models.test_drafter import (BLOCK, FULL, HIDDEN, MASK_ID, SEQ_LEN, SLIDING, VOCAB, forward, make_config,
-                                packed_rows, random_weights, relative_error)
+from tests.drafter_fixtures import (BLOCK, CONFIGS, FULL, HIDDEN, MASK_ID, SEQ_LEN, SLIDING, VOCAB, forward,
+                                    make_config, packed_rows, random_weights, relative_error)
 from tests.torch_reference import ReferenceDrafter, block_ids, reference_logits
-
-CONFIGS = {"all_full": ((FULL, FULL), None), "sliding_full": ((SLIDING, FULL), 5)}
+from tests.train_fixtures import training_workdir
 
 
 def exported(tmp_path, kind: str, seed: int = 0):
@@ -196,35 +195,6 @@ def test_export_refuses_feature_layers_vllm_would_reorder(tmp_path, ids):
     config = make_config(target_layer_ids=ids)
     with pytest.raises(ValueError, match=r"target_layer_ids \[.*\] must be strictly increasing"):
         export_drafter(Drafter(config, rngs=nnx.Rngs(0)), config, tmp_path / "out")
-
-
-def training_workdir(tmp_path, steps=(2, 4)):
-    """A workdir as `python -m dflash_jax.train` leaves it: drafter_config.json, config_history.jsonl and Orbax
-    checkpoints of the TrainState (written by the trainer's own Checkpointer), one drafter per step."""
-    import dataclasses
-
-    import jax
-    import optax
-    from flax import nnx
-
-    from dflash_jax.train.checkpoint import Checkpointer
-    from dflash_jax.train.state import TrainState
-
-    config = make_config(*CONFIGS["sliding_full"])
-    workdir = tmp_path / "run"
-    workdir.mkdir()
-    (workdir / "drafter_config.json").write_text(json.dumps(dataclasses.asdict(config)))
-    append_config_history(workdir, ConfigDict({"target_dir": "/ckpt/target"}), step=0)
-    checkpointer = Checkpointer(workdir, keep=5)
-    weights = {}
-    for step in steps:
-        weights[step] = random_weights(config, seed=step)
-        params = nnx.state(drafter_from_torch_layout(weights[step], config), nnx.Param)
-        state = TrainState(jnp.asarray(step, jnp.int32), params, optax.adam(1e-3).init(params),
-                           jax.random.key_data(jax.random.key(0)))
-        checkpointer.save(step, state, {"position": step})
-    checkpointer.close()
-    return workdir, config, weights
 
 
 def test_export_cli_restores_the_latest_or_a_given_step(tmp_path):

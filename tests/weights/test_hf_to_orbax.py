@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.runtime.paths import cached_path
@@ -18,7 +19,8 @@ from dflash_jax.weights.targets import load_target
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.weights.orbax_target import MARKER_FILE, PARAMS_DIR, write_orbax_target
 from tests.command import dflash_jax, user_error
-from tests.hf_fixtures import qwen3_config, save_qwen3
+from tests.hf_fixtures import (QWEN3_5_TEXT_CONFIG, fuse_experts, qwen3_config, randomize_qwen3_5, save_qwen3,
+                               save_qwen3_5_moe)
 
 
 @nnx.jit
@@ -113,9 +115,8 @@ def test_an_orbax_target_in_a_bucket_restores_shard_by_shard_in_place(qwen3_dirs
 def test_qwen3_5_target(tmp_path):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from tests.models.test_qwen3_5 import TEXT_CONFIG, randomize
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**(TEXT_CONFIG | {"vocab_size": 96}))).eval()
-    randomize(model, seed=0)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**(QWEN3_5_TEXT_CONFIG | {"vocab_size": 96}))).eval()
+    randomize_qwen3_5(model, seed=0)
     model.save_pretrained(tmp_path / "hf")
     write_orbax_target(tmp_path / "hf", tmp_path / "orbax", dtype=jnp.bfloat16, progress=False)
     restored, _ = load_target(tmp_path / "orbax", param_dtype=jnp.float32)
@@ -125,6 +126,32 @@ def test_qwen3_5_target(tmp_path):
     direct_as_fp32 = jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(direct))
     nnx.update(direct, direct_as_fp32)
     assert_same_model(restored, direct)
+
+
+@pytest.mark.slow  # 7-13 s: Orbax saves each of the ~90 stacked variables on its own
+@pytest.mark.parametrize("fused", [False, True])
+def test_qwen3_5_moe_target(tmp_path, fused):
+    """Experts per expert (stacked [layers, E, ...] while converting) or fused (the published layout)."""
+    save_qwen3_5_moe(tmp_path / "hf", seed=0)
+    hf_dir = fuse_experts(tmp_path / "hf", tmp_path / "fused") if fused else tmp_path / "hf"
+    write_orbax_target(hf_dir, tmp_path / "orbax", dtype=jnp.float32, progress=False)
+    restored, config = load_target(tmp_path / "orbax", param_dtype=jnp.float32)
+    assert config.moe.num_experts == 6 and restored.periods.layers[0].mlp.experts.up_proj.shape == (1, 6, 32, 16)
+    direct, _ = load_target(hf_dir, param_dtype=jnp.float32)
+    assert_same_model(restored, direct)
+
+
+def test_converter_names_a_missing_expert_tensor(tmp_path):
+    """One line naming the tensor (the command prints a CheckpointError as it is: test_converter_errors)."""
+    save_qwen3_5_moe(tmp_path / "hf", seed=0)
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    del tensors["model.layers.3.mlp.experts.5.gate_proj.weight"]
+    save_file(tensors, tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(CheckpointError) as error:
+        write_orbax_target(tmp_path / "hf", tmp_path / "out", progress=False)
+    assert str(error.value) == (f"{tmp_path / 'hf'}: missing tensors ['model.layers.3.mlp.experts.5.gate_proj.weight'], "
+                                "unexpected tensors []")
+    assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
 def test_converter_errors(qwen3_dirs, tmp_path):

@@ -19,7 +19,7 @@ from dflash_jax.weights.orbax_target import write_orbax_target
 from dflash_jax.weights.output_dir import OWNER_FILE
 from tests.command import dflash_jax, user_error
 from tests.hf_fixtures import qwen3_config, save_qwen3
-from tests.weights.test_export import training_workdir
+from tests.train_fixtures import training_workdir
 
 
 def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
