@@ -38,6 +38,12 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # small, kept whole.
     ("markov_rank", None),
     ("confidence_in", None),
+    # DFlash2's convolutions and selector (models/dflash2.py, design §18.3): the two sides, the taps, the
+    # projection to their dynamic kernels and the selector's rank are small, kept whole.
+    ("conv_side", None),
+    ("conv_taps", None),
+    ("conv_kernels", None),
+    ("selector_rank", None),
     ("linear_heads", "tensor"),
     ("linear_key", "tensor"),
     ("linear_value", "tensor"),

@@ -4,7 +4,9 @@ For one response = prompt (positions 0..n-1) + the target's greedy continuation 
   1. the target runs once over the whole text (features, and its own greedy tokens as a check);
   2. the drafter runs once with an anchor at EVERY position (AnchorGrid stride 1, the training mask): the
      block at anchor p is [token p, mask...] and sees the features of positions < p only, which is exactly
-     a verification step whose bonus token sits at p. Its slot k drafts position p+k (top-k log-probs kept);
+     a verification step whose bonus token sits at p. Its slot k drafts position p+k (top-k log-probs kept;
+     for DFlash2 the selector's pick among the slot's candidates after the continuation's token at p+k-1, which
+     while the drafts before it are accepted is the token the walk took there, design §18.3);
   3. accepted(p) = how many leading drafts equal the continuation;
   4. the walk starts at p = n (the first generated token is the prefill's bonus) and moves
      p -> p + accepted(p) + 1, recording accepted + 1 per step, like greedy speculative decoding with block
@@ -30,10 +32,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from dflash_jax.eval.ddtree import accepted_depth, build_tree
+from dflash_jax.eval.ddtree import accepted_depth, build_tree, ddtree_defined
 from dflash_jax.models.dflash import target_context
 from dflash_jax.models.drafter import Drafter
-from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs
+from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, slot_tokens
 from dflash_jax.ops.lm_head import fp32_logits
 from dflash_jax.sharding import BATCH_AXES, batch_sharding, replicated
 from dflash_jax.runtime import distributed
@@ -144,7 +146,15 @@ def _score_rows(target_def, drafter_def, top_k, row_chunk, vocab_chunk, target_s
     greedy = context.labels[:, :, 0]  # drafted slot 1 of the block at anchor p: the target's greedy token after p
     hidden, _ = drafter(context.features, context.block_embeds, DrafterInputs.from_rows(grid, positions, segments))
     drafted = hidden.reshape(batch, length, config.block_size, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])
-    tokens, log_probs = top_k_log_probs(drafted, context.lm_head, top_k, row_chunk)
+    selector = drafter.candidate_selector
+    if selector is None:
+        tokens, log_probs = top_k_log_probs(drafted, context.lm_head, top_k, row_chunk)
+    else:  # DFlash2: one draft per slot, the selector's (no DDTree: top_k is 1)
+        predecessors = slot_tokens(input_ids, grid.anchors, config.block_size)[:, :, :-1].reshape(-1)
+        candidate_ids, candidate_log_probs = top_k_log_probs(drafted, context.lm_head, selector.top_k, row_chunk)
+        tokens = jax.lax.map(lambda rows: selector.best(*rows), (drafted, predecessors, candidate_ids,
+                                                                  candidate_log_probs), batch_size=row_chunk)[:, None]
+        log_probs = jnp.zeros(tokens.shape, jnp.float32)
     shape = (batch, length, config.block_size - 1, top_k)
     return greedy, tokens.reshape(shape), log_probs.reshape(shape)
 
@@ -309,6 +319,8 @@ def evaluate_drafter(target, drafter: Drafter, examples: Sequence[Example], *,
     whose target lies on the mesh of every process)."""
     if not examples and not across_processes:
         raise ValueError("evaluate_drafter needs at least one (prompt, continuation) example")
+    if not ddtree_defined(drafter.config):  # its figures then hold no DDTree τ (an empty dict per budget key)
+        budgets = ()
     scorer = DraftScorer(target, drafter, top_k=max(budgets, default=1), rows=rows,
                          query_chunk_blocks=query_chunk_blocks, row_chunk=row_chunk, vocab_chunk=vocab_chunk)
     responses = score_responses(scorer, examples, budgets)

@@ -11,7 +11,8 @@ first bonus and drafts the first block. Per step, at start = the bonus token's p
      accepted one is picked);
   3. the drafter caches the context K/V of the verified positions (its block K/V are never kept) and drafts
      slots 1..B-1 of the block [new bonus, mask...] at the new start, from the context before it (the new
-     bonus's own target features do not exist yet); greedy argmax per slot.
+     bonus's own target features do not exist yet); greedy argmax per slot, or for DFlash2 the candidate
+     selector's walk from the bonus (design §18.3).
 Committed tokens never pass `max_new_tokens`: a step accepts at most what still fits with its bonus, and a
 stop token is always committed as a bonus (drafts after it do not count), so the output and the acceptance
 lengths are exactly those of `exact_tau` on the same greedy continuation.
@@ -34,7 +35,7 @@ from dflash_jax.models.dflash import drafter_features
 from dflash_jax.models.drafter import DecodeStep, Drafter
 from dflash_jax.models.target import NO_SEGMENT
 from dflash_jax.ops.anchors import block_token_ids
-from dflash_jax.ops.lm_head import greedy_tokens
+from dflash_jax.ops.lm_head import fp32_logits, greedy_tokens
 
 
 @dataclasses.dataclass
@@ -85,6 +86,10 @@ class SpeculativeGenerator:
         if drafter is None:
             return jnp.zeros((1, 0), jnp.int32), None
         hidden, drafter_cache = self._draft_hidden(target, drafter, drafter_cache, out, context_start, bonus, anchor)
+        if drafter.candidate_selector is not None:  # DFlash2: the selector's walk from the bonus (design §18.3)
+            logits = fp32_logits(hidden[:, 1:], target.lm_head_kernel())
+            log_probs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # as exact τ's top_k_log_probs
+            return drafter.candidate_selector.greedy_walk(hidden[:, 1:], log_probs, bonus), drafter_cache
         return greedy_tokens(hidden[:, 1:], target.lm_head_kernel()), drafter_cache
 
     def _draft_hidden(self, target, drafter, drafter_cache, out, context_start, bonus, anchor):

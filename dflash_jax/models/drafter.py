@@ -25,6 +25,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
+from dflash_jax.models import dflash2
+from dflash_jax.models.dflash2 import BlockConvolution, CandidateSelector, convolved
 from dflash_jax.models.dspark_heads import ConfidenceHead, MarkovHead
 from dflash_jax.models.layers import (MLP, Linear, RMSNorm, apply_rope, decoder_layer_params,
                                       rope_inverse_frequencies)
@@ -35,8 +37,9 @@ from dflash_jax.ops.splash_attention import dflash_attention_splash
 from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, constrain
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# The drafter family members that build (design §18): the DFlash backbone alone, or with DSpark's heads.
-BUILT_METHODS = ("dflash", "dspark")
+# The drafter family members that build (design §18): the DFlash backbone alone, with DSpark's heads, or with
+# DFlash2's convolutions and candidate selector.
+BUILT_METHODS = ("dflash", "dspark", "dflash2")
 # Rematerialisation of each drafter layer in training (jax.checkpoint per layer, design §13): what its forward
 # keeps for the backward.
 REMAT_POLICIES = {
@@ -83,6 +86,12 @@ class DrafterConfig:
     # confidence head. Defaults keep the drafter_config.json of earlier dflash runs readable.
     method: str = "dflash"
     markov_rank: int = 0
+    # design §18.3: "dflash2"'s convolution taps K and channels per dynamic kernel group, and its selector's rank
+    # and candidates (0 for the other methods: no such parts).
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
 
     def __post_init__(self):
         # JSON configs give lists; keep tuples so the config stays immutable and comparable.
@@ -129,6 +138,8 @@ class DrafterConfig:
         if (self.method == "dspark") != (isinstance(self.markov_rank, int) and self.markov_rank >= 1):
             raise ValueError(f"DrafterConfig.markov_rank must be a positive int for method 'dspark' and 0 otherwise, "
                              f"got {self.markov_rank!r} for method {self.method!r}")
+        for error in dflash2.config_errors(self):
+            raise ValueError(f"DrafterConfig.{error}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError(f"DrafterConfig.rope_scaling must be None or a dict, got {self.rope_scaling!r}")
 
@@ -144,6 +155,12 @@ class DrafterConfig:
         return self.num_hidden_layers * decoder_layer_params(self.hidden_size, self.num_attention_heads,
                                                              self.num_key_value_heads, self.head_dim,
                                                              self.intermediate_size)
+
+    @property
+    def backbone(self) -> DrafterConfig:
+        """The plain DFlash drafter this one extends (design §18): the same config without its method's parts."""
+        return dataclasses.replace(self, method="dflash", markov_rank=0,
+                                   **{field: 0 for field in dflash2.CONV_FIELDS + dflash2.SELECTOR_FIELDS})
 
     def window(self, layer_index: int) -> int | None:
         """The attention window of a layer: W for sliding_attention, None (full attention) otherwise."""
@@ -208,7 +225,8 @@ class DrafterAttention(nnx.Module):
 
 
 class DrafterLayer(nnx.Module):
-    """Pre-norm Qwen3 decoder layer over the block tokens; the context enters attention as keys/values."""
+    """Pre-norm Qwen3 decoder layer over the block tokens; the context enters attention as keys/values. For
+    method "dflash2" each sublayer's normed input and output pass its block convolution (design §18.3)."""
 
     def __init__(self, config: DrafterConfig, window: int | None, *, rngs: nnx.Rngs, param_dtype, dtype):
         eps, hidden = config.rms_norm_eps, config.hidden_size
@@ -216,15 +234,23 @@ class DrafterLayer(nnx.Module):
         self.self_attn = DrafterAttention(config, window, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
         self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        convolutions = [BlockConvolution(hidden, config.block_size, config.conv_kernel_size, config.conv_group_size,
+                                         param_dtype=param_dtype, dtype=dtype) if config.method == dflash2.METHOD
+                        else None for _ in range(2)]
+        self.attention_conv, self.mlp_conv = (nnx.data(convolution) for convolution in convolutions)
 
     def __call__(self, x, context, block_positions, attend: Attend, inv_freq: np.ndarray) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), context, block_positions, attend, inv_freq)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        def attention(h):
+            return self.self_attn(h, context, block_positions, attend, inv_freq)
+
+        x = x + convolved(self.attention_conv, attention, self.input_layernorm(x))
+        return x + convolved(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
 
 
 class Drafter(nnx.Module):
     """fc + hidden_norm over the target features, the decoder layers, and the final norm (design §3); for
-    method "dspark" also `markov_head` and `confidence_head` (design §18; None otherwise).
+    method "dspark" also `markov_head` and `confidence_head` (design §18; None otherwise), for "dflash2" the
+    layers' convolutions and `candidate_selector` (design §18.3).
 
     param_dtype: storage dtype of the weights (fp32 master weights by default); dtype: compute dtype
     (defaults to param_dtype). attention_impl picks the training forward's §5 attention backend: "xla",
@@ -263,6 +289,10 @@ class Drafter(nnx.Module):
                                                param_dtype=param_dtype) if dspark else None)
         self.confidence_head = nnx.data(ConfidenceHead(hidden, config.markov_rank, rngs=rngs,
                                                        param_dtype=param_dtype) if dspark else None)
+        # DFlash2's selector (design §18.3), applied by the loss and the decoders after the LM head.
+        self.candidate_selector = nnx.data(CandidateSelector(
+            config.vocab_size, hidden, config.selector_rank, config.selector_top_k, rngs=rngs,
+            param_dtype=param_dtype, dtype=dtype) if config.method == dflash2.METHOD else None)
 
     def init_cache(self, batch: int, capacity: int) -> DrafterCache:
         """An empty decoding cache of `capacity` context columns per row."""

@@ -74,6 +74,13 @@ def base_config() -> ConfigDict:
     config.drafter.method = "dflash"
     config.drafter.markov_rank = 256  # dspark: rank r of the Markov bias W2·W1[prev]
     config.drafter.confidence_alpha = 1.0  # dspark: weight of the confidence head's BCE in the loss
+    # dflash2 (vLLM speculators' defaults): taps K and channels per dynamic kernel group of the convolutions; rank
+    # and candidates K of the selector; weight of the selector's K-way cross-entropy in the loss.
+    config.drafter.conv_kernel_size = 2
+    config.drafter.conv_group_size = 16
+    config.drafter.selector_rank = 256
+    config.drafter.selector_top_k = 16
+    config.drafter.selector_alpha = 1.0
 
     # Data: JSONL records ({"messages": [...]} or {"prompt", "completion"}) packed into rows (design §4).
     config.data = ConfigDict()

@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.models.dflash2 import training_candidates
 from dflash_jax.train.loss import draft_logits, map_row_chunks, rematerialised_chunks
 
 TERMS = ("ce", "kl", "rkl", "jsd", "tv")
@@ -28,7 +29,7 @@ TERMS = ("ce", "kl", "rkl", "jsd", "tv")
 
 def lm_head_divergences(hidden: jax.Array, target_hidden: jax.Array, lm_head_kernel: jax.Array, labels: jax.Array,
                         terms: tuple[tuple[str, float], ...], row_chunk: int,
-                        markov: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        markov: tuple[jax.Array, jax.Array] | None = None, top_k: int = 0) -> tuple[jax.Array, ...]:
     """Per row, the weighted sum Σ weight·term over `terms` ((name, weight) pairs of TERMS), the TV (for the
     confidence target; it carries no gradient) and whether the label is the drafter's argmax.
 
@@ -38,6 +39,7 @@ def lm_head_divergences(hidden: jax.Array, target_hidden: jax.Array, lm_head_ker
 
     markov = (e [..., R, r], W2 [r, V]): DSpark's Markov bias e @ W2 is added to the drafter's logits of each
     row chunk (design §18); hidden, e and W2 then get their gradients by `rematerialised_chunks`.
+    top_k > 0 (DFlash2): also the selector's candidates of each row, as `lm_head_cross_entropy` gives them.
     """
     unknown = [name for name, _ in terms if name not in TERMS]
     if unknown:
@@ -45,7 +47,9 @@ def lm_head_divergences(hidden: jax.Array, target_hidden: jax.Array, lm_head_ker
     kernel = jax.lax.stop_gradient(lm_head_kernel)
     target_hidden, terms = jax.lax.stop_gradient(target_hidden), tuple(terms)
     if markov is None:
-        return _divergences(hidden, target_hidden, kernel, labels, terms, row_chunk)
+        return _divergences(hidden, target_hidden, kernel, labels, terms, row_chunk, top_k)
+    if top_k:
+        raise ValueError("the selector's candidates (top_k) come without a Markov bias (no method has both)")
     prev_embeddings, w2 = markov
 
     def chunk(h, th, y, e):
@@ -55,7 +59,7 @@ def lm_head_divergences(hidden: jax.Array, target_hidden: jax.Array, lm_head_ker
     return rematerialised_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, target_hidden, labels, prev_embeddings)
 
 
-def _chunk_statistics(h, th, kernel, y, terms, with_gradient, markov=None):
+def _chunk_statistics(h, th, kernel, y, terms, with_gradient, markov=None, top_k=0):
     z = draft_logits(h, kernel, markov)
     t = jnp.dot(th.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
     log_q = jax.nn.log_softmax(z, axis=-1)
@@ -76,7 +80,7 @@ def _chunk_statistics(h, th, kernel, y, terms, with_gradient, markov=None):
     label_logit = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]
     lower_max = jnp.max(jnp.where(vocab_ids < y[..., None], z, -jnp.inf), axis=-1)
     correct = (label_logit >= jnp.max(z, axis=-1)) & (lower_max < label_logit)
-    outputs = (total, tv, correct)
+    outputs = (total, tv, correct) + (training_candidates(z, y, top_k) if top_k else ())
     if not with_gradient:
         return outputs
 
@@ -96,26 +100,26 @@ def _chunk_statistics(h, th, kernel, y, terms, with_gradient, markov=None):
     return outputs + (grad_h.astype(h.dtype),)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _divergences(hidden, target_hidden, kernel, labels, terms, row_chunk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _divergences(hidden, target_hidden, kernel, labels, terms, row_chunk, top_k):
     def chunk(h, th, y):
-        return _chunk_statistics(h, th, kernel, y, terms, with_gradient=False)
+        return _chunk_statistics(h, th, kernel, y, terms, with_gradient=False, top_k=top_k)
 
     return map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, target_hidden, labels)
 
 
-def _divergences_forward(hidden, target_hidden, kernel, labels, terms, row_chunk):
+def _divergences_forward(hidden, target_hidden, kernel, labels, terms, row_chunk, top_k):
     def chunk(h, th, y):
-        return _chunk_statistics(h, th, kernel, y, terms, with_gradient=True)
+        return _chunk_statistics(h, th, kernel, y, terms, with_gradient=True, top_k=top_k)
 
-    total, tv, correct, grad_hidden = map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, target_hidden,
-                                                     labels)
-    return (total, tv, correct), grad_hidden
+    *outputs, grad_hidden = map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, target_hidden, labels)
+    return tuple(outputs), grad_hidden
 
 
-def _divergences_backward(terms, row_chunk, grad_hidden, cotangents):
-    del terms, row_chunk
-    total_cotangent = cotangents[0]  # tv is the detached confidence target, correct is boolean: neither has one
+def _divergences_backward(terms, row_chunk, top_k, grad_hidden, cotangents):
+    del terms, row_chunk, top_k
+    # tv is the detached confidence target; correct and the candidates are integers: none has a cotangent
+    total_cotangent = cotangents[0]
     hidden_cotangent = (total_cotangent[..., None] * grad_hidden.astype(jnp.float32)).astype(grad_hidden.dtype)
     return hidden_cotangent, None, None, None
 

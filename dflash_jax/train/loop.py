@@ -197,8 +197,8 @@ def _evaluate(run: startup.TrainingRun, evaluate: EvaluateFn, step: int, state: 
 def _log_record(run: startup.TrainingRun, step: int, pending: list[dict[str, jax.Array]], interval_start: float,
                 interval_steps: int, data_position: Any) -> dict[str, Any]:
     """Mean loss/grad norm and pooled slot accuracies from run.first_slot over the steps since the last log line
-    (design §6), DSpark's confidence loss where the step reports it (design §18), the data's progress over every
-    process (design §7), and the predicted step time where the step was planned."""
+    (design §6), DSpark's confidence and DFlash2's selector loss where the step reports them (design §18), the
+    data's progress over every process (design §7), and the predicted step time where the step was planned."""
     host = jax.device_get(pending)
     elapsed = time.perf_counter() - interval_start
     step_time = elapsed / interval_steps if interval_steps else None
@@ -216,8 +216,9 @@ def _log_record(run: startup.TrainingRun, step: int, pending: list[dict[str, jax
         "mfu": (run.step_flops / step_time / (run.peak_tflops * 1e12 * run.mesh.size)
                 if step_time and run.peak_tflops else None),
     }
-    if "confidence_loss" in host[0]:
-        record["confidence_loss"] = float(np.mean([m["confidence_loss"] for m in host]))
+    for name in ("confidence_loss", "selector_loss"):  # DSpark's and DFlash2's own terms (design §18)
+        if name in host[0]:
+            record[name] = float(np.mean([m[name] for m in host]))
     record.update(epochs.data_progress(distributed.gather_json(data_position)))
     if run.predicted is not None:
         record["predicted_step_time"] = list(run.predicted)

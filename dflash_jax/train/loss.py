@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.models.dflash2 import training_candidates
 from dflash_jax.sharding import ROWS, ROWS_EMBED, ROWS_VOCAB, constrain
 
 
@@ -96,7 +97,7 @@ def rematerialised_chunks(chunk: Callable, row_chunk: int, axis: int, *arrays: j
 
 
 def lm_head_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: jax.Array, row_chunk: int,
-                          markov: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+                          markov: tuple[jax.Array, jax.Array] | None = None, top_k: int = 0) -> tuple[jax.Array, ...]:
     """Per-row cross-entropy of logits = hidden @ lm_head_kernel against `labels`, and whether the label is
     the logits' argmax. hidden: [..., R, H]; lm_head_kernel: [H, V]; labels: [..., R] int.
 
@@ -111,12 +112,18 @@ def lm_head_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: 
 
     markov = (e [..., R, r], W2 [r, V]): DSpark's Markov bias e @ W2 is added to each row chunk's logits (design
     §18); both get gradients, by `rematerialised_chunks` instead of the fused gradient.
+
+    top_k > 0 (DFlash2, design §18.3): also each row's selector candidates from the same logits,
+    (ids [..., R, K], whether the label is among the top-K [..., R]) of `dflash2.training_candidates`; integers,
+    no gradient.
     """
     if hidden.ndim == 3:  # [b, R, H]: rows stay split over the batch axes under a mesh (design §13)
         hidden, labels = constrain(hidden, ROWS_EMBED), constrain(labels, ROWS)
     kernel = jax.lax.stop_gradient(lm_head_kernel)
     if markov is None:
-        return _lm_head_cross_entropy(hidden, kernel, labels, row_chunk)
+        return _lm_head_cross_entropy(hidden, kernel, labels, row_chunk, top_k)
+    if top_k:
+        raise ValueError("the selector's candidates (top_k) come without a Markov bias (no method has both)")
     prev_embeddings, w2 = markov
 
     def chunk(h, y, e):
@@ -126,8 +133,9 @@ def lm_head_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: 
 
 
 def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradient: bool,
-                      markov: tuple[jax.Array, jax.Array] | None = None):
-    """One row chunk: (ce, correct) and, if with_gradient, d ce / d h. h: [..., c, H]; y: [..., c]."""
+                      markov: tuple[jax.Array, jax.Array] | None = None, top_k: int = 0):
+    """One row chunk: (ce, correct), the selector's candidates if top_k, and, if with_gradient, d ce / d h.
+    h: [..., c, H]; y: [..., c]."""
     logits = draft_logits(h, kernel, markov)
     if logits.ndim == 3:  # [b, c, V]: the vocabulary splits over `tensor` under a mesh
         logits = constrain(logits, ROWS_VOCAB)
@@ -139,7 +147,7 @@ def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradie
     exp = jnp.exp(logits - row_max)
     total = jnp.sum(exp, axis=-1, keepdims=True)
     ce = jnp.log(total) + row_max - label_logit  # logsumexp(logits) - logits[label]
-    outputs = (ce[..., 0], correct[..., 0])
+    outputs = (ce[..., 0], correct[..., 0]) + (training_candidates(logits, y, top_k) if top_k else ())
     if not with_gradient:
         return outputs
     # d ce / d logits = softmax(logits) - onehot(label), in fp32 like the logits; then back through the head
@@ -150,25 +158,25 @@ def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradie
     return outputs + (grad_h.astype(h.dtype),)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _lm_head_cross_entropy(hidden, kernel, labels, row_chunk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _lm_head_cross_entropy(hidden, kernel, labels, row_chunk, top_k):
     def chunk(h, y):
-        return _logit_statistics(h, kernel, y, with_gradient=False)
+        return _logit_statistics(h, kernel, y, with_gradient=False, top_k=top_k)
 
     return map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, labels)
 
 
-def _lm_head_cross_entropy_forward(hidden, kernel, labels, row_chunk):
+def _lm_head_cross_entropy_forward(hidden, kernel, labels, row_chunk, top_k):
     def chunk(h, y):
-        return _logit_statistics(h, kernel, y, with_gradient=True)
+        return _logit_statistics(h, kernel, y, with_gradient=True, top_k=top_k)
 
-    ce, correct, grad_hidden = map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, labels)
-    return (ce, correct), grad_hidden
+    *outputs, grad_hidden = map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, labels)
+    return tuple(outputs), grad_hidden
 
 
-def _lm_head_cross_entropy_backward(row_chunk, grad_hidden, cotangents):
-    del row_chunk
-    ce_cotangent, _ = cotangents  # `correct` is boolean: no cotangent
+def _lm_head_cross_entropy_backward(row_chunk, top_k, grad_hidden, cotangents):
+    del row_chunk, top_k
+    ce_cotangent = cotangents[0]  # `correct` and the candidates are integers: no cotangent
     hidden_cotangent = (ce_cotangent[..., None] * grad_hidden.astype(jnp.float32)).astype(grad_hidden.dtype)
     return hidden_cotangent, None, None  # None: no gradient into the frozen LM head or the integer labels
 

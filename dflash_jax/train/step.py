@@ -16,6 +16,9 @@ count, so accumulation gives exactly the full-batch gradient). Per micro-batch:
 For method "dspark" (design §18) every block slot is drafted (slot k predicts the token after a+k), the Markov
 bias W2·W1[input_ids[a+k]] is added to each slot's logits inside the fused loss's row chunks, and the confidence
 head's BCE against the detached 1 − TV of the same pass is added with weight config.drafter.confidence_alpha.
+For "dflash2" (design §18.3) the fused pass also yields each slot's top-K candidates, and the selector's K-way
+cross-entropy (train/selector.py), weighted as the unary loss, is added with weight config.drafter.selector_alpha;
+the slots' accuracy is then the selector's, whose picks decoding commits.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from dflash_jax.train.loss import (dflash_loss, dpace_weights, lm_head_cross_ent
                                    trained_slot_count)
 from dflash_jax.train.divergences import lm_head_divergences
 from dflash_jax.train.optimizer import learning_rate_schedule, make_optimizer
+from dflash_jax.train.selector import selector_cross_entropy
 from dflash_jax.train.state import StateSpec, TrainState
 from dflash_jax.train.validate import parse_loss_terms
 
@@ -53,6 +57,7 @@ class LossAux(NamedTuple):
     slot_correct: jax.Array  # [B]
     slot_count: jax.Array  # [B]
     confidence_loss: jax.Array  # scalar, already in the loss with its weight (0 without a confidence head)
+    selector_loss: jax.Array  # scalar, already in the loss with its weight (0 without a candidate selector)
 
 
 class StepFunctions(NamedTuple):
@@ -77,6 +82,8 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
     dpace = config.loss.position_weights == "dpace"  # weights from the drafter's own confidence (design §6)
     terms = parse_loss_terms(config.loss.terms)
     confidence_alpha = config.drafter.confidence_alpha if dspark else 0.0
+    top_k = drafter_config.selector_top_k  # DFlash2's candidates per slot; 0: no selector (design §18.3)
+    selector_alpha = config.drafter.selector_alpha if top_k else 0.0
     # The fused loss against the target's distribution (design §18), also for the confidence target 1 − TV.
     distribution = terms != (("ce", 1.0),) or confidence_alpha > 0
 
@@ -112,25 +119,36 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
             prev_embeddings = drafter.markov_head.prev_embeddings(prev_ids).astype(drafter.dtype)
             markov = (prev_embeddings, drafter.markov_head.w2[...].astype(drafter.dtype))
         if distribution:  # ce is then the weighted sum of the terms per slot
-            ce, tv, correct = lm_head_divergences(drafted, teacher.label_hidden.reshape(drafted.shape),
-                                                  teacher.lm_head, teacher.labels.reshape(rows, -1), terms,
-                                                  config.loss.row_chunk, markov)
+            ce, tv, correct, *candidates = lm_head_divergences(
+                drafted, teacher.label_hidden.reshape(drafted.shape), teacher.lm_head,
+                teacher.labels.reshape(rows, -1), terms, config.loss.row_chunk, markov, top_k)
         else:
-            ce, correct = lm_head_cross_entropy(drafted, teacher.lm_head, teacher.labels.reshape(rows, -1),
-                                                config.loss.row_chunk, markov)
+            ce, correct, *candidates = lm_head_cross_entropy(drafted, teacher.lm_head, teacher.labels.reshape(rows, -1),
+                                                             config.loss.row_chunk, markov, top_k)
         mask = trained_slots(batch)
-        ce, correct = ce.reshape(teacher.labels.shape), correct.reshape(teacher.labels.shape)
-        if not dspark:
-            anchor_slot = ((0, 0), (0, 0), (1, 0))  # slot 0: ce 0, not correct (its mask is 0)
-            ce, correct = jnp.pad(ce, anchor_slot), jnp.pad(correct, anchor_slot)
-        slot_weights = dpace_weights(ce, mask, config.loss.dpace_alpha) if dpace else weights
-        out = dflash_loss(ce, correct, mask, slot_weights, normaliser)
-        loss, confidence = out.loss, jnp.zeros((), jnp.float32)
+
+        def slot_loss(ce, correct):  # per-slot values of the drafted slots -> the weighted loss over [b, N, B]
+            ce, correct = ce.reshape(teacher.labels.shape), correct.reshape(teacher.labels.shape)
+            if not dspark:
+                anchor_slot = ((0, 0), (0, 0), (1, 0))  # slot 0: ce 0, not correct (its mask is 0)
+                ce, correct = jnp.pad(ce, anchor_slot), jnp.pad(correct, anchor_slot)
+            slot_weights = dpace_weights(ce, mask, config.loss.dpace_alpha) if dpace else weights
+            return dflash_loss(ce, correct, mask, slot_weights, normaliser)
+
+        out = slot_loss(ce, correct)
+        loss, confidence, selector = out.loss, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+        if top_k:  # DFlash2: the selector after x_{a+k-1}, the data's token before slot k's label
+            predecessors = slot_tokens(batch["input_ids"], anchors, block)[:, :, :-1].reshape(rows, -1)
+            selected = slot_loss(*selector_cross_entropy(drafter.candidate_selector, drafted, teacher.lm_head,
+                                                         candidates, predecessors, teacher.labels.reshape(rows, -1),
+                                                         config.loss.row_chunk))
+            loss, selector = loss + selector_alpha * selected.loss, selected.loss
+            out = out._replace(slot_correct=selected.slot_correct)
         if confidence_alpha > 0:  # always with the fixed decay, also under D-PACE (speculators)
             logits = drafter.confidence_head(drafted, prev_embeddings).reshape(mask.shape)
             confidence = confidence_loss(logits, tv.reshape(mask.shape), mask, weights, normaliser)
             loss = loss + confidence_alpha * confidence
-        return loss, LossAux(teacher.labels, out.slot_correct, out.slot_count, confidence)
+        return loss, LossAux(teacher.labels, out.slot_correct, out.slot_count, confidence, selector)
 
     tx = make_optimizer(config)
     schedule = learning_rate_schedule(config)
@@ -152,21 +170,21 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
         def micro_step(micro_batch, noise_key):
             (loss, aux), grads = jax.value_and_grad(drafter_loss, has_aux=True)(
                 state.params, teacher(target_state, micro_batch), micro_batch, noise_key, normaliser)
-            return grads, loss, aux.slot_correct, aux.slot_count, aux.confidence_loss
+            return grads, loss, aux.slot_correct, aux.slot_count, aux.confidence_loss, aux.selector_loss
 
         if accum == 1:
-            grads, loss, slot_correct, slot_count, confidence = micro_step(batch, step_key)
+            grads, loss, slot_correct, slot_count, confidence, selector = micro_step(batch, step_key)
         else:
             def accumulate(totals, inputs):
                 return jax.tree.map(jnp.add, totals, micro_step(*inputs)), None
 
             zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()), jnp.zeros(block), jnp.zeros(block),
-                     jnp.zeros(()))
+                     jnp.zeros(()), jnp.zeros(()))
             # Row r goes to micro-batch r % accum: every micro-batch keeps an even share of each device's rows.
             micro_batches = {key: jax.lax.with_sharding_constraint(
                 jnp.swapaxes(value.reshape(-1, accum, value.shape[-1]), 0, 1), micro_sharding)
                 for key, value in batch.items()}
-            (grads, loss, slot_correct, slot_count, confidence), _ = jax.lax.scan(
+            (grads, loss, slot_correct, slot_count, confidence, selector), _ = jax.lax.scan(
                 accumulate, zeros, (micro_batches, jax.random.split(step_key, accum)))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         metrics = {
@@ -179,6 +197,8 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
         }
         if confidence_alpha > 0:
             metrics["confidence_loss"] = confidence  # unweighted; `loss` holds it times confidence_alpha
+        if top_k:
+            metrics["selector_loss"] = selector  # unweighted; `loss` holds it times selector_alpha
         new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state,
                                jax.random.key_data(rng))
         return new_state, metrics

@@ -39,7 +39,8 @@ BAD_RECORDS = ("raise", "skip")
 DTYPES = ("float32", "bfloat16", "float16")
 EVAL_CONTINUATIONS = ("generate", "data")  # config.eval_continuation
 DRAFTER_METHODS = ("dflash", "dspark", "dflash2")  # config.drafter.method (design §18)
-METHODS_NOT_YET_TRAINABLE = ("dflash2",)
+# config.drafter's DFlash2 fields (design §18.3), each a positive int; DrafterConfig checks how they fit the drafter.
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def _field(config: ConfigDict, path: str):
@@ -210,7 +211,7 @@ def validate_config(config: ConfigDict) -> None:
     _require(drafter.num_feature_layers >= 1,
              f"config.drafter.num_feature_layers must be >= 1, got {drafter.num_feature_layers}")
     validate_method(drafter)
-    _require(drafter.method == "dflash" or not config.eval_every,
+    _require(drafter.method != "dspark" or not config.eval_every,
              f"config.eval_every={config.eval_every}: exact τ is not implemented yet for "
              f"config.drafter.method={drafter.method!r} (no Markov bias in evaluation); set config.eval_every=0")
 
@@ -222,8 +223,10 @@ def validate_method(drafter: ConfigDict) -> None:
     _require(drafter.markov_rank >= 1, f"config.drafter.markov_rank must be >= 1, got {drafter.markov_rank}")
     _require(drafter.confidence_alpha >= 0,
              f"config.drafter.confidence_alpha must be >= 0, got {drafter.confidence_alpha}")
-    _require(drafter.method not in METHODS_NOT_YET_TRAINABLE,
-             f"config.drafter.method={drafter.method!r} is not implemented yet; use 'dflash'")
+    for field in DFLASH2_FIELDS:
+        value = drafter[field]
+        _require(isinstance(value, int) and value >= 1, f"config.drafter.{field} must be an int >= 1, got {value!r}")
+    _require(drafter.selector_alpha >= 0, f"config.drafter.selector_alpha must be >= 0, got {drafter.selector_alpha}")
 
 
 def unknown_field_message(path: str, known: Iterable[str]) -> str:
@@ -364,6 +367,7 @@ def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> Draf
         max_position_embeddings=target_config.max_position_embeddings,
         method=drafter.method,
         markov_rank=drafter.markov_rank if drafter.method == "dspark" else 0,
+        **{field: drafter[field] if drafter.method == "dflash2" else 0 for field in DFLASH2_FIELDS},
     )
     try:
         return DrafterConfig(**fields)

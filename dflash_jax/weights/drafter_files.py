@@ -4,7 +4,8 @@ The z-lab directory (design §10): config.json + model.safetensors, the layout v
 `method: "dflash"`: a flat Qwen3 config plus the DFlash keys, and the drafter's own
 tensors (bf16, PyTorch [out, in], unprefixed; no embed_tokens/lm_head, so vLLM shares the target's). A DSpark
 drafter is written in the speculators layout vLLM serves with `method: "dspark"` (weights/speculators_dspark.py,
-design §18.1): the same backbone tensors plus its two heads, and a speculators config.json.
+design §18.1): the same backbone tensors plus its two heads, and a speculators config.json. A DFlash2 drafter
+keeps the z-lab layout with its own architecture and keys (weights/dflash2_layout.py, design §18.4).
 `export_drafter` writes a `Drafter`; `load_drafter_dir` reads such a directory (ours or a published z-lab
 one) back into NNX. A training workdir holds drafter_config.json and Orbax checkpoints of the train state;
 `restore_drafter` reads the drafter of one of them. `load_drafter` takes either.
@@ -32,6 +33,7 @@ from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.runtime.paths import as_path
 from dflash_jax.runtime.workdir import library_logs_captured, newest_readable
+from dflash_jax.weights import dflash2_layout
 from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.output_dir import FILE_MODE, check_output_dir, prepare_output_dir, write_text
 from dflash_jax.weights.safetensors_dir import SINGLE_FILE, CheckpointReader, read_config
@@ -87,19 +89,24 @@ def zlab_config(config: DrafterConfig) -> dict:
 
 
 def export_config(config: DrafterConfig, target: str | None = None) -> dict:
-    """config.json of the export: the z-lab one, or for DSpark the speculators one naming `target`."""
+    """config.json of the export: the z-lab one (DFlash2's with its own keys), or for DSpark the speculators
+    one naming `target`."""
     zlab = zlab_config(config)
+    if config.method == "dflash2":
+        return dflash2_layout.dflash2_config(zlab, config)
     return dspark_config(zlab, config.markov_rank, target) if config.method == "dspark" else zlab
 
 
 def serve_command(target: str, export_dir: str | Path, config: DrafterConfig) -> str:
-    """The `vllm serve` line of design §10 for this export. vLLM (0.32) serves DSpark, and a drafter that mixes
-    sliding and full attention layers, only with its V2 model runner, which an environment variable selects; a
-    DSpark block drafts block_size tokens (design §18), a DFlash one block_size - 1."""
+    """The `vllm serve` line of design §10 for this export. vLLM (0.32) serves DSpark, DFlash2 and a drafter
+    that mixes sliding and full attention layers only with its V2 model runner, which an environment variable
+    selects; a DSpark block drafts block_size tokens (design §18), a DFlash or DFlash2 one block_size - 1, and
+    DFlash2 is served as method "dflash" (its architecture selects the candidate walk, design §18.4)."""
     dspark = config.method == "dspark"
-    spec = json.dumps({"method": config.method, "model": str(export_dir),
+    spec = json.dumps({"method": "dspark" if dspark else "dflash", "model": str(export_dir),
                        "num_speculative_tokens": config.block_size - (0 if dspark else 1)}, separators=(",", ":"))
-    runner = "VLLM_USE_V2_MODEL_RUNNER=1 " if dspark or len(set(config.layer_types)) > 1 else ""
+    v2_only = dspark or config.method == "dflash2" or len(set(config.layer_types)) > 1
+    runner = "VLLM_USE_V2_MODEL_RUNNER=1 " if v2_only else ""
     return f"{runner}vllm serve {target} --speculative-config '{spec}'"
 
 
@@ -128,9 +135,6 @@ def export_drafter(drafter: Drafter, config: DrafterConfig, out_dir: str | os.Pa
     """
     if drafter.config != config:
         raise ValueError(f"export_drafter: the drafter was built with {drafter.config}, not with {config}")
-    if config.method not in ("dflash", "dspark"):  # design §18: no DFlash2 layout is written yet
-        raise CheckpointError(f"export of method {config.method!r} drafters is not implemented yet (only 'dflash' "
-                              f"and 'dspark')")
     check_servable_layer_ids(config.target_layer_ids, "export_drafter")
     partial_name = SINGLE_FILE + ".partial"
     out_dir = prepare_output_dir(out_dir, kind=OUTPUT_KIND, entries=[CONFIG_FILE, SINGLE_FILE, partial_name, CARD_FILE],
@@ -226,7 +230,14 @@ def drafter_config_from_zlab(raw: dict, where: Path | str = CONFIG_FILE) -> Draf
 
 
 def drafter_config_from_file(raw: dict, where: Path | str = CONFIG_FILE) -> DrafterConfig:
-    """A DrafterConfig from an export's config.json dict: the z-lab layout, or the speculators DSpark one."""
+    """A DrafterConfig from an export's config.json dict: the z-lab layout (DFlash or DFlash2), or the speculators
+    DSpark one."""
+    if dflash2_layout.is_dflash2(raw):
+        fields = dflash2_layout.dflash2_fields(raw, where)
+        try:
+            return dataclasses.replace(drafter_config_from_zlab(raw, where), method="dflash2", **fields)
+        except (ValueError, TypeError) as error:
+            raise CheckpointError(f"{where}: {error}") from None
     if not is_dspark(raw):
         return drafter_config_from_zlab(raw, where)
     zlab, markov_rank = zlab_view(raw, Path(where))
@@ -250,13 +261,14 @@ def load_drafter_dir(directory: str | Path, *, param_dtype=jnp.float32, **drafte
 
 
 def read_drafter_weights(directory: str | Path, config: DrafterConfig, *, param_dtype=jnp.float32,
-                         **drafter_kwargs) -> Drafter:
+                         fresh: Drafter | None = None, **drafter_kwargs) -> Drafter:
     """The tensors of a z-lab directory's safetensors (or a Hub repo id's) as a `Drafter` of `config` (whatever
-    its config.json says); CheckpointError naming the directory when they do not fit."""
+    its config.json says); CheckpointError naming the directory when they do not fit. `fresh`: a drafter of
+    `config` whose weights stand for the method's own parts the directory lacks (`drafter_from_torch_layout`)."""
     reader = CheckpointReader(local_dir(directory, "drafter"))
     tensors = {name: reader.read(name) for name in reader.names()}
     try:
-        return drafter_from_torch_layout(tensors, config, param_dtype=param_dtype, **drafter_kwargs)
+        return drafter_from_torch_layout(tensors, config, param_dtype=param_dtype, fresh=fresh, **drafter_kwargs)
     except ValueError as error:
         raise CheckpointError(f"{directory}: {error}") from None
 
@@ -265,11 +277,14 @@ def _torch_name(path: tuple) -> tuple[str, bool]:
     """NNX parameter path -> (z-lab export name, whether the tensor is a Linear kernel to transpose).
 
     The module attributes above carry the export names, so ('layers', 0, 'self_attn', 'q_proj', 'kernel')
-    becomes 'layers.0.self_attn.q_proj.weight'; DSpark's heads have names of their own (HEAD_TENSORS).
+    becomes 'layers.0.self_attn.q_proj.weight'; DSpark's heads have names of their own (HEAD_TENSORS), and
+    DFlash2's base kernels and codebooks are parameters, not modules: no '.weight' (design §18.4).
     """
     if tuple(path) in HEAD_TENSORS:
         return HEAD_TENSORS[tuple(path)]
     *module_path, leaf = path
+    if leaf in dflash2_layout.BARE_PARAMETERS:
+        return ".".join(map(str, path)), False
     return ".".join(map(str, module_path)) + ".weight", leaf == "kernel"
 
 
@@ -284,16 +299,23 @@ def drafter_to_torch_layout(drafter: Drafter) -> dict[str, np.ndarray]:
 
 
 def drafter_from_torch_layout(tensors: Mapping[str, np.ndarray], config: DrafterConfig, *,
-                              param_dtype=jnp.float32, **drafter_kwargs) -> Drafter:
+                              param_dtype=jnp.float32, fresh: Drafter | None = None, **drafter_kwargs) -> Drafter:
     """The inverse of `drafter_to_torch_layout`: a Drafter holding exactly these tensors.
 
-    Raises ValueError naming missing or unexpected tensors and shape mismatches. drafter_kwargs go to Drafter.
+    fresh: a drafter of `config` (its initialisation) whose weights stand for the tensors of its method's own
+    parts that `tensors` lacks, so that one member of the drafter family starts from another's backbone (design
+    §18, `drafter.init_from`); the backbone's tensors must all be there. Raises ValueError naming missing or
+    unexpected tensors and shape mismatches. drafter_kwargs go to Drafter.
     """
     abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0), param_dtype=param_dtype,
                                               **drafter_kwargs))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     variables = {_torch_name(path): variable for path, variable in nnx.to_flat_state(params)}
     expected = {name for name, _ in variables}
+    if fresh is not None:
+        kept = {name: value for name, value in drafter_to_torch_layout(fresh).items()
+                if name not in tensors and name not in _names(config.backbone)}
+        tensors = {**tensors, **kept}
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
         raise ValueError(f"drafter tensors do not match the DrafterConfig: missing {missing}, unexpected {unexpected}")
@@ -305,6 +327,12 @@ def drafter_from_torch_layout(tensors: Mapping[str, np.ndarray], config: Drafter
             raise ValueError(f"tensor {name} has shape {np.asarray(tensors[name]).shape}, expected {torch_shape}")
         variable.set_value(jnp.asarray(value, dtype=variable.dtype))
     return nnx.merge(graphdef, params, rest)
+
+
+def _names(config: DrafterConfig) -> set[str]:
+    """The export names of a drafter of `config`."""
+    abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0)))
+    return {_torch_name(path)[0] for path, _ in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
 
 
 def workdir_path(workdir: str | os.PathLike) -> epath.Path:

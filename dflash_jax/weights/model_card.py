@@ -81,6 +81,9 @@ def model_card(config: DrafterConfig, facts: TrainingFacts, drafter: str) -> str
             ("last evaluation", taus)]
     if config.method == "dspark":
         rows.insert(5, ("Markov rank", str(config.markov_rank)))
+    if config.method == "dflash2":
+        rows.insert(5, ("convolution taps / group", f"{config.conv_kernel_size} / {config.conv_group_size}"))
+        rows.insert(6, ("selector rank / candidates", f"{config.selector_rank} / {config.selector_top_k}"))
     table = "\n".join(["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)])
     return f"""---
 {base_model}tags:
@@ -107,7 +110,7 @@ mean averages each response's own τ instead.
 {_sglang_section(facts.target, drafter, config)}"""
 
 
-_TITLES = {"dflash": "DFlash", "dspark": "DSpark"}
+_TITLES = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}
 
 
 def _intro(config: DrafterConfig) -> str:
@@ -117,6 +120,13 @@ from the target's hidden states, a low-rank Markov head biases each token's logi
 a confidence head estimates each token's acceptance. Trained with dflash_jax; the weights are bf16 in the
 speculators layout (`speculators_model_type: dspark`), without embedding or LM head (the target's are shared).
 vLLM serves it with `method: "dspark"` on its V2 model runner (GPU)."""
+    if config.method == "dflash2":
+        return f"""A DFlash2 drafter: the DFlash block-diffusion backbone, with a dynamic two-tap convolution within the
+block around each attention and MLP sublayer, drafts {config.block_size - 1} tokens in one forward pass from the
+target's hidden states, and a candidate selector picks each token among the {config.selector_top_k} most likely
+by the token before it. Trained with dflash_jax; the weights are bf16 in the z-lab layout (`DFlash2DraftModel`),
+without embedding or LM head (the target's are shared). vLLM serves it with `method: "dflash"` on its V2 model
+runner (GPU)."""
     return f"""A [DFlash](https://z-lab.ai/projects/dflash) block-diffusion drafter: from the target's hidden states it drafts
 {config.block_size - 1} tokens in one forward pass, which the target verifies in one pass. Trained with
 dflash_jax; the weights are bf16 in the z-lab layout (`DFlashDraftModel`), without embedding or LM head (the

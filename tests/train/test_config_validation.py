@@ -73,7 +73,9 @@ def config(**overrides):
     ({"optim.name": "muon", "optim.muon_momentum": 1.0}, "config.optim.muon_momentum must lie in [0, 1)"),
     ({"optim.name": "muon", "optim.muon_ns_dtype": "float16"}, "config.optim.muon_ns_dtype must be 'float32' or"),
     ({"drafter.method": "eagle3"}, "config.drafter.method must be one of ('dflash', 'dspark', 'dflash2'), got 'eagle3'"),
-    ({"drafter.method": "dflash2"}, "config.drafter.method='dflash2' is not implemented yet; use 'dflash'"),
+    ({"drafter.conv_kernel_size": 0}, "config.drafter.conv_kernel_size must be an int >= 1, got 0"),
+    ({"drafter.selector_top_k": -3}, "config.drafter.selector_top_k must be an int >= 1, got -3"),
+    ({"drafter.selector_alpha": -0.5}, "config.drafter.selector_alpha must be >= 0, got -0.5"),
     ({"drafter.method": "dspark", "eval_every": 100},
      "config.eval_every=100: exact τ is not implemented yet for config.drafter.method='dspark'"),
     ({"drafter.markov_rank": 0}, "config.drafter.markov_rank must be >= 1, got 0"),
@@ -107,6 +109,12 @@ def test_static_config_errors_name_their_field(overrides, message):
     ({"drafter.target_layer_ids": (3, 3)}, "config.drafter.target_layer_ids [3, 3] must be strictly increasing"),
     ({"drafter.num_feature_layers": 12}, "config.drafter.target_layer_ids [1, 2, 2, 3, 4, 5, 5, 6, 7, 8, 8, 9] "
                                          "must be strictly increasing"),
+    ({"drafter.method": "dflash2", "drafter.conv_group_size": 24},
+     "config.drafter: DrafterConfig.conv_group_size (24) must divide hidden_size (64)"),
+    ({"drafter.method": "dflash2", "drafter.conv_kernel_size": 9},
+     "config.drafter: DrafterConfig.conv_kernel_size (9) must be at most block_size (8): taps never cross a block"),
+    ({"drafter.method": "dflash2", "drafter.selector_top_k": 641},
+     "config.drafter: DrafterConfig.selector_top_k (641) must be at most vocab_size (640)"),
 ])
 def test_target_dependent_errors_name_their_field(overrides, message):
     c = config(**overrides)
