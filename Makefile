@@ -25,7 +25,8 @@ test: $(VENV)/.installed
 
 # Two workers, each taking whole files (a file's fixtures, the demo's run among them, are built once). The demo's
 # run is kept in out/demo_test for `make test-vllm TOY_RUN=out/demo_test/run` (.ci/run), which serves its drafter.
-test-slow: $(VENV)/.installed
+# The speculators venv (below) runs the reference side of the DFlash2 parity test.
+test-slow: $(VENV)/.installed .venv-speculators/.installed
 	DFLASH_JAX_DEMO_OUT=out/demo_test $(PY) -m pytest -q -n 2 --dist loadfile -m slow --durations=15 tests
 
 # Deviceless TPU compiles of 27B-shaped train steps (tests marked tpu_plan; a few minutes): libtpu, pinned by
@@ -75,6 +76,7 @@ test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(PY) tests/serving/make_artifacts.py --out out/vllm $(if $(TOY_RUN),--toy_run $(TOY_RUN))
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) tests/serving/check_vllm.py out/vllm
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) tests/serving/check_vllm_dspark.py out/vllm
+	$(VLLM_PY) tests/serving/check_vllm_dflash2.py out/vllm
 	$(PY) tests/serving/compare_with_project.py out/vllm
 	$(PY) tests/serving/check_regenerate_server.py --vllm-python $(VLLM_PY) out/vllm
 

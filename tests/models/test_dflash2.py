@@ -50,11 +50,10 @@ def test_block_convolution_is_its_formula_and_never_crosses_a_block(taps):
     np.testing.assert_array_equal(out_changed[8:], out[8:])
 
 
-@pytest.mark.parametrize("layer_types, window", [((FULL, FULL), None), ((SLIDING, FULL), 5)])
-def test_dflash2_drafter_equals_dflash_at_initialisation(layer_types, window):
+def test_dflash2_drafter_equals_dflash_at_initialisation():
     """The same seed gives the same backbone (the convolutions draw no random numbers) and identity convolutions,
     so the outputs are equal exactly: in training's forward over packed rows and in a decoding step."""
-    dflash_config = make_config(layer_types, window)
+    dflash_config = make_config((SLIDING, FULL), 5)
     dflash, dflash2 = (Drafter(c, rngs=nnx.Rngs(3)) for c in (dflash_config,
                                                                 dataclasses.replace(dflash_config, **DFLASH2)))
     shared = dict(nnx.to_flat_state(nnx.state(dflash, nnx.Param)))

@@ -12,7 +12,10 @@ and exported with convert/export_drafter.py:
   mixed    sliding + full: exported untrained (no training run), since vLLM 0.32 on CPU refuses it
            (see check_vllm.py)
   dspark   the full drafter's config as an untrained DSpark drafter, for check_vllm_dspark.py
-Writes OUT/artifacts.json for check_vllm.py: target, drafters {name: {dir, trained}}, dspark, block_size, prompts.
+  dflash2  the full drafter's config as an untrained DFlash2 drafter (convolutions and selector away from their
+           initialisation), with the project's outputs of its CPU-runnable parts, for check_vllm_dflash2.py
+Writes OUT/artifacts.json for check_vllm*.py: target, drafters {name: {dir, trained}}, dspark, dflash2 (and its
+references), block_size, prompts.
 """
 
 from __future__ import annotations
@@ -135,6 +138,62 @@ def export_untrained_dspark(full_run: Path, out: Path) -> Path:
     return export_drafter(Drafter(config, rngs=nnx.Rngs(0)), config, out / "drafter_dspark", overwrite=True)
 
 
+def export_dflash2_and_references(full_run: Path, out: Path) -> tuple[Path, Path]:
+    """The "full" run's drafter config as a DFlash2 drafter, its convolutions and selector moved away from their
+    initialisation, exported; and what the project computes, with the weights read back from that export (bf16),
+    for the parts of vLLM's model that run on CPU outside its engine (check_vllm_dflash2.py): every block
+    convolution around an identity sublayer on random rows of two blocks, and the selector's scores of every
+    (previous candidate, candidate) edge and its greedy walk on random hidden states and unary logits."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from dflash_jax.models.drafter import Drafter, DrafterConfig
+    from dflash_jax.weights.drafter_files import export_drafter, load_drafter_dir
+    full = DrafterConfig(**json.loads((full_run / "drafter_config.json").read_text()))
+    config = dataclasses.replace(full, method="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=32,
+                                 selector_top_k=6)
+    drafter = Drafter(config, rngs=nnx.Rngs(0))
+    keys = iter(jax.random.split(jax.random.key(0), 4 * config.num_hidden_layers))
+    for layer in drafter.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel.set_value(conv.base_kernel[...] + 0.3 * jax.random.normal(next(keys), conv.base_kernel.shape))
+            projection = conv.kernel_projection.kernel
+            projection.set_value(0.1 * jax.random.normal(next(keys), projection.shape))
+    for codebook in (drafter.candidate_selector.predecessor_codebook, drafter.candidate_selector.successor_codebook):
+        codebook.set_value(codebook[...] * 30)
+    export_dir = export_drafter(drafter, config, out / "drafter_dflash2", overwrite=True)
+
+    drafter, _ = load_drafter_dir(export_dir)
+    rng = np.random.default_rng(0)
+    block, hidden_size, top_k = config.block_size, config.hidden_size, config.selector_top_k
+    references = {}
+    for index, layer in enumerate(drafter.layers):
+        for name in ("attention_conv", "mlp_conv"):
+            x = rng.standard_normal((2 * block, hidden_size)).astype(np.float32)
+            references[f"layers.{index}.{name}/x"] = x
+            references[f"layers.{index}.{name}/out"] = np.asarray(getattr(layer, name).around(lambda y: y, x[None])[0])
+    selector = drafter.candidate_selector
+    hidden = rng.standard_normal((2, block - 1, hidden_size)).astype(np.float32)
+    logits = (3 * rng.standard_normal((2, block - 1, config.vocab_size))).astype(np.float32)
+    anchors = rng.integers(0, config.vocab_size, 2)
+    unary, candidates = jax.lax.top_k(jnp.asarray(logits), top_k)
+    # Edge (l, j, c): candidate c of slot l after candidate j of slot l - 1 (after the anchor for slot 0).
+    previous = jnp.concatenate([jnp.broadcast_to(jnp.asarray(anchors)[:, None, None], (2, 1, top_k)),
+                                candidates[:, :-1]], axis=1)
+    edges = selector.scores(jnp.broadcast_to(jnp.asarray(hidden)[:, :, None], (2, block - 1, top_k, hidden_size)),
+                            previous, jnp.broadcast_to(candidates[:, :, None], (2, block - 1, top_k, top_k)),
+                            jnp.broadcast_to(unary[:, :, None], (2, block - 1, top_k, top_k)))
+    walk = selector.greedy_walk(jnp.asarray(hidden), jax.nn.log_softmax(jnp.asarray(logits), axis=-1),
+                                jnp.asarray(anchors))
+    references.update({"selector/hidden": hidden, "selector/logits": logits, "selector/anchors": anchors,
+                       "selector/candidate_ids": np.asarray(candidates), "selector/edge_scores": np.asarray(edges),
+                       "selector/walk": np.asarray(walk)})
+    np.savez(out / "dflash2_references.npz", **references)
+    return export_dir, out / "dflash2_references.npz"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -162,7 +221,9 @@ def main() -> None:
     if "full" not in drafters:
         drafters["full"] = {"dir": str(export(full_run, out / "drafter_full")), "trained": True}
     drafters["mixed"] = {"dir": str(export_untrained_mixed(full_run, out)), "trained": False}
+    dflash2, dflash2_references = export_dflash2_and_references(full_run, out)
     artifacts = {"target": str(target), "drafters": drafters, "dspark": str(export_untrained_dspark(full_run, out)),
+                 "dflash2": str(dflash2), "dflash2_references": str(dflash2_references),
                  "block_size": BLOCK_SIZE, "prompts": prompts,
                  "max_tokens": NEW_TOKENS}
     (out / "artifacts.json").write_text(json.dumps(artifacts, indent=2) + "\n")
