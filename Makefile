@@ -47,12 +47,18 @@ clean:
 # trained and the untrained drafter on the held-out prompts, export it for vLLM (the export prints the
 # `vllm serve` command). A rerun starts a fresh run. One CPU device (no simulated mesh): what a laptop has.
 # About eight and a half minutes on 2 CPU cores, enough for the τ target (README; asserted by `make test-slow`).
+# METHOD=dspark|dflash2 (design §18) trains that member of the drafter family instead, in out/toy_run_METHOD
+# with its export in out/toy_drafter_METHOD (bench/RESULTS.md, "Drafter methods side by side").
+METHOD ?= dflash
+DEMO_SUFFIX := $(if $(filter dflash,$(METHOD)),,_$(METHOD))
+DEMO_RUN := out/toy_run$(DEMO_SUFFIX)
 demo: $(VENV)/.base-installed
-	rm -rf out/toy_run out/toy_drafter
-	env -u XLA_FLAGS $(VENV)/bin/dflash-jax train --config configs/toy.py --workdir out/toy_run
-	env -u XLA_FLAGS $(VENV)/bin/dflash-jax evaluate --config configs/toy.py --workdir out/toy_run \
-		--max_new_tokens 128 --json out/toy_run/eval.json
-	env -u XLA_FLAGS $(VENV)/bin/dflash-jax export --workdir out/toy_run --out out/toy_drafter
+	rm -rf $(DEMO_RUN) out/toy_drafter$(DEMO_SUFFIX)
+	env -u XLA_FLAGS $(VENV)/bin/dflash-jax train --config configs/toy.py --workdir $(DEMO_RUN) \
+		--config.drafter.method=$(METHOD)
+	env -u XLA_FLAGS $(VENV)/bin/dflash-jax evaluate --config configs/toy.py --workdir $(DEMO_RUN) \
+		--max_new_tokens 128 --json $(DEMO_RUN)/eval.json
+	env -u XLA_FLAGS $(VENV)/bin/dflash-jax export --workdir $(DEMO_RUN) --out out/toy_drafter$(DEMO_SUFFIX)
 
 # The real-vLLM checks (tests/serving/): the drafter export served with speculation, and `regenerate --server`
 # against a vLLM server of the toy target (greedy output equal to the JAX path's; killed and rerun, every record

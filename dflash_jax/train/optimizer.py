@@ -4,7 +4,8 @@
 
 - "adamw": AdamW on every parameter; weight decay on the weight matrices only (never on norm weights).
 - "muon": Muon on the weight matrices (fc and every q/k/v/o and MLP projection, each its own matrix, per layer),
-  AdamW on everything else (the norm weights, DSpark's Markov weights over the vocabulary). This is the split and the update of torch.optim.Muon as vLLM's
+  AdamW on everything else (the norm weights, DSpark's Markov weights and DFlash2's codebooks over the vocabulary,
+  DFlash2's [2, K, H] base kernels). This is the split and the update of torch.optim.Muon as vLLM's
   speculators trains with it (`--optimizer muon`, its default), with the AdamW-matched update size:
 
       B  <- mu*B + (1-mu)*g                      momentum, an EMA of the clipped gradient
@@ -90,8 +91,8 @@ def is_matrix(param) -> bool:
 
 
 def is_muon_matrix(param) -> bool:
-    """A weight matrix Muon updates: not one over the vocabulary (DSpark's Markov W1 and W2, design §18), which
-    speculators leaves to AdamW as it does embeddings and LM heads."""
+    """A weight matrix Muon updates: not one over the vocabulary (DSpark's Markov W1 and W2, DFlash2's selector
+    codebooks, design §18), which speculators leaves to AdamW as it does embeddings and LM heads."""
     return is_matrix(param) and VOCAB_AXIS not in (getattr(param, "out_sharding", None) or ())
 
 

@@ -5,7 +5,8 @@ Per drafted slot k of the block at anchor a: the candidates are the top-K tokens
 label (the target's greedy token) in place of the K-th where it is missing (`dflash2.training_candidates`, taken
 in the fused LM-head loss's own row chunks, so no [rows, V] array exists), the predecessor is the data's token at
 a+k−1 (the anchor's own for slot 1), and
-    ce_k = logsumexp_c s(c | x_{a+k−1}, h_k) − s(label | x_{a+k−1}, h_k),   s = z_k[c] + ⟨A[a] ⊙ W_h h_k, Bc[c]⟩.
+    ce_k = logsumexp_c s(c | x_{a+k−1}, h_k) − s(label | x_{a+k−1}, h_k),
+    s(c | a, h) = z_k[c] + ⟨A[a] ⊙ W_h h, Bc[c]⟩.
 Gradients reach h_k through both the unary scores (each row's K columns of the frozen LM head) and W_h, and the
 selector's three weights. The step weighs the slots as the unary loss (the fixed decay, or D-PACE from this CE)
 and adds the sum with weight `drafter.selector_alpha`, speculators 0.9.0's `selector_loss_alpha`

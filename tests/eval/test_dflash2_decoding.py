@@ -48,7 +48,8 @@ def test_exact_tau_equals_the_selector_walks_tau(tmp_path):
     keys = iter(jax.random.split(jax.random.key(1), 8))
     for layer in drafter.layers:
         for conv in (layer.attention_conv, layer.mlp_conv):
-            conv.kernel_projection.kernel.set_value(0.1 * jax.random.normal(next(keys), conv.kernel_projection.kernel.shape))
+            projection = conv.kernel_projection.kernel
+            projection.set_value(0.1 * jax.random.normal(next(keys), projection.shape))
     selector = drafter.candidate_selector
     for codebook in (selector.predecessor_codebook, selector.successor_codebook):
         codebook.set_value(codebook[...] * 60)

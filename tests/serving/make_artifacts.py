@@ -158,7 +158,8 @@ def export_dflash2_and_references(full_run: Path, out: Path) -> tuple[Path, Path
     keys = iter(jax.random.split(jax.random.key(0), 4 * config.num_hidden_layers))
     for layer in drafter.layers:
         for conv in (layer.attention_conv, layer.mlp_conv):
-            conv.base_kernel.set_value(conv.base_kernel[...] + 0.3 * jax.random.normal(next(keys), conv.base_kernel.shape))
+            base = conv.base_kernel
+            base.set_value(base[...] + 0.3 * jax.random.normal(next(keys), base.shape))
             projection = conv.kernel_projection.kernel
             projection.set_value(0.1 * jax.random.normal(next(keys), projection.shape))
     for codebook in (drafter.candidate_selector.predecessor_codebook, drafter.candidate_selector.successor_codebook):

@@ -60,8 +60,8 @@ def build(shape: dict, weights: dict[str, np.ndarray], vocabulary: np.ndarray) -
     _, unexpected = model.load_state_dict({name: torch.from_numpy(w) for name, w in weights.items()}, strict=False)
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     if unexpected or trained != set(weights):
-        raise SystemExit(f"error: weight names differ: unexpected {unexpected}, missing {sorted(trained - set(weights))}"
-                         f", extra {sorted(set(weights) - trained)}")
+        raise SystemExit(f"error: weight names differ: unexpected {unexpected}, missing "
+                         f"{sorted(trained - set(weights))}, extra {sorted(set(weights) - trained)}")
     return model.float().train()
 
 

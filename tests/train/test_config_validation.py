@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from configs import qwen3_8b, qwen27b, tiny
+from configs import qwen3_8b, qwen27b, qwen27b_dflash2, tiny
 from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.qwen3 import Qwen3Config
@@ -186,7 +186,7 @@ def test_drafter_defaults_come_from_the_target():
 
 
 def test_shipped_configs_validate():
-    for module in (tiny, qwen3_8b, qwen27b):
+    for module in (tiny, qwen3_8b, qwen27b, qwen27b_dflash2):
         c = module.get_config()
         c.target_dir, c.data.train_files = "/ckpt/target", ("train.jsonl",)
         validate_config(c)
@@ -223,6 +223,29 @@ def test_qwen27b_drafter_is_the_spec_one():
     drafter = nnx.eval_shape(lambda: Drafter(resolved, rngs=nnx.Rngs(0)))
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
     assert abs(params / 1e9 - 1.73) < 0.01, params  # design §11: ≈1.73 B
+
+
+def test_qwen27b_dflash2_is_speculators_dflash2_recipe():
+    """speculators 0.9.0's `dflash2` training defaults (its TrainConfig, resolved for this target), with the
+    departures the recipe names: full-attention layers, the cosine decay."""
+    config = qwen27b_dflash2.get_config()
+    config.target_dir, config.data.train_files = "/ckpt/target", ("train.jsonl",)
+    validate_config(config)
+    assert (dict(config.loss.terms), config.loss.position_weights, config.loss.gamma) == ({"kl": 1.0}, "decay", 4.0)
+    assert (config.data.seq_len // config.data.anchor_stride, config.data.seq_len, config.epochs) == (512, 8192, 20)
+    optim = config.optim
+    assert (optim.name, optim.learning_rate, optim.muon_learning_rate, optim.weight_decay) == ("muon", 1e-3, 1e-3, 0.01)
+    assert (optim.muon_weight_decay, optim.b2, optim.clip_grad_norm) == (0.1, 0.999, 1.0)
+    resolved = resolve_drafter_config(config, qwen27b_dflash2.target_config(), tokenizer=None)
+    assert (resolved.method, resolved.block_size, resolved.num_hidden_layers) == ("dflash2", 8, 5)
+    assert (resolved.conv_kernel_size, resolved.conv_group_size, resolved.selector_rank, resolved.selector_top_k) == \
+        (2, 16, 256, 16) and config.drafter.selector_alpha == 1.0
+    assert (resolved.hidden_size, resolved.intermediate_size) == (5120, 17408)
+    assert (resolved.num_attention_heads, resolved.num_key_value_heads, resolved.head_dim) == (20, 4, 256)
+    assert resolved.target_layer_ids == (1, 31, 60) and resolved.rope_theta == 1e7  # speculators' aux [2, 32, 61]
+    drafter = nnx.eval_shape(lambda: Drafter(resolved, rngs=nnx.Rngs(0)))
+    assert drafter.candidate_selector.successor_codebook.shape == (248320, 256)
+    assert drafter.layers[4].mlp_conv.kernel_projection.kernel.shape == (5120, 2 * 2 * 320)
 
 
 def test_qwen3_8b_target_and_drafter_are_the_published_ones():

@@ -53,8 +53,8 @@ def test_selector_loss_through_the_fused_pass_matches_a_dense_reference(distribu
     def fused(params, hidden):
         selector = nnx.merge(graphdef, params)
         if distribution:  # the KL path of the step, against the drafter's own distribution (KL 0: CE alone)
-            kl, _, correct, *candidates = lm_head_divergences(hidden, hidden, kernel, labels, (("ce", 1.0), ("kl", 1.0)),
-                                                              4, top_k=TOP_K)
+            terms = (("ce", 1.0), ("kl", 1.0))
+            kl, _, correct, *candidates = lm_head_divergences(hidden, hidden, kernel, labels, terms, 4, top_k=TOP_K)
             unary = kl
         else:
             unary, correct, *candidates = lm_head_cross_entropy(hidden, kernel, labels, 4, top_k=TOP_K)
