@@ -12,7 +12,10 @@ and exported with convert/export_drafter.py:
   mixed    sliding + full: exported untrained (no training run), since vLLM 0.32 on CPU refuses it
            (see check_vllm.py)
   dspark   the full drafter's config as an untrained DSpark drafter, for check_vllm_dspark.py
-Writes OUT/artifacts.json for check_vllm.py: target, drafters {name: {dir, trained}}, dspark, block_size, prompts.
+and a mixture-of-experts group: a tiny random Qwen3-MoE target (8 experts, 2 per token, renormalised), trained
+on its own greedy continuations like the random Qwen3 above, with one full-attention drafter.
+Writes OUT/artifacts.json for check_vllm.py: target, drafters {name: {dir, trained}}, dspark, block_size, prompts,
+and "moe" with the MoE group's target, drafters, block_size, prompts and max_tokens.
 """
 
 from __future__ import annotations
@@ -39,20 +42,40 @@ DRAFTERS = {"full": ("full_attention", "full_attention"), "sliding": ("sliding_a
             "mixed": ("sliding_attention", "full_attention")}
 
 
-def random_target_and_data(out: Path) -> tuple[Path, Path, list[list[int]]]:
-    """A random Qwen3 (head_dim 32: vLLM's CPU attention takes 32/64/80/...) + tokenizer, its greedy
-    continuations of 300 word prompts as training records, and 6 held-out prompts (token ids)."""
+# The random targets' shape (head_dim 32: vLLM's CPU attention takes 32/64/80/...).
+TARGET_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+def save_random_target(target: Path, family: str, vocab_size: int) -> None:
+    """A random fp32 Qwen3 ("qwen3") or Qwen3-MoE ("qwen3_moe": 8 experts of width 64, 2 per token,
+    renormalised) of TARGET_SHAPE, saved by transformers."""
+    import torch
+    import transformers
+
+    from tests.hf_fixtures import qwen3_config, randomize_parameters, save_qwen3
+
+    if family == "qwen3":
+        save_qwen3(target, qwen3_config(vocab_size=vocab_size, **TARGET_SHAPE), seed=0)
+        return
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=vocab_size, moe_intermediate_size=64, num_experts=8,
+                                         num_experts_per_tok=2, norm_topk_prob=True,
+                                         **TARGET_SHAPE)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+    randomize_parameters(model, seed=0).save_pretrained(target)
+
+
+def random_target_and_data(target: Path, family: str) -> tuple[Path, Path, list[list[int]]]:
+    """A random target of `family` (save_random_target) + tokenizer in `target`, its greedy continuations of 300
+    word prompts as training records (target/../<family>_train.jsonl), and 6 held-out prompts (token ids)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.hf_fixtures import qwen3_config, save_qwen3
     from tests.tokenizer_fixture import _WORDS, make_chat_tokenizer
 
-    target = out / "target"
     tokenizer = make_chat_tokenizer()
-    save_qwen3(target, qwen3_config(vocab_size=len(tokenizer) + 8, hidden_size=128, intermediate_size=256,
-                                    num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                    max_position_embeddings=1024, tie_word_embeddings=True), seed=0)
+    save_random_target(target, family, vocab_size=len(tokenizer) + 8)
     tokenizer.save_pretrained(target)
     tokenizer, model = AutoTokenizer.from_pretrained(target), AutoModelForCausalLM.from_pretrained(target).eval()
     rng = random.Random(0)
@@ -65,7 +88,7 @@ def random_target_and_data(out: Path) -> tuple[Path, Path, list[list[int]]]:
     with torch.no_grad():
         generated = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                                    pad_token_id=0)[:, width:].tolist()
-    train_file = out / "train.jsonl"
+    train_file = target.parent / f"{family}_train.jsonl"
     with open(train_file, "w") as f:
         for prompt, continuation in zip(prompts[NUM_PROMPTS:], generated):
             completion = tokenizer.decode([i for i in continuation if i < len(tokenizer)])
@@ -135,6 +158,15 @@ def export_untrained_dspark(full_run: Path, out: Path) -> Path:
     return export_drafter(Drafter(config, rngs=nnx.Rngs(0)), config, out / "drafter_dspark", overwrite=True)
 
 
+def moe_group(out: Path, steps: int) -> dict:
+    """The mixture-of-experts group: its random target and data, and one full-attention drafter trained on them."""
+    target, train_file, prompts = random_target_and_data(out / "target_moe", "qwen3_moe")
+    overrides = tiny_overrides("full", target, train_file, steps, seq_len=128)
+    drafter = train_and_export("moe", REPO / "configs/tiny.py", overrides, out)
+    return {"target": str(target), "drafters": {"moe": {"dir": str(drafter), "trained": True}},
+            "block_size": BLOCK_SIZE, "prompts": prompts, "max_tokens": NEW_TOKENS}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -147,7 +179,7 @@ def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     toy = (TOY_TARGET / "config.json").is_file() and (TOY_DATA / "train.jsonl").is_file()
-    target, train_file, prompts = toy_target_and_data() if toy else random_target_and_data(out)
+    target, train_file, prompts = toy_target_and_data() if toy else random_target_and_data(out / "target", "qwen3")
     seq_len = 512 if toy else 128  # a toy record (prompt <= 192 + completion <= 128) fits one row
     runs = {name: (REPO / "configs/tiny.py", tiny_overrides(name, target, train_file, args.steps, seq_len))
             for name in ("full", "sliding")}
@@ -163,8 +195,8 @@ def main() -> None:
         drafters["full"] = {"dir": str(export(full_run, out / "drafter_full")), "trained": True}
     drafters["mixed"] = {"dir": str(export_untrained_mixed(full_run, out)), "trained": False}
     artifacts = {"target": str(target), "drafters": drafters, "dspark": str(export_untrained_dspark(full_run, out)),
-                 "block_size": BLOCK_SIZE, "prompts": prompts,
-                 "max_tokens": NEW_TOKENS}
+                 "block_size": BLOCK_SIZE, "prompts": prompts, "max_tokens": NEW_TOKENS,
+                 "moe": moe_group(out, args.steps)}
     (out / "artifacts.json").write_text(json.dumps(artifacts, indent=2) + "\n")
     print(f"wrote {out / 'artifacts.json'} (target {target}, drafters {sorted(drafters)})")
 
