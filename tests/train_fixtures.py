@@ -28,10 +28,10 @@ from dflash_jax.runtime.workdir import append_config_history
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.train import validate
 from dflash_jax.train.checkpoint import Checkpointer
+from dflash_jax.train.startup import load_config_target
 from dflash_jax.train.state import StateSpec, TrainState, init_train_state, state_spec
 from dflash_jax.train.step import StepFunctions, make_step
 from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE, drafter_from_torch_layout
-from dflash_jax.weights.targets import load_target
 
 from tests.drafter_fixtures import CONFIGS, make_config, random_weights
 from tests.hf_fixtures import qwen3_config, randomize_parameters, save_qwen3
@@ -153,8 +153,7 @@ def build(config: ConfigDict, mesh: Mesh) -> Setup:
     """Target, tokenizer, drafter config, initial state, step functions and loader, as `train` builds them."""
     validate.validate_config(config)
     attention_impl = resolve_attention_impl(config.attention_impl)
-    target, target_config = load_target(config.target_dir, param_dtype=validate.dtype_of(config.target_dtype),
-                                        mesh=mesh, attention_impl=attention_impl, target_layout=config.target_layout)
+    target, target_config = load_config_target(config, mesh, config.target_layout, attention_impl)
     tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
     spec = state_spec(drafter_config, config, attention_impl, mesh)

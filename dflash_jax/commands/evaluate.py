@@ -42,10 +42,11 @@ from dflash_jax.runtime.paths import as_path
 from dflash_jax.sharding import replicated
 from dflash_jax.runtime import distributed
 from dflash_jax.train.loop import use_compilation_cache
+from dflash_jax.train.startup import load_config_target
 from dflash_jax.train.validate import dtype_of, mesh_from_config
 from dflash_jax.weights.drafter_files import load_drafter
 from dflash_jax.weights.hub import pretrained_dir
-from dflash_jax.weights.targets import load_target, read_target_config
+from dflash_jax.weights.targets import read_target_config
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _CONFIG = cli.define_config_flag(FLAGS)
@@ -135,8 +136,7 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
     mesh = mesh_from_config(config, jax.local_devices())
     # config.attention_impl picks the backend of the target's full forward (exact τ); the decode-cached
     # generator and the drafters here run in XLA.
-    target, _ = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh,
-                            attention_impl=config.attention_impl)
+    target, _ = load_config_target(config, mesh, "fsdp", config.attention_impl)
     compute = dtype_of(config.compute_dtype)
     drafter = placed(drafter, drafter_config, compute, replicated(mesh))
     stops = stop_token_ids(config.target_dir, tokenizer)

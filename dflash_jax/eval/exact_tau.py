@@ -59,7 +59,7 @@ class DraftScorer:
     where more rows per device score fewer texts a second (bench/RESULTS.md, "Evaluation throughput").
 
     query_chunk_blocks: this forward runs the drafter's XLA attention with this many blocks per query chunk
-    (stride 1 means one block per position, so the training value would unroll into very many chunks);
+    (stride 1 puts a block at every position: a text of L tokens is L blocks, scanned 64 at a time);
     None keeps the drafter as it is. top_k: log-probs kept per slot (the largest DDTree budget is enough).
     """
 

@@ -35,7 +35,6 @@ from dflash_jax.models.dflash import TargetContext, target_context
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.ops.anchors import (AnchorGrid, DrafterInputs, anchor_utilisation, anchor_validity, slot_mask,
                                     slot_tokens)
-from dflash_jax.ops.gated_delta import delta_rule_matmuls
 from dflash_jax.sharding import BATCH_AXES, TARGET_LAYOUTS, batch_sharding, layout_rules, replicated
 from dflash_jax.train.confidence import confidence_loss
 from dflash_jax.train.loss import (dflash_loss, dpace_weights, lm_head_cross_entropy, position_weights,
@@ -84,10 +83,8 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
         return slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block, from_anchor=dspark)
 
     def teacher(target_state: nnx.State, batch: dict[str, jax.Array]) -> TargetContext:
-        # Traced under the rules of the target's layout, which decide its embedding lookup (models/layers.py),
-        # and the dtype of its Gated DeltaNet chunk products (design §8.3).
-        with nnx.logical_axis_rules(layout_rules(config.target_layout)), \
-                delta_rule_matmuls(config.target_matmul_dtype):
+        # Traced under the rules of the target's layout, which decide its embedding lookup (models/layers.py).
+        with nnx.logical_axis_rules(layout_rules(config.target_layout)):
             return target_context(nnx.merge(target_graphdef, target_state), batch["input_ids"], batch["positions"],
                                   batch["segment_ids"], grid, drafter_config, labels=config.loss.labels,
                                   vocab_chunk=config.loss.vocab_chunk, with_distribution=distribution)
