@@ -120,8 +120,8 @@ def expert_placement(target_config, layout: str, sizes: dict[str, int]) -> str:
     with nnx.logical_axis_rules(layout_rules(layout)):
         spec = logical_spec((moe.num_experts, target_config.hidden_size, moe.expert_intermediate_size), EXPERT_IN,
                             mesh_shape)
-    expert_axes, hidden_axes = (() if entry is None else (entry,) if isinstance(entry, str) else entry
-                                for entry in spec[:2])
+    expert_axes, hidden_axes = (tuple(axis for axis in ((entry,) if isinstance(entry, str) else entry or ())
+                                      if mesh_shape[axis] > 1) for entry in spec[:2])  # axes that split
     if expert_axes:
         shards = math.prod(mesh_shape[axis] for axis in expert_axes)
         text = (f"{moe.num_experts} over {'x'.join(f'{axis}={mesh_shape[axis]}' for axis in expert_axes)} "
