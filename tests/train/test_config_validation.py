@@ -74,8 +74,6 @@ def config(**overrides):
     ({"optim.name": "muon", "optim.muon_ns_dtype": "float16"}, "config.optim.muon_ns_dtype must be 'float32' or"),
     ({"drafter.method": "eagle3"}, "config.drafter.method must be one of ('dflash', 'dspark', 'dflash2'), got 'eagle3'"),
     ({"drafter.method": "dflash2"}, "config.drafter.method='dflash2' is not implemented yet; use 'dflash'"),
-    ({"drafter.method": "dspark", "eval_every": 100},
-     "config.eval_every=100: exact τ is not implemented yet for config.drafter.method='dspark'"),
     ({"drafter.markov_rank": 0}, "config.drafter.markov_rank must be >= 1, got 0"),
     ({"loss.terms": "kld"}, "config.loss.terms must be a JSON object such as '{\"ce\": 0.1, \"tv\": 0.9}', got 'kld'"),
     ({"loss.terms": '{"kl": 1, "nla": 1}'}, "config.loss.terms has unknown terms ['nla']"),
