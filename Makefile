@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+SPEC_VENV := .venv-speculators
+SPEC_PY := $(SPEC_VENV)/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 .PHONY: venv test test-slow test-tpu-plan demo clean
@@ -25,7 +27,8 @@ test: $(VENV)/.installed
 
 # Two workers, each taking whole files (a file's fixtures, the demo's run among them, are built once). The demo's
 # run is kept in out/demo_test for `make test-vllm TOY_RUN=out/demo_test/run` (.ci/run), which serves its drafter.
-test-slow: $(VENV)/.installed
+# The parity test against vLLM speculators (tests/train/test_speculators_parity.py) runs its side in SPEC_VENV.
+test-slow: $(VENV)/.installed $(SPEC_VENV)/.installed
 	DFLASH_JAX_DEMO_OUT=out/demo_test $(PY) -m pytest -q -n 2 --dist loadfile -m slow --durations=15 tests
 
 # Deviceless TPU compiles of 27B-shaped train steps (tests marked tpu_plan; a few minutes): libtpu, pinned by
@@ -78,10 +81,9 @@ test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(PY) tests/serving/compare_with_project.py out/vllm
 	$(PY) tests/serving/check_regenerate_server.py --vllm-python $(VLLM_PY) out/vllm
 
-# vLLM speculators' trainer beside this one (bench/): its own venv, since it pins its own torch and
-# transformers. torchvision/torchaudio come with it but fail to import against the CPU torch; it runs without them.
-SPEC_VENV := .venv-speculators
-SPEC_PY := $(SPEC_VENV)/bin/python
+# vLLM speculators' trainer beside this one (bench/, and make test-slow's parity test): its own venv
+# (SPEC_VENV, above), since it pins its own torch and transformers. torchvision/torchaudio come with it but fail
+# to import against the CPU torch; it runs without them.
 
 .PHONY: venv-speculators learning-parity bench-peer
 
