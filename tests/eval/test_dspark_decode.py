@@ -10,12 +10,10 @@ import pytest
 from flax import nnx
 
 from dflash_jax.eval.ddtree_decode import DDTreeGenerator
-from dflash_jax.eval.exact_tau import DraftScorer, Example, evaluate_drafter, score_responses, summarize
+from dflash_jax.eval.exact_tau import DraftScorer, evaluate_drafter, score_responses, summarize
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
 from dflash_jax.models.drafter import Drafter
-from dflash_jax.weights.targets import load_target
-from tests.eval_fixtures import BLOCK, VOCAB, drafter_config, train_briefly
-from tests.hf_fixtures import qwen3_config, save_qwen3
+from tests.eval_fixtures import BLOCK, VOCAB, drafter_config, target_and_greedy_examples, train_briefly
 
 NEW_TOKENS = 28
 
@@ -40,12 +38,7 @@ def test_markov_chain_matches_a_loop():
 
 
 def test_exact_tau_equals_the_dspark_generators_tau(tmp_path):
-    save_qwen3(tmp_path, qwen3_config(vocab_size=VOCAB), seed=5)
-    target = load_target(tmp_path, param_dtype=jnp.float32)[0]
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in rng.integers(3, 13, 8)]
-    plain = SpeculativeGenerator(target, None, prefill_len=16, capacity=64)
-    examples = [Example(p, plain.generate(p, NEW_TOKENS).tokens) for p in prompts]
+    target, plain, prompts, examples = target_and_greedy_examples(tmp_path, NEW_TOKENS)
     drafter = Drafter(drafter_config("dspark"), rngs=nnx.Rngs(0))
     # A Markov bias on the logits' scale from the start (its N(0, 0.01²) W1 would barely move the drafts).
     drafter.markov_head.w1.set_value(drafter.markov_head.w1[...] * 100)

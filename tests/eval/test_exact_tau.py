@@ -17,7 +17,7 @@ from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.sharding import make_mesh, replicated
 from dflash_jax.weights.targets import load_target
-from tests.eval_fixtures import BLOCK, VOCAB, drafter_config, train_briefly
+from tests.eval_fixtures import BLOCK, VOCAB, drafter_config, target_and_greedy_examples, train_briefly
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
 NEW_TOKENS = 28
@@ -89,12 +89,7 @@ def test_examples_need_a_prompt_and_a_continuation():
 def test_exact_tau_equals_the_generators_tau(tmp_path):
     """One test (one training run, whichever xdist worker gets it): a briefly trained drafter whose drafts
     are partly accepted, the KV-cached generators, and the exact-τ forward over the same greedy texts."""
-    save_qwen3(tmp_path, qwen3_config(vocab_size=VOCAB), seed=5)
-    target = load_target(tmp_path, param_dtype=jnp.float32)[0]
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in rng.integers(3, 13, 8)]
-    plain = SpeculativeGenerator(target, None, prefill_len=16, capacity=64)
-    examples = [Example(p, plain.generate(p, NEW_TOKENS).tokens) for p in prompts]
+    target, plain, prompts, examples = target_and_greedy_examples(tmp_path, NEW_TOKENS)
     drafter = train_briefly(target, Drafter(drafter_config(), rngs=nnx.Rngs(0)), examples, 30, NEW_TOKENS)
     speculative = SpeculativeGenerator(target, drafter, prefill_len=16, capacity=64)
     scorer = DraftScorer(target, drafter, top_k=8)
