@@ -33,6 +33,7 @@ from dflash_jax.commands import cli
 from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.eval import benchmarks as bench
 from dflash_jax.eval.examples import read_examples, stop_token_ids, with_greedy_continuations
+from dflash_jax.eval.ddtree import ddtree_defined
 from dflash_jax.eval.ddtree_decode import DDTreeGenerator
 from dflash_jax.eval.exact_tau import DEFAULT_BUDGETS, evaluate_drafter, process_share
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark, generator_shapes
@@ -124,9 +125,6 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
                                  generated=max_new_tokens if continuation == "generate" or speed else 0)
     # The drafter is small: it loads, and is checked against the target's config, before the target does.
     drafter, drafter_config, source = load_drafter(workdir, drafter_dir, step)
-    if drafter_config.method != "dflash":  # exact τ and decoding do not apply the Markov bias yet (design §18)
-        raise ConfigError(f"the drafter ({source}) is a {drafter_config.method!r} drafter: evaluation is "
-                          f"implemented for 'dflash' only")
     expected = (target_config.num_hidden_layers, target_config.vocab_size, target_config.hidden_size)
     if (drafter_config.num_target_layers, drafter_config.vocab_size, drafter_config.hidden_size) != expected:
         raise ConfigError(f"the drafter ({source}) was made for a target with (layers, vocab, hidden) = "
@@ -178,13 +176,14 @@ def _shapes(examples, max_new_tokens: int, drafter_config: DrafterConfig, budget
     """Generator shapes that fit every prompt, with room for a verification pass of the block or of the
     largest DDTree, whichever is wider: one compile per decoder."""
     return generator_shapes([len(e.prompt_ids) for e in examples], max_new_tokens,
-                            max(drafter_config.block_size, 1 + max(budgets)))
+                            1 + max(drafter_config.draft_length, *budgets))
 
 
 def _drafting_decoders(target, drafter: Drafter, shapes: dict[str, int], budgets):
-    """The speculative and the DDTree (largest budget) generators that --speed times beside plain greedy."""
-    return (SpeculativeGenerator(target, drafter, **shapes),
-            DDTreeGenerator(target, drafter, budget=max(budgets), **shapes))
+    """The speculative and the DDTree (largest budget; None where DDTree is not defined, design §18.2)
+    generators that --speed times beside plain greedy."""
+    tree = DDTreeGenerator(target, drafter, budget=max(budgets), **shapes) if ddtree_defined(drafter.config) else None
+    return SpeculativeGenerator(target, drafter, **shapes), tree
 
 
 def _benchmark_scores(suites, target, drafter: Drafter, tokenizer, template_kwargs: dict, longest_prompt: int,

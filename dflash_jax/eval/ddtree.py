@@ -38,6 +38,13 @@ class DraftTree:
         return paths
 
 
+def ddtree_defined(config) -> bool:
+    """Whether a drafter of this DrafterConfig has a DDTree: its tree takes each depth's top-k from one forward's
+    distribution for that depth, the same whatever token the path took above it. DSpark's distribution at depth
+    k depends on the token drafted at depth k-1 (its Markov bias), so it has none (design §18.2)."""
+    return config.method != "dspark"
+
+
 def build_tree(log_probs: np.ndarray, tokens: np.ndarray, budget: int) -> DraftTree:
     """log_probs, tokens: [D, K], each depth's top-K tokens, best first. Returns min(budget, all) nodes."""
     log_probs, tokens = np.asarray(log_probs, np.float64), np.asarray(tokens)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.eval.ddtree import build_tree, verification_tree
+from dflash_jax.eval.ddtree import build_tree, ddtree_defined, verification_tree
 from dflash_jax.eval.exact_tau import top_k_log_probs
 from dflash_jax.eval.generate import SpeculativeGenerator
 from dflash_jax.models.drafter import Drafter
@@ -35,6 +35,8 @@ class DDTreeGenerator(SpeculativeGenerator):
     def __init__(self, target, drafter: Drafter, *, budget: int, prefill_len: int, capacity: int):
         if budget < 1:
             raise ValueError(f"the DDTree node budget must be >= 1, got {budget}")
+        if not ddtree_defined(drafter.config):
+            raise ValueError(f"DDTree is not defined for a {drafter.config.method!r} drafter (design §18.2)")
         self.budget = budget
         self.top_k = min(budget, drafter.config.vocab_size)
         super().__init__(target, drafter, prefill_len=prefill_len, capacity=capacity)
@@ -63,7 +65,7 @@ class DDTreeGenerator(SpeculativeGenerator):
 
         path = jnp.zeros((self.verify_width,), jnp.int32)  # path[d]: the node at depth d; the root first
         node, accepted = jnp.int32(0), jnp.int32(0)
-        for depth in range(1, self.block_size):
+        for depth in range(1, self.draft_length + 1):
             child = (parents == node) & (tree_tokens == posterior[node])  # at most one: siblings differ
             found = jnp.any(child) & (depth <= limit) & (accepted == depth - 1)
             node = jnp.where(found, jnp.argmax(child).astype(jnp.int32), node)

@@ -29,7 +29,8 @@ def format_result(title: str, result: dict) -> str:
         f"{row(result['accepted_histogram'])}",
         f"  per-slot acceptance k=1..: {row(result['slot_acceptance'])}",
         f"  given slots 1..k-1 right:  {row(result['slot_acceptance_conditional'])}",
-        "  DDTree τ (pooled): " + ", ".join(f"budget {b}: {t:.3f}" for b, t in result["ddtree_tau"].items()),
+        ("  DDTree τ (pooled): " + ", ".join(f"budget {b}: {t:.3f}" for b, t in result["ddtree_tau"].items())
+         if result["ddtree_tau"] else "  DDTree τ: not defined for this drafter (design §18.2)"),
     ]
     if result["greedy_agreement"] < 1:
         lines.append(f"  warning: only {result['greedy_agreement']:.1%} of the continuation tokens are the "
@@ -56,16 +57,19 @@ def format_benchmark_table(scores: dict[str, dict]) -> str:
     first = next(iter(scores.values()))
     budgets = list(first["ddtree_tau"])
     header = ["benchmark", "prompts", "responses", "τ", "τ per response", *(f"DDTree τ ({b})" for b in budgets)]
+    timed_tree = "speed" in first and "ddtree" in first["speed"]  # DSpark has no DDTree (design §18.2)
     if "speed" in first:
-        tree_budget = first["speed"]["ddtree"]["budget"]
-        header += ["plain tok/s", "speculative tok/s", "speed-up", f"DDTree ({tree_budget}) tok/s", "DDTree speed-up"]
+        header += ["plain tok/s", "speculative tok/s", "speed-up"]
+    if timed_tree:
+        header += [f"DDTree ({first['speed']['ddtree']['budget']}) tok/s", "DDTree speed-up"]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for name, score in scores.items():
         cells = [name, str(score["prompts"]), str(score["responses"]), f"{score['tau']:.2f}",
                  f"{score['tau_per_response']:.2f}", *(f"{score['ddtree_tau'][b]:.2f}" for b in budgets)]
         if "speed" in score:
             speed, rates = score["speed"], score["speed"]["tokens_per_second"]
-            cells += [f"{rates['plain']:.1f}", f"{rates['speculative']:.1f}", f"{speed['speedup']:.2f}×",
-                      f"{rates['ddtree']:.1f}", f"{speed['ddtree']['speedup']:.2f}×"]
+            cells += [f"{rates['plain']:.1f}", f"{rates['speculative']:.1f}", f"{speed['speedup']:.2f}×"]
+        if timed_tree:
+            cells += [f"{rates['ddtree']:.1f}", f"{speed['ddtree']['speedup']:.2f}×"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

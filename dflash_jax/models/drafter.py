@@ -145,6 +145,12 @@ class DrafterConfig:
                                                              self.num_key_value_heads, self.head_dim,
                                                              self.intermediate_size)
 
+    @property
+    def draft_length(self) -> int:
+        """Tokens one block drafts: B for "dspark", whose every slot predicts the token after it (the anchor's
+        slot included), B - 1 otherwise (slot 0 holds the bonus token; design §18)."""
+        return self.block_size if self.method == "dspark" else self.block_size - 1
+
     def window(self, layer_index: int) -> int | None:
         """The attention window of a layer: W for sliding_attention, None (full attention) otherwise."""
         return self.sliding_window if self.layer_types[layer_index] == "sliding_attention" else None

@@ -22,7 +22,7 @@ from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.sharding import state_shardings
 from dflash_jax.train.optimizer import make_optimizer
 from dflash_jax.train.validate import dtype_of
-from dflash_jax.weights.drafter_files import read_drafter_weights
+from dflash_jax.weights.drafter_files import read_warm_start
 
 
 class TrainState(NamedTuple):
@@ -62,7 +62,7 @@ def init_train_state(drafter_config: DrafterConfig, config: ConfigDict, attentio
     """The step-0 state, created directly on its shardings (no host copy of the full drafter)."""
     state = jax.jit(lambda: _init(drafter_config, config, attention_impl), out_shardings=spec.shardings)()
     if config.drafter.init_from:
-        state = state._replace(params=_load_params(config.drafter.init_from, drafter_config, spec))
+        state = state._replace(params=_load_params(config.drafter.init_from, drafter_config, spec, state.params))
         state = state._replace(opt_state=jax.jit(make_optimizer(config).init,
                                                  out_shardings=spec.shardings.opt_state)(state.params))
     return state
@@ -76,11 +76,14 @@ def _init(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str
     return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(config).init(params), rng)
 
 
-def _load_params(directory: str, drafter_config: DrafterConfig, spec: StateSpec) -> nnx.State:
+def _load_params(directory: str, drafter_config: DrafterConfig, spec: StateSpec, initial: nnx.State) -> nnx.State:
     """Drafter weights from a directory in the export layout (design §10) or a Hub repo id, placed on the param
-    shardings."""
+    shardings; the parts its drafter's method lacks (DSpark's heads, starting from a DFlash drafter, design §18)
+    keep their values in `initial`, the run's own initialisation."""
     try:
-        drafter = read_drafter_weights(directory, drafter_config, param_dtype=jnp.float32)
+        drafter = read_warm_start(directory, drafter_config, param_dtype=jnp.float32)
     except (CheckpointError, OSError) as error:
         raise ConfigError(f"config.drafter.init_from={directory!r}: {error}") from None
-    return jax.device_put(nnx.state(drafter, nnx.Param), spec.shardings.params)
+    loaded = jax.tree.map(lambda value, init: init if isinstance(value, jax.ShapeDtypeStruct) else value,
+                          nnx.state(drafter, nnx.Param), initial)
+    return jax.device_put(loaded, spec.shardings.params)

@@ -250,15 +250,37 @@ def load_drafter_dir(directory: str | Path, *, param_dtype=jnp.float32, **drafte
 
 
 def read_drafter_weights(directory: str | Path, config: DrafterConfig, *, param_dtype=jnp.float32,
-                         **drafter_kwargs) -> Drafter:
+                         absent: Iterable[str] = (), **drafter_kwargs) -> Drafter:
     """The tensors of a z-lab directory's safetensors (or a Hub repo id's) as a `Drafter` of `config` (whatever
-    its config.json says); CheckpointError naming the directory when they do not fit."""
+    its config.json says); CheckpointError naming the directory when they do not fit. `absent`: tensor names
+    the directory may lack (`read_warm_start`), whose parameters are left abstract."""
     reader = CheckpointReader(local_dir(directory, "drafter"))
     tensors = {name: reader.read(name) for name in reader.names()}
     try:
-        return drafter_from_torch_layout(tensors, config, param_dtype=param_dtype, **drafter_kwargs)
+        return drafter_from_torch_layout(tensors, config, param_dtype=param_dtype, absent=absent, **drafter_kwargs)
     except ValueError as error:
         raise CheckpointError(f"{directory}: {error}") from None
+
+
+def read_warm_start(directory: str | Path, config: DrafterConfig, *, param_dtype=jnp.float32) -> Drafter:
+    """The weights an export directory gives a run of `config` that starts from it (`drafter.init_from`): every
+    tensor for a drafter of the same method; for a drafter of a method with fewer parts (a DFlash one starting a
+    DSpark run, design §18) the backbone, the parts it lacks left abstract for the run's own initialisation.
+    A directory whose drafter has parts `config` lacks is refused (they would be dropped), as are missing or
+    unexpected backbone tensors and shape mismatches (CheckpointError naming the directory)."""
+    directory = Path(local_dir(directory, "drafter"))
+    source = drafter_config_from_file(read_config(directory), directory / CONFIG_FILE)
+    ours, theirs = tensor_names(config), tensor_names(source)
+    if theirs - ours:
+        raise CheckpointError(f"{directory}: a {source.method!r} drafter cannot start a {config.method!r} run: its "
+                              f"{', '.join(sorted(theirs - ours))} would be dropped")
+    return read_drafter_weights(directory, config, param_dtype=param_dtype, absent=ours - theirs)
+
+
+def tensor_names(config: DrafterConfig) -> set[str]:
+    """The export names of every tensor a drafter of `config` has."""
+    abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0)))
+    return {_torch_name(path)[0] for path, _ in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
 
 
 def _torch_name(path: tuple) -> tuple[str, bool]:
@@ -284,20 +306,23 @@ def drafter_to_torch_layout(drafter: Drafter) -> dict[str, np.ndarray]:
 
 
 def drafter_from_torch_layout(tensors: Mapping[str, np.ndarray], config: DrafterConfig, *,
-                              param_dtype=jnp.float32, **drafter_kwargs) -> Drafter:
+                              param_dtype=jnp.float32, absent: Iterable[str] = (), **drafter_kwargs) -> Drafter:
     """The inverse of `drafter_to_torch_layout`: a Drafter holding exactly these tensors.
 
     Raises ValueError naming missing or unexpected tensors and shape mismatches. drafter_kwargs go to Drafter.
+    Tensors named in `absent` may be missing: their parameters keep abstract values (jax.ShapeDtypeStruct).
     """
     abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0), param_dtype=param_dtype,
                                               **drafter_kwargs))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     variables = {_torch_name(path): variable for path, variable in nnx.to_flat_state(params)}
     expected = {name for name, _ in variables}
-    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    missing, unexpected = sorted(expected - set(tensors) - set(absent)), sorted(set(tensors) - expected)
     if missing or unexpected:
         raise ValueError(f"drafter tensors do not match the DrafterConfig: missing {missing}, unexpected {unexpected}")
     for (name, is_kernel), variable in variables.items():
+        if name not in tensors:  # one of `absent`
+            continue
         value = np.asarray(tensors[name])
         value = value.T if is_kernel else value
         if value.shape != tuple(variable.shape):

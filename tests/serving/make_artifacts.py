@@ -11,7 +11,8 @@ and exported with convert/export_drafter.py:
   sliding  all sliding-window layers (causal blocks, window W)
   mixed    sliding + full: exported untrained (no training run), since vLLM 0.32 on CPU refuses it
            (see check_vllm.py)
-  dspark   the full drafter's config as an untrained DSpark drafter, for check_vllm_dspark.py
+  dspark   the full drafter's config as an untrained DSpark drafter, for check_vllm_dspark.py, with the
+           project's head outputs on random inputs (OUT/dspark_heads.npz)
 and a mixture-of-experts group: a tiny random Qwen3-MoE target (8 experts, 2 per token, renormalised), trained
 on its own greedy continuations like the random Qwen3 above, with one full-attention drafter.
 Writes OUT/artifacts.json for check_vllm.py: target, drafters {name: {dir, trained}}, dspark, block_size, prompts,
@@ -146,16 +147,37 @@ def export_untrained_mixed(full_run: Path, out: Path) -> Path:
     return export_drafter(Drafter(config, rngs=nnx.Rngs(0)), config, out / "drafter_mixed", overwrite=True)
 
 
-def export_untrained_dspark(full_run: Path, out: Path) -> Path:
-    """The "full" run's drafter config as a DSpark drafter (Markov rank 8), randomly initialised and exported:
-    vLLM on CPU can only parse it (check_vllm_dspark.py)."""
+def export_untrained_dspark(full_run: Path, target: Path, out: Path) -> Path:
+    """The "full" run's drafter config as a DSpark drafter (Markov rank 8), randomly initialised (W1 scaled so that
+    the Markov bias is on the logits' scale) and exported, and OUT/dspark_heads.npz: random final hidden states
+    and previous tokens, the target's LM head, and the project's Markov-corrected logits and confidence logits of
+    them from the exported weights. vLLM on CPU can only parse the drafter, load it and run its heads
+    (check_vllm_dspark.py)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
     from dflash_jax.models.drafter import Drafter, DrafterConfig
-    from dflash_jax.weights.drafter_files import export_drafter
+    from dflash_jax.ops.lm_head import fp32_logits
+    from dflash_jax.weights.drafter_files import export_drafter, load_drafter_dir
+    from dflash_jax.weights.targets import load_target
     full = DrafterConfig(**json.loads((full_run / "drafter_config.json").read_text()))
     config = dataclasses.replace(full, method="dspark", markov_rank=8)
-    return export_drafter(Drafter(config, rngs=nnx.Rngs(0)), config, out / "drafter_dspark", overwrite=True)
+    drafter = Drafter(config, rngs=nnx.Rngs(0))
+    drafter.markov_head.w1.set_value(drafter.markov_head.w1[...] * 100)
+    export_dir = export_drafter(drafter, config, out / "drafter_dspark", overwrite=True)
+    exported, _ = load_drafter_dir(export_dir)  # the bf16 weights on disk, as vLLM reads them
+    lm_head = load_target(target, param_dtype=jnp.float32)[0].lm_head_kernel()
+    keys = jax.random.split(jax.random.key(0))
+    hidden = jax.random.normal(keys[0], (16, config.hidden_size), jnp.float32)
+    previous = jax.random.randint(keys[1], (16,), 0, config.vocab_size)
+    head = exported.markov_head
+    logits = fp32_logits(hidden, lm_head) + head.logit_bias(previous, jnp.float32)
+    confidence = exported.confidence_head(hidden, head.prev_embeddings(previous))
+    np.savez(out / "dspark_heads.npz", hidden=np.asarray(hidden), previous=np.asarray(previous),
+             lm_head=np.asarray(lm_head).T, logits=np.asarray(logits), confidence=np.asarray(confidence))
+    return export_dir
 
 
 def moe_group(out: Path, steps: int) -> dict:
@@ -194,7 +216,8 @@ def main() -> None:
     if "full" not in drafters:
         drafters["full"] = {"dir": str(export(full_run, out / "drafter_full")), "trained": True}
     drafters["mixed"] = {"dir": str(export_untrained_mixed(full_run, out)), "trained": False}
-    artifacts = {"target": str(target), "drafters": drafters, "dspark": str(export_untrained_dspark(full_run, out)),
+    artifacts = {"target": str(target), "drafters": drafters,
+                 "dspark": str(export_untrained_dspark(full_run, target, out)),
                  "block_size": BLOCK_SIZE, "prompts": prompts, "max_tokens": NEW_TOKENS,
                  "moe": moe_group(out, args.steps)}
     (out / "artifacts.json").write_text(json.dumps(artifacts, indent=2) + "\n")
