@@ -3,6 +3,10 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# The drafter method of `make demo` and `make learning-parity` (design §18): dflash, dspark or dflash2.
+METHOD ?= dflash
+SPEC_VENV := .venv-speculators
+SPEC_PY := $(SPEC_VENV)/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 .PHONY: venv test test-slow test-tpu-plan demo clean
@@ -25,8 +29,9 @@ test: $(VENV)/.installed
 
 # Two workers, each taking whole files (a file's fixtures, the demo's run among them, are built once). The demo's
 # run is kept in out/demo_test for `make test-vllm TOY_RUN=out/demo_test/run` (.ci/run), which serves its drafter.
-# The speculators venv (below) runs the reference side of the DFlash2 parity test.
-test-slow: $(VENV)/.installed .venv-speculators/.installed
+# The parity tests against vLLM speculators (tests/train/test_speculators_parity.py, DSpark and DFlash2) run
+# their side in SPEC_VENV.
+test-slow: $(VENV)/.installed $(SPEC_VENV)/.installed
 	DFLASH_JAX_DEMO_OUT=out/demo_test $(PY) -m pytest -q -n 2 --dist loadfile -m slow --durations=15 tests
 
 # Deviceless TPU compiles of 27B-shaped train steps (tests marked tpu_plan; a few minutes): libtpu, pinned by
@@ -49,7 +54,6 @@ clean:
 # About eight and a half minutes on 2 CPU cores, enough for the τ target (README; asserted by `make test-slow`).
 # METHOD=dspark|dflash2 (design §18) trains that member of the drafter family instead, in out/toy_run_METHOD
 # with its export in out/toy_drafter_METHOD (bench/RESULTS.md, "Drafter methods side by side").
-METHOD ?= dflash
 DEMO_SUFFIX := $(if $(filter dflash,$(METHOD)),,_$(METHOD))
 DEMO_RUN := out/toy_run$(DEMO_SUFFIX)
 demo: $(VENV)/.base-installed
@@ -86,10 +90,9 @@ test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(PY) tests/serving/compare_with_project.py out/vllm
 	$(PY) tests/serving/check_regenerate_server.py --vllm-python $(VLLM_PY) out/vllm
 
-# vLLM speculators' trainer beside this one (bench/): its own venv, since it pins its own torch and
-# transformers. torchvision/torchaudio come with it but fail to import against the CPU torch; it runs without them.
-SPEC_VENV := .venv-speculators
-SPEC_PY := $(SPEC_VENV)/bin/python
+# vLLM speculators' trainer beside this one (bench/, and make test-slow's parity test): its own venv
+# (SPEC_VENV, above), since it pins its own torch and transformers. torchvision/torchaudio come with it but fail
+# to import against the CPU torch; it runs without them.
 
 .PHONY: venv-speculators learning-parity bench-peer
 
@@ -104,10 +107,10 @@ $(SPEC_VENV)/.installed: bench/speculators/requirements.txt pyproject.toml
 venv-speculators: $(SPEC_VENV)/.installed
 
 # Both trainers on the demo's rows and recipe, AdamW and Muon: exact τ at 160/320/480 steps (bench/RESULTS.md);
-# POSITION_WEIGHTS=dpace weights block positions by D-PACE on both sides.
+# POSITION_WEIGHTS=dpace weights block positions by D-PACE on both sides; METHOD=dspark trains DSpark drafters.
 POSITION_WEIGHTS ?= decay
 learning-parity: $(VENV)/.installed $(SPEC_VENV)/.installed
-	env -u XLA_FLAGS $(PY) -m bench.learning_parity --position_weights $(POSITION_WEIGHTS)
+	env -u XLA_FLAGS $(PY) -m bench.learning_parity --position_weights $(POSITION_WEIGHTS) --method $(METHOD)
 
 # The project's drafter step and speculators' side by side on shapes A, B and a Qwen3-8B-like drafter, with
 # a per-part breakdown of the project's step (bench/peer_step.py, bench/RESULTS.md). One CPU device.

@@ -6,7 +6,7 @@ path, on what training uses of the target (design §8.3): the feature layers and
 For each random hybrid target ([GDN, GDN, GDN, attention] periods, random init; "tiny" the test's widths,
 "wide" 27B's Gated DeltaNet head widths on a narrow stack) and each weight dtype (float32 isolates the rule's
 error; bfloat16 is what training runs), rows of random tokens packed as two documents each run through the
-target twice, `delta_rule_matmuls("float32")` and `("bfloat16")`. Printed: the features' relative error
+target built twice, `Qwen3_5(delta_rule_dtype="float32")` and `("bfloat16")`. Printed: the features' relative error
 ‖Δ‖/‖f‖ (every layer, and the worst layer), the greedy labels' agreement, and for scale the same two figures
 between the float32 and bfloat16 weights (both with fp32 products). Random weights give near-flat logits,
 where argmax flips most easily: a pessimistic agreement. Runs on CPU (bf16 dots are emulated there, so its
@@ -23,7 +23,6 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5, Qwen3_5Config
-from dflash_jax.ops.gated_delta import delta_rule_matmuls
 
 PERIOD = (LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)
 SHAPES = {
@@ -36,15 +35,20 @@ SHAPES = {
 }
 
 
-def random_targets(shape: str, seed: int = 0) -> dict[str, Qwen3_5]:
-    """One random target with float32 weights, and the same weights in bfloat16 (the decay parameters stay
-    fp32, as the model keeps them)."""
+def random_targets(shape: str, seed: int = 0) -> dict[tuple[str, str], Qwen3_5]:
+    """One random target's weights in float32 and in bfloat16 (the decay parameters stay fp32, as the model
+    keeps them), each built with the delta rule's products in float32 and in bfloat16: {(weights, products)}."""
     fields = SHAPES[shape]
     config = Qwen3_5Config(**fields, layer_types=PERIOD * (fields["num_hidden_layers"] // len(PERIOD)))
-    exact = Qwen3_5(config, param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
-    graphdef, narrow = nnx.split(Qwen3_5(config, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(seed)))
-    cast = jax.tree.map(lambda value, like: value.astype(like.dtype), nnx.state(exact), narrow)
-    return {"float32": exact, "bfloat16": nnx.merge(graphdef, cast)}
+    exact = nnx.state(Qwen3_5(config, param_dtype=jnp.float32, rngs=nnx.Rngs(seed)))
+    targets = {}
+    for weights in ("float32", "bfloat16"):
+        for products in ("float32", "bfloat16"):
+            graphdef, like = nnx.split(nnx.eval_shape(lambda: Qwen3_5(
+                config, param_dtype=jnp.dtype(weights), rngs=nnx.Rngs(seed), delta_rule_dtype=products)))
+            targets[weights, products] = nnx.merge(graphdef, jax.tree.map(lambda v, l: v.astype(l.dtype), exact,
+                                                                          like))
+    return targets
 
 
 def packed_rows(vocab: int, rows: int, length: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -55,15 +59,13 @@ def packed_rows(vocab: int, rows: int, length: int, seed: int = 0) -> tuple[np.n
     return ids, positions, segments
 
 
-def features_and_labels(model: Qwen3_5, ids, positions, segments, matmul_dtype: str):
-    """(features of every layer [B, T, L, H] in fp32, greedy labels [B, T]) with the delta rule's products in
-    matmul_dtype."""
+def features_and_labels(model: Qwen3_5, ids, positions, segments):
+    """(features of every layer [B, T, L, H] in fp32, greedy labels [B, T])."""
     layers = tuple(range(model.config.num_hidden_layers))
 
     @nnx.jit
     def run(model, ids, positions, segments):
-        with delta_rule_matmuls(matmul_dtype):
-            out = model(ids, positions, segments, layers)
+        out = model(ids, positions, segments, layers)
         return out.features.astype(jnp.float32), jnp.argmax(model.logits(out.hidden), axis=-1)
 
     return jax.device_get(run(model, ids, positions, segments))
@@ -87,15 +89,13 @@ def main() -> None:
     for shape in SHAPES if args.shape == "both" else (args.shape,):
         vocab = SHAPES[shape]["vocab_size"]
         batch = packed_rows(vocab, args.rows, args.length)
-        runs = {}
-        for name, model in random_targets(shape).items():
-            runs[name] = {products: features_and_labels(model, *batch, products) for products in ("float32",
-                                                                                                 "bfloat16")}
-            error, worst, agreement = compare(runs[name]["float32"], runs[name]["bfloat16"])
+        runs = {key: features_and_labels(model, *batch) for key, model in random_targets(shape).items()}
+        for name in ("float32", "bfloat16"):
+            error, worst, agreement = compare(runs[name, "float32"], runs[name, "bfloat16"])
             print(f"{shape} target, {name} weights, T={args.length} x {args.rows} rows: bf16 delta-rule products "
                   f"against fp32: feature rel. error {error:.2e} (worst layer {worst:.2e}), greedy labels "
                   f"{agreement:.2%} equal")
-        error, worst, agreement = compare(runs["float32"]["float32"], runs["bfloat16"]["float32"])
+        error, worst, agreement = compare(runs["float32", "float32"], runs["bfloat16", "float32"])
         print(f"{shape} target, for scale: bf16 weights against fp32 weights (fp32 products): feature rel. error "
               f"{error:.2e} (worst layer {worst:.2e}), greedy labels {agreement:.2%} equal")
 

@@ -2,13 +2,14 @@
 
     make learning-parity        # = .venv/bin/python -m bench.learning_parity [--optimizers adamw,muon]
     make learning-parity POSITION_WEIGHTS=dpace    # both trainers with D-PACE
+    make learning-parity METHOD=dspark    # DSpark drafters (design §18), with DSpark's default loss (forward KL)
 
 For each optimizer: train the demo's drafter (configs/toy.py, the optimizer's recipe below) with this project's
-trainer, then speculators' DFlash drafter on exactly the same rows, features, labels, anchors, initial weights
-and recipe (bench/speculators/train_reference.py, in `.venv-speculators`), and measure exact greedy τ of both
-with this project's evaluator on the demo's 64 held-out prompts at a few step counts. Prints a markdown table
-(bench/RESULTS.md, "Learning parity") and writes every figure to OUT/parity.json
-(OUT/parity-dpace.json with `--position_weights dpace`).
+trainer, then speculators' drafter of the same method on exactly the same rows, features, labels, anchors,
+initial weights and recipe (bench/speculators/train_reference.py, in `.venv-speculators`), and measure exact
+greedy τ of both with this project's evaluator on the demo's 64 held-out prompts at a few step counts. Prints a
+markdown table (bench/RESULTS.md, "Learning parity") and writes every figure to OUT/parity.json
+(OUT/parity-dpace.json with `--position_weights dpace`, OUT/parity-dspark.json with `--method dspark`).
 
 Each training of 480 steps takes about four minutes (project) and about as long (speculators) on 2 idle CPU
 cores.
@@ -42,12 +43,16 @@ REFERENCE_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
 MAX_NEW_TOKENS = 128  # as `make demo` evaluates
 
 
-def recipe(optimizer: str, steps: int, position_weights: str):
-    """configs/toy.py with `optimizer` and `position_weights`; AdamW's weight decay stays 0 (speculators would
-    decay norm weights)."""
+def recipe(optimizer: str, steps: int, position_weights: str, method: str = "dflash"):
+    """configs/toy.py with `optimizer`, `position_weights` and the drafter `method`; AdamW's weight decay stays 0
+    (speculators would decay norm weights). DSpark trains on its published default loss, the forward KL to the
+    target's distribution plus the confidence BCE (speculators' `--loss-fn kl_div`)."""
     config = toy.get_config()
     config.optim.name = optimizer
     config.loss.position_weights = position_weights
+    config.drafter.method = method
+    if method == "dspark":
+        config.loss.terms = {"kl": 1.0}
     config.optim.weight_decay = 0.0
     config.total_steps = steps
     config.log_every = 1  # every step's loss, to compare with the reference's
@@ -62,10 +67,12 @@ def train_both(config, out: Path, eval_steps: list[int]) -> None:
     if not (project / "checkpoints" / str(config.total_steps)).exists():
         train(config, project)
     if not (reference / f"step_{config.total_steps}.safetensors").exists():
+        # This checkout's package first on the reference's path: its rows and target are this checkout's.
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
         subprocess.run([str(REFERENCE_PYTHON), str(REPO / "bench" / "speculators" / "train_reference.py"),
                         "--run", str(project), "--out", str(reference),
-                        "--save_steps", ",".join(map(str, eval_steps))],
-                       check=True, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                        "--save_steps", ",".join(map(str, eval_steps))], check=True, env=env)
 
 
 def losses(path: Path) -> dict[int, float]:
@@ -87,6 +94,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=480)
     parser.add_argument("--eval_steps", default="160,320,480")
     parser.add_argument("--position_weights", default="decay", choices=("decay", "dpace"))
+    parser.add_argument("--method", default="dflash", choices=("dflash", "dspark"))
     parser.add_argument("--out", default=str(REPO / "out" / "learning_parity"))
     args = parser.parse_args()
     if not REFERENCE_PYTHON.exists():
@@ -94,13 +102,15 @@ def main() -> None:
     eval_steps = [int(s) for s in args.eval_steps.split(",")]
     out = Path(args.out)
     optimizers = args.optimizers.split(",")
-    # Each weighting's runs and figures under names of their own (the decay's keep their old names).
-    suffix = "" if args.position_weights == "decay" else f"-{args.position_weights}"
+    # Each weighting's and method's runs and figures under names of their own (DFlash with the decay keeps the
+    # old names).
+    suffix = "".join(f"-{value}" for value, default in ((args.method, "dflash"), (args.position_weights, "decay"))
+                     if value != default)
     runs = {optimizer: out / f"{optimizer}{suffix}" for optimizer in optimizers}
     for optimizer in optimizers:
-        train_both(recipe(optimizer, args.steps, args.position_weights), runs[optimizer], eval_steps)
+        train_both(recipe(optimizer, args.steps, args.position_weights, args.method), runs[optimizer], eval_steps)
 
-    config = recipe(optimizers[0], args.steps, args.position_weights)
+    config = recipe(optimizers[0], args.steps, args.position_weights, args.method)
     target, _ = load_target(config.target_dir, attention_impl="xla", param_dtype=jnp.float32)
     tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
     examples = read_examples(config.data.eval_files, tokenizer, config.eval_prompts, max_continuation=MAX_NEW_TOKENS)
@@ -124,6 +134,7 @@ def main() -> None:
         results[optimizer] = figures
     (out / f"parity{suffix}.json").write_text(json.dumps(results, indent=2) + "\n")
 
+    print(f"\n{args.method}, {args.position_weights} position weights")
     print("\n| optimizer | trainer | loss, step 1 | mean loss, last 20 steps | "
           + " | ".join(f"exact τ, step {s}" for s in eval_steps) + " |")
     print("|---|---|---:|---:|" + "---:|" * len(eval_steps))

@@ -1,4 +1,4 @@
-"""Qwen3.6-27B (the target of qwen27b.py) with a DFlash2 drafter (design §18.3): vLLM speculators' published
+"""Qwen3.6-27B (the target of qwen27b.py) with a DFlash2 drafter (design §18.4): vLLM speculators' published
 DFlash2 recipe (its `dflash2` training defaults, as speculators 0.9.0's TrainConfig resolves them).
 
 The drafter: 5 layers, block 8, the convolutions (2 taps, 16 channels per dynamic kernel group) and the selector

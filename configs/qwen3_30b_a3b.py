@@ -48,7 +48,6 @@ def get_config():
     config.data.anchor_stride = 6  # N = 512 anchors per row
     config.data.batch_size = placeholder(int)  # given per device instead (an int field still, for overrides)
     config.data.rows_per_device = 1
-    config.query_chunk_blocks = 64  # as qwen3_8b.py: 8 chunks of 64 blocks
     config.epochs = 6  # total_steps follows from the corpus's size (train/epochs.py)
     config.optim.b2 = 0.999
     return config

@@ -42,10 +42,6 @@ def get_config():
     config.data.anchor_stride = 6  # N = 512 anchors per row
     config.data.batch_size = placeholder(int)  # given per device instead (an int field still, for overrides)
     config.data.rows_per_device = 4
-    # The drafter's XLA attention (GPU; TPU runs splash) in 8 chunks of 64 blocks (1024 queries, about 0.5 GiB of
-    # fp32 scores each): each chunk is its own code (a 27B-shaped step with 4 target layers compiled in 175 s with
-    # 32 chunks of 16, 28 s with one chunk).
-    config.query_chunk_blocks = 64
     config.epochs = 6  # total_steps follows from the corpus's size (train/epochs.py)
     config.optim.b2 = 0.999
     return config

@@ -38,7 +38,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # small, kept whole.
     ("markov_rank", None),
     ("confidence_in", None),
-    # DFlash2's convolutions and selector (models/dflash2.py, design §18.3): the two sides, the taps, the
+    # DFlash2's convolutions and selector (models/dflash2.py, design §18.4): the two sides, the taps, the
     # projection to their dynamic kernels and the selector's rank are small, kept whole.
     ("conv_side", None),
     ("conv_taps", None),
@@ -47,9 +47,10 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("linear_heads", "tensor"),
     ("linear_key", "tensor"),
     ("linear_value", "tensor"),
-    # Stacked MoE experts [E, ...] (models/moe.py, design §8.5): not split over the mesh yet (no expert
-    # parallelism); each expert's own axes follow embed / mlp as a dense MLP's do.
-    ("expert", None),
+    # Stacked MoE experts [E, H, I] (models/moe.py): split over tensor, whose devices hold the same rows, so each
+    # runs its own experts' share of them and one all-reduce adds the shares (design §13). Each expert's hidden
+    # axis follows embed (fsdp in the fsdp layout); its mlp axis stays whole (tensor is taken by the experts).
+    ("expert", "tensor"),
     # Activations (MaxText's activation_* names).
     ("activation_batch", BATCH_AXES),
     ("activation_length", None),
@@ -144,9 +145,17 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, dcn_
 
 def state_shardings(state: nnx.State, mesh: Mesh, target_layout: str = "fsdp") -> nnx.State:
     """NamedShardings for every variable of an NNX state, from its logical axis names and the rule table (the
-    target's weights: with the rules of its layout, `layout_rules`)."""
+    target's weights: with the rules of its layout, `layout_rules`), dimension by dimension as `logical_spec`
+    places them (a mesh axis used once, only where it divides)."""
+    def sharding(variable):
+        axes = variable.get_metadata().get("out_sharding")
+        spec = logical_spec(variable.shape, tuple(axes), dict(mesh.shape)) if axes else PartitionSpec()
+        return variable.replace(NamedSharding(mesh, spec))
+
     with nnx.logical_axis_rules(layout_rules(target_layout)):
-        return nnx.get_named_sharding(state, mesh)
+        return jax.tree.map(lambda leaf: sharding(leaf) if isinstance(leaf, nnx.Variable)
+                            else NamedSharding(mesh, PartitionSpec()), state,
+                            is_leaf=lambda leaf: isinstance(leaf, nnx.Variable))
 
 
 def active_rules() -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:

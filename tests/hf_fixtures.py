@@ -27,6 +27,27 @@ def randomize_parameters(model: torch.nn.Module, *, seed: int = 0, scale: float 
     return model
 
 
+def relative_error(actual, expected) -> float:
+    """max |actual - expected| / max |expected|, in float64."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+def hf_forward(model: torch.nn.Module, input_ids) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """Logits, `hidden_states` and each decoder layer's own output (HF's last hidden state is final-normed), for
+    a causal LM or a multimodal model (its text model's layers)."""
+    layer_outputs = []
+    text_model = getattr(model.model, "language_model", model.model)
+    hooks = [layer.register_forward_hook(lambda _m, _i, out: layer_outputs.append(out[0] if isinstance(out, tuple)
+                                                                                  else out))
+             for layer in text_model.layers]
+    with torch.no_grad():
+        out = model(torch.as_tensor(np.asarray(input_ids)), output_hidden_states=True)
+    for hook in hooks:
+        hook.remove()
+    return out.logits.numpy(), [h.numpy() for h in out.hidden_states], [h.numpy() for h in layer_outputs]
+
+
 def qwen3_config(**overrides) -> transformers.Qwen3Config:
     """A tiny Qwen3 config: GQA 4/2, head_dim 24 != hidden/heads, untied, θ 1e4. Override any field."""
     fields = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -98,16 +119,18 @@ QWEN3_5_MOE_TEXT_CONFIG = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
 
 
-def save_qwen3_5_moe(directory: str | Path, *, multimodal: bool = False, seed: int = 0) -> torch.nn.Module:
+def save_qwen3_5_moe(directory: str | Path, *, multimodal: bool = False, seed: int = 0,
+                     **overrides) -> torch.nn.Module:
     """A random fp32 Qwen3_5MoeForCausalLM (`model.*`, `qwen3_5_moe_text`) or, `multimodal`,
     Qwen3_5MoeForConditionalGeneration (`model.language_model.*`, the config under `text_config`), saved by
-    transformers (experts per expert) and returned in eval mode."""
+    transformers (experts per expert) and returned in eval mode; `overrides` replace text config fields."""
+    text = {**QWEN3_5_MOE_TEXT_CONFIG, **overrides}
     if multimodal:
-        config = transformers.Qwen3_5MoeConfig(text_config=QWEN3_5_MOE_TEXT_CONFIG, tie_word_embeddings=False,
+        config = transformers.Qwen3_5MoeConfig(text_config=text, tie_word_embeddings=text["tie_word_embeddings"],
                                                vision_config=QWEN3_5_VISION_CONFIG | {"out_hidden_size": 32})
         model = transformers.Qwen3_5MoeForConditionalGeneration(config)
     else:
-        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**QWEN3_5_MOE_TEXT_CONFIG))
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text))
     model = model.to(torch.float32).eval()
     randomize_qwen3_5(model, seed=seed)
     model.save_pretrained(directory)

@@ -28,13 +28,14 @@ from dflash_jax.runtime.workdir import append_config_history
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.train import validate
 from dflash_jax.train.checkpoint import Checkpointer
+from dflash_jax.train.startup import load_config_target
 from dflash_jax.train.state import StateSpec, TrainState, init_train_state, state_spec
 from dflash_jax.train.step import StepFunctions, make_step
 from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE, drafter_from_torch_layout
-from dflash_jax.weights.targets import load_target
 
 from tests.drafter_fixtures import CONFIGS, make_config, random_weights
-from tests.hf_fixtures import qwen3_config, randomize_parameters, save_qwen3
+from tests.hf_fixtures import (QWEN3_5_MOE_TEXT_CONFIG, qwen3_config, randomize_parameters, randomize_qwen3_5,
+                               save_qwen3)
 from tests.tokenizer_fixture import _WORDS, make_chat_tokenizer
 
 
@@ -77,6 +78,21 @@ def make_qwen3_5_target(directory: Path, *, seed: int = 0) -> Path:
         linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False, max_position_embeddings=256,
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
     Qwen3_5ForCausalLM(config).to(torch.float32).eval().save_pretrained(directory)
+    make_chat_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def make_qwen3_5_moe_target(directory: Path, *, seed: int = 0, **overrides) -> Path:
+    """A random tiny Qwen3.5-MoE target (2 x [GDN, GDN, GDN, gated attention], 8 experts of which 2 per
+    token and a shared expert, H=64) plus the test tokenizer; `overrides` replace config fields."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(seed)
+    fields = dict(QWEN3_5_MOE_TEXT_CONFIG, vocab_size=TARGET_VOCAB, hidden_size=64, num_hidden_layers=8, num_experts=8,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{**fields, **overrides})).to(torch.float32).eval()
+    randomize_qwen3_5(model, seed=seed)
+    model.save_pretrained(directory)
     make_chat_tokenizer().save_pretrained(directory)
     return directory
 
@@ -153,8 +169,7 @@ def build(config: ConfigDict, mesh: Mesh) -> Setup:
     """Target, tokenizer, drafter config, initial state, step functions and loader, as `train` builds them."""
     validate.validate_config(config)
     attention_impl = resolve_attention_impl(config.attention_impl)
-    target, target_config = load_target(config.target_dir, param_dtype=validate.dtype_of(config.target_dtype),
-                                        mesh=mesh, attention_impl=attention_impl, target_layout=config.target_layout)
+    target, target_config = load_config_target(config, mesh, config.target_layout, attention_impl)
     tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
     spec = state_spec(drafter_config, config, attention_impl, mesh)

@@ -1,4 +1,5 @@
-"""Train vLLM speculators' DFlash drafter on exactly the rows, features, labels and anchors a dflash_jax run saw.
+"""Train vLLM speculators' DFlash or DSpark drafter on exactly the rows, features, labels and anchors a dflash_jax
+run saw.
 
 Runs in `.venv-speculators` (speculators and torch pinned by bench/speculators/requirements.txt, plus this
 project for its data pipeline and its target), called by bench/learning_parity.py after the project's own run:
@@ -7,17 +8,19 @@ project for its data pipeline and its target), called by bench/learning_parity.p
         --save_steps 160,320,480
 
 RUN_DIR is a finished `dflash-jax train` workdir: its config (the last start in config_history.jsonl) is the
-recipe (optimizer, learning rates, schedule, clipping, data, drafter shape) and its drafter_config.json the drafter.
+recipe (optimizer, learning rates, schedule, clipping, data, loss terms, drafter shape and method) and its
+drafter_config.json the drafter.
 What comes from each side:
 
 - this project: the packed rows (its BatchLoader, same seed, same order), the frozen target's forward (feature
   layers and final hidden states, fp32), the static anchor grid and which anchors and slots are trained, and
   the drafter's initial weights (the run's seed);
-- speculators: the drafter (DFlashDraftModel, sdpa attention), its LM head and greedy labels (the target's
-  lm_head over the target's final hidden states), its cross-entropy with position weights (eager
-  implementation), its optimizers (`build_optimizers`: AdamW, or torch.optim.Muon on the 2-D weights and AdamW
-  on the rest), transformers' warmup + cosine schedule and its trainer's step order (backward, clip the global
-  norm to 1.0, step every optimizer, step every scheduler).
+- speculators: the drafter (DFlashDraftModel, or DSparkDraftModel with its Markov and confidence heads; sdpa
+  attention), its LM head and greedy labels (the target's lm_head over the target's final hidden states), its
+  loss terms with position weights (eager implementation; DSpark's confidence BCE), its optimizers
+  (`build_optimizers`: AdamW, or torch.optim.Muon on the 2-D weights and AdamW on the rest), transformers'
+  warmup + cosine schedule and its trainer's step order (backward, clip the global norm to 1.0, step every
+  optimizer, step every scheduler).
 
 Two things are set to the project's choices because speculators draws or hard-codes them: the anchors (its
 `select_anchors` draws random ones; here it returns the project's grid) and AdamW's betas (speculators leaves
@@ -44,6 +47,7 @@ from safetensors.torch import save_file
 from speculators.losses import resolve_loss_config
 from speculators.models.dflash import core as dflash_core
 from speculators.models.dflash.core import DFlashDraftModel
+from speculators.models.dspark.core import DSparkDraftModel
 from speculators.train.optimizers import build_optimizers
 from transformers import AutoTokenizer, Qwen3Config, get_cosine_schedule_with_warmup
 
@@ -58,19 +62,28 @@ from dflash_jax.weights.drafter_files import drafter_to_torch_layout
 from dflash_jax.weights.targets import load_target
 
 
+# The project's loss term names -> speculators'.
+SPECULATORS_TERMS = {"ce": "ce", "kl": "kl_div", "rkl": "rkl", "jsd": "jsd", "tv": "tv"}
+
+
 def speculators_drafter(config: ConfigDict, drafter: DrafterConfig, initial: dict[str, np.ndarray]) -> DFlashDraftModel:
-    """speculators' DFlash drafter with the project drafter's shape and initial weights."""
+    """speculators' DFlash (or DSpark) drafter with the project drafter's shape and initial weights."""
     layers = Qwen3Config(
         vocab_size=drafter.vocab_size, hidden_size=drafter.hidden_size, intermediate_size=drafter.intermediate_size,
         num_hidden_layers=drafter.num_hidden_layers, num_attention_heads=drafter.num_attention_heads,
         num_key_value_heads=drafter.num_key_value_heads, head_dim=drafter.head_dim, rms_norm_eps=drafter.rms_norm_eps,
         max_position_embeddings=drafter.max_position_embeddings, layer_types=list(drafter.layer_types),
-        sliding_window=drafter.sliding_window,
+        # Qwen3Config drops sliding_window (every layer then full attention) unless use_sliding_window is set.
+        sliding_window=drafter.sliding_window, use_sliding_window="sliding_attention" in drafter.layer_types,
         rope_parameters={"rope_type": "default", "rope_theta": drafter.rope_theta})
-    model = DFlashDraftModel.from_training_args(
+    model_class, extra = DFlashDraftModel, {}
+    if drafter.method == "dspark":  # the vanilla Markov head and the confidence head on [h; W1[prev]]
+        model_class, extra = DSparkDraftModel, dict(markov_rank=drafter.markov_rank, markov_head_type="vanilla",
+                                                   enable_confidence_head=True, confidence_head_with_markov=True)
+    model = model_class.from_training_args(
         verifier_config=layers, verifier_name_or_path=config.target_dir, draft_vocab_size=drafter.vocab_size,
         block_size=drafter.block_size, target_layer_ids=list(drafter.target_layer_ids),
-        mask_token_id=drafter.mask_token_id, draft_attn_impl="sdpa")
+        mask_token_id=drafter.mask_token_id, draft_attn_impl="sdpa", **extra)
     # The verifier hidden states given below are the project target's final-normed ones.
     model.verifier_norm = torch.nn.Identity()
     missing, unexpected = model.load_state_dict({k: torch.tensor(v) for k, v in initial.items()}, strict=False)
@@ -104,12 +117,15 @@ def optimizers_for(model: DFlashDraftModel, config: ConfigDict):
     return optimizers, schedulers
 
 
-def packed_inputs(batch: dict[str, np.ndarray], features: np.ndarray, hidden: np.ndarray, grid: AnchorGrid):
+def packed_inputs(batch: dict[str, np.ndarray], features: np.ndarray, hidden: np.ndarray, grid: AnchorGrid,
+                  from_anchor: bool):
     """One packed row of the step's rows side by side, the project's trained anchors in it, and a loss mask that
-    is the project's slot mask laid on the positions a+k (slot 0 is never trained on either side)."""
+    is the project's slot mask laid on the positions a+k, where speculators reads slot k's (DFlash's slot 0 is never
+    trained on either side; `from_anchor`: DSpark's, where it is)."""
     rows, seq_len = batch["input_ids"].shape
     valid = np.asarray(grid_ops.anchor_validity(batch["loss_mask"], grid.anchors))  # [rows, N]
-    slots = np.asarray(grid_ops.slot_mask(batch["loss_mask"], batch["segment_ids"], grid.anchors, grid.block_size))
+    slots = np.asarray(grid_ops.slot_mask(batch["loss_mask"], batch["segment_ids"], grid.anchors, grid.block_size,
+                                          from_anchor=from_anchor))
     offsets = np.arange(rows)[:, None] * seq_len
     anchors = (offsets + grid.anchors[None, :])[valid]
     loss_mask = np.zeros(rows * seq_len, np.int64)
@@ -162,7 +178,11 @@ def main() -> None:
     initial = drafter_to_torch_layout(make_drafter(drafter_config, config, "xla", seed=config.seed))
     model = speculators_drafter(config, drafter_config, initial)
     optimizers, schedulers = optimizers_for(model, config)
-    loss_config = resolve_loss_config("ce", "eager")
+    terms = config.loss.get("terms") or {"ce": 1.0}
+    loss_config = resolve_loss_config(json.dumps({SPECULATORS_TERMS[t]: w for t, w in terms.items()}), "eager")
+    dspark = drafter_config.method == "dspark"
+    method_kwargs = ({"confidence_head_alpha": config.drafter.confidence_alpha,
+                      "tv_loss_fn": resolve_loss_config("tv", "eager")["tv"][0]} if dspark else {})
     # The run's position weights under speculators' names (a run from before D-PACE used the decay).
     position_weighting = ({"per_position_loss_weight": "dpace", "dpace_alpha": config.loss.dpace_alpha}
                           if config.loss.get("position_weights") == "dpace"
@@ -176,11 +196,11 @@ def main() -> None:
             batch = next(loader)
             features, hidden = jax.device_get(target_forward(target_state, batch["input_ids"], batch["positions"],
                                                              batch["segment_ids"]))
-            inputs, chosen["anchors"] = packed_inputs(batch, features, hidden, grid)
+            inputs, chosen["anchors"] = packed_inputs(batch, features, hidden, grid, from_anchor=dspark)
             for optimizer in optimizers:
                 optimizer.zero_grad()
             _, loss, _ = model(**inputs, loss_config=loss_config, gamma=config.loss.gamma,
-                               max_anchors=len(chosen["anchors"]), **position_weighting)
+                               max_anchors=len(chosen["anchors"]), **position_weighting, **method_kwargs)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.clip_grad_norm)
             for optimizer in optimizers:

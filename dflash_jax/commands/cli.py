@@ -138,6 +138,7 @@ def run(main: Callable[[], None], command_flags: flags.FlagValues, argv: Sequenc
 
     def guarded(_) -> None:
         storage.connect()
+        storage.end_commands_after_outages()
         if has_config and command_flags.config is not None:
             storage.configure(command_flags.config.get("storage"))
         try:

@@ -43,10 +43,11 @@ from dflash_jax.runtime.paths import as_path
 from dflash_jax.sharding import replicated
 from dflash_jax.runtime import distributed
 from dflash_jax.train.loop import use_compilation_cache
+from dflash_jax.train.startup import load_config_target
 from dflash_jax.train.validate import dtype_of, mesh_from_config
 from dflash_jax.weights.drafter_files import load_drafter
 from dflash_jax.weights.hub import pretrained_dir
-from dflash_jax.weights.targets import load_target, read_target_config
+from dflash_jax.weights.targets import read_target_config
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _CONFIG = cli.define_config_flag(FLAGS)
@@ -124,9 +125,6 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
                                  generated=max_new_tokens if continuation == "generate" or speed else 0)
     # The drafter is small: it loads, and is checked against the target's config, before the target does.
     drafter, drafter_config, source = load_drafter(workdir, drafter_dir, step)
-    if drafter_config.method == "dspark":  # exact τ and decoding do not apply the Markov bias yet (design §18)
-        raise ConfigError(f"the drafter ({source}) is a {drafter_config.method!r} drafter: evaluation is "
-                          f"implemented for 'dflash' and 'dflash2' only")
     expected = (target_config.num_hidden_layers, target_config.vocab_size, target_config.hidden_size)
     if (drafter_config.num_target_layers, drafter_config.vocab_size, drafter_config.hidden_size) != expected:
         raise ConfigError(f"the drafter ({source}) was made for a target with (layers, vocab, hidden) = "
@@ -136,8 +134,7 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
     mesh = mesh_from_config(config, jax.local_devices())
     # config.attention_impl picks the backend of the target's full forward (exact τ); the decode-cached
     # generator and the drafters here run in XLA.
-    target, _ = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh,
-                            attention_impl=config.attention_impl)
+    target, _ = load_config_target(config, mesh, "fsdp", config.attention_impl)
     compute = dtype_of(config.compute_dtype)
     drafter = placed(drafter, drafter_config, compute, replicated(mesh))
     stops = stop_token_ids(config.target_dir, tokenizer)
@@ -179,7 +176,7 @@ def _shapes(examples, max_new_tokens: int, drafter_config: DrafterConfig, budget
     """Generator shapes that fit every prompt, with room for a verification pass of the block or of the
     largest DDTree, whichever is wider: one compile per decoder."""
     return generator_shapes([len(e.prompt_ids) for e in examples], max_new_tokens,
-                            max(drafter_config.block_size, 1 + max(budgets)))
+                            1 + max(drafter_config.draft_length, *budgets))
 
 
 def _drafting_decoders(target, drafter: Drafter, shapes: dict[str, int], budgets):

@@ -57,9 +57,9 @@ from dflash_jax.regeneration import server_job, shares
 from dflash_jax.sharding import BATCH_AXES, make_mesh
 from dflash_jax.runtime import distributed
 from dflash_jax.train.loop import use_compilation_cache
-from dflash_jax.train.validate import dtype_of, parse_chat_template_kwargs
+from dflash_jax.train.startup import load_config_target
+from dflash_jax.train.validate import parse_chat_template_kwargs
 from dflash_jax.weights.hub import pretrained_dir
-from dflash_jax.weights.targets import load_target
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _CONFIG = cli.define_config_flag(FLAGS)
@@ -162,8 +162,7 @@ def run(config: ConfigDict, prompts: list[str], out: str, *, max_new_tokens: int
         output = ResumableJsonl(shares.part_path(out, process, processes),
                                 {**settings, "process": process, "processes": processes})
 
-    target, target_config = load_target(config.target_dir, param_dtype=dtype_of(config.target_dtype), mesh=mesh,
-                                        target_layout="tensor")
+    target, target_config = load_config_target(config, mesh, "tensor")
     tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
     stops = stop_token_ids(config.target_dir, tokenizer)
     decoder = BatchDecoder(target, batch_size=batch_size, max_new_tokens=max_new_tokens, stop_token_ids=stops,

@@ -42,7 +42,7 @@ def ddtree_defined(config) -> bool:
     """Whether a drafter of this DrafterConfig has a DDTree: its tree takes each depth's top-k from one forward's
     distribution for that depth, the same whatever token the path took above it. DSpark's and DFlash2's draft at
     depth k depends on the token drafted at depth k-1 (the Markov bias, the selector's predecessor), so they have
-    none (design §18.2, §18.3)."""
+    none (design §18.2, §18.4)."""
     return config.method == "dflash"
 
 

@@ -65,7 +65,7 @@ class DDTreeGenerator(SpeculativeGenerator):
 
         path = jnp.zeros((self.verify_width,), jnp.int32)  # path[d]: the node at depth d; the root first
         node, accepted = jnp.int32(0), jnp.int32(0)
-        for depth in range(1, self.block_size):
+        for depth in range(1, self.draft_length + 1):
             child = (parents == node) & (tree_tokens == posterior[node])  # at most one: siblings differ
             found = jnp.any(child) & (depth <= limit) & (accepted == depth - 1)
             node = jnp.where(found, jnp.argmax(child).astype(jnp.int32), node)

@@ -4,9 +4,12 @@ For one response = prompt (positions 0..n-1) + the target's greedy continuation 
   1. the target runs once over the whole text (features, and its own greedy tokens as a check);
   2. the drafter runs once with an anchor at EVERY position (AnchorGrid stride 1, the training mask): the
      block at anchor p is [token p, mask...] and sees the features of positions < p only, which is exactly
-     a verification step whose bonus token sits at p. Its slot k drafts position p+k (top-k log-probs kept;
-     for DFlash2 the selector's pick among the slot's candidates after the continuation's token at p+k-1, which
-     while the drafts before it are accepted is the token the walk took there, design §18.3);
+     a verification step whose bonus token sits at p. Its drafts are positions p+1..p+D (top-k log-probs
+     kept): slots k = 1..B-1 draft p+k (D = B-1), or for DSpark every slot k drafts p+k+1 (D = B) with the
+     Markov bias of the token at p+k, teacher-forced: while the drafts before it are accepted, that token is
+     the one greedy drafting fed the bias there (design §18.2); for DFlash2 slot k drafts the selector's pick
+     among its candidates after the continuation's token at p+k-1, which while the drafts before it are
+     accepted is the token the walk took there (design §18.4);
   3. accepted(p) = how many leading drafts equal the continuation;
   4. the walk starts at p = n (the first generated token is the prefill's bonus) and moves
      p -> p + accepted(p) + 1, recording accepted + 1 per step, like greedy speculative decoding with block
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -61,7 +64,7 @@ class DraftScorer:
     where more rows per device score fewer texts a second (bench/RESULTS.md, "Evaluation throughput").
 
     query_chunk_blocks: this forward runs the drafter's XLA attention with this many blocks per query chunk
-    (stride 1 means one block per position, so the training value would unroll into very many chunks);
+    (stride 1 puts a block at every position: a text of L tokens is L blocks, scanned 64 at a time);
     None keeps the drafter as it is. top_k: log-probs kept per slot (the largest DDTree budget is enough).
     """
 
@@ -88,7 +91,8 @@ class DraftScorer:
 
     def score(self, sequences: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Texts [L] -> per text, in order: (target greedy token after each position [L], drafted top-k tokens
-        and their log-probs [L, B-1, top_k]: row p, column k-1 is slot k of the block at anchor p)."""
+        and their log-probs [L, D, top_k]: row p, column d-1 is the d-th draft of the block at anchor p, the
+        token at p+d; D = the drafter's `draft_length`)."""
         buckets: dict[int, list[int]] = {}
         for index, sequence in enumerate(sequences):
             buckets.setdefault(round_up(len(sequence), self.length_bucket), []).append(index)
@@ -143,19 +147,24 @@ def _score_rows(target_def, drafter_def, top_k, row_chunk, vocab_chunk, target_s
     positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
     segments = jnp.ones((batch, length), jnp.int32)
     context = target_context(target, input_ids, positions, segments, grid, config, vocab_chunk=vocab_chunk)
-    greedy = context.labels[:, :, 0]  # drafted slot 1 of the block at anchor p: the target's greedy token after p
+    greedy = context.labels[:, :, 0]  # the first draft of the block at anchor p: the target's greedy token after p
     hidden, _ = drafter(context.features, context.block_embeds, DrafterInputs.from_rows(grid, positions, segments))
-    drafted = hidden.reshape(batch, length, config.block_size, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])
+    first_slot = config.block_size - config.draft_length
+    drafted = hidden.reshape(batch, length, config.block_size, -1)[:, :, first_slot:].reshape(-1, hidden.shape[-1])
     selector = drafter.candidate_selector
-    if selector is None:
-        tokens, log_probs = top_k_log_probs(drafted, context.lm_head, top_k, row_chunk)
-    else:  # DFlash2: one draft per slot, the selector's (no DDTree: top_k is 1)
+    if selector is not None:  # DFlash2: one draft per slot, the selector's (no DDTree: top_k is 1)
         predecessors = slot_tokens(input_ids, grid.anchors, config.block_size)[:, :, :-1].reshape(-1)
         candidate_ids, candidate_log_probs = top_k_log_probs(drafted, context.lm_head, selector.top_k, row_chunk)
         tokens = jax.lax.map(lambda rows: selector.best(*rows), (drafted, predecessors, candidate_ids,
                                                                   candidate_log_probs), batch_size=row_chunk)[:, None]
         log_probs = jnp.zeros(tokens.shape, jnp.float32)
-    shape = (batch, length, config.block_size - 1, top_k)
+    else:
+        bias = None
+        if drafter.markov_head is not None:  # DSpark: the bias of the text's token at p+k for slot k (design §18.2)
+            prev_ids = slot_tokens(input_ids, grid.anchors, config.block_size).reshape(-1)
+            bias = (functools.partial(drafter.markov_head.logit_bias, dtype=drafter.dtype), prev_ids)
+        tokens, log_probs = top_k_log_probs(drafted, context.lm_head, top_k, row_chunk, bias)
+    shape = (batch, length, config.draft_length, top_k)
     return greedy, tokens.reshape(shape), log_probs.reshape(shape)
 
 
@@ -167,19 +176,27 @@ def _rechunked(drafter: Drafter, query_chunk_blocks: int) -> Drafter:
     return nnx.merge(graphdef, nnx.state(drafter))
 
 
-def top_k_log_probs(hidden: jax.Array, lm_head: jax.Array, k: int, row_chunk: int):
+def top_k_log_probs(hidden: jax.Array, lm_head: jax.Array, k: int, row_chunk: int,
+                    bias: tuple[Callable[[jax.Array], jax.Array], jax.Array] | None = None):
     """Top-k (token, log-softmax) of hidden @ lm_head per row, row_chunk rows at a time ([rows, V] logits
-    would not fit for long texts and large vocabularies). Ties keep the lower token id first."""
+    would not fit for long texts and large vocabularies). Ties keep the lower token id first.
+    bias = (fn, ids [rows]): fn(ids of a chunk's rows) [chunk, V] is added to its logits (DSpark's Markov bias)."""
     rows = hidden.shape[0]
     chunk = min(row_chunk, rows)
-    padded = jnp.pad(hidden, ((0, -(-rows // chunk) * chunk - rows), (0, 0)))
+    padding = -(-rows // chunk) * chunk - rows
+    padded = jnp.pad(hidden, ((0, padding), (0, 0))).reshape(-1, chunk, hidden.shape[1])
+    ids = jnp.zeros((rows,), jnp.int32) if bias is None else bias[1]
+    ids = jnp.pad(ids, (0, padding)).reshape(-1, chunk)
 
-    def one_chunk(h):
+    def one_chunk(inputs):
+        h, chunk_ids = inputs
         logits = fp32_logits(h, lm_head)
+        if bias is not None:
+            logits = logits + bias[0](chunk_ids)
         values, tokens = jax.lax.top_k(logits, k)  # on the logits, so the first is exactly their argmax
         return tokens.astype(jnp.int32), values - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
-    tokens, values = jax.lax.map(one_chunk, padded.reshape(-1, chunk, hidden.shape[1]))
+    tokens, values = jax.lax.map(one_chunk, (padded, ids))
     return tokens.reshape(-1, k)[:rows], values.reshape(-1, k)[:rows]
 
 
@@ -208,10 +225,10 @@ def walk(accepted, start: int, end: int) -> list[int]:
 class ResponseScores:
     block_steps: list[int]  # accepted drafts per verification step (τ entries are these + 1)
     tree_steps: dict[int, list[int]]  # the same for DDTree, per node budget
-    slot_matches: np.ndarray  # [B-1] anchors whose slot k drafted the continuation's token
-    slot_count: np.ndarray  # [B-1] anchors whose slot k lies inside the continuation
-    slot_run: np.ndarray  # [B-1] anchors whose slots 1..k all did
-    slot_run_before: np.ndarray  # [B-1] anchors whose slots 1..k-1 all did and whose slot k lies inside
+    slot_matches: np.ndarray  # [D] anchors whose k-th draft is the continuation's token
+    slot_count: np.ndarray  # [D] anchors whose k-th draft lies inside the continuation
+    slot_run: np.ndarray  # [D] anchors whose drafts 1..k all are
+    slot_run_before: np.ndarray  # [D] anchors whose drafts 1..k-1 all are and whose k-th lies inside
     greedy_agreement: tuple[int, int]  # (continuation tokens equal to the target's greedy token, count)
 
     def to_json(self) -> dict:
@@ -280,11 +297,11 @@ def per_response_tau(step_lists: Sequence[Sequence[int]]) -> float:
     return float(np.mean(means)) if means else float("nan")
 
 
-def summarize(responses: Sequence[ResponseScores], block_size: int) -> dict:
+def summarize(responses: Sequence[ResponseScores], draft_length: int) -> dict:
     """τ (pooled) and τ per response (mean of per-response means), the histogram of accepted drafts per step
-    (index a = share of steps accepting exactly a drafts), per-slot acceptance over every anchor of the
-    continuations (marginal: slot k right; conditional: slot k right given slots 1..k-1 right), DDTree τ per
-    budget (pooled, and per response)."""
+    (index a = share of steps accepting exactly a of the draft_length drafts), per-draft acceptance over every
+    anchor of the continuations (marginal: the k-th draft right; conditional: right given drafts 1..k-1
+    right), DDTree τ per budget (pooled, and per response)."""
     steps = np.concatenate([np.asarray(r.block_steps, np.int64) for r in responses])
     matches, counts, runs, runs_before = (np.sum([getattr(r, f) for r in responses], axis=0)
                                           for f in ("slot_matches", "slot_count", "slot_run", "slot_run_before"))
@@ -295,7 +312,8 @@ def summarize(responses: Sequence[ResponseScores], block_size: int) -> dict:
         "verify_steps": int(steps.size),
         "tau": pooled_tau([r.block_steps for r in responses]),
         "tau_per_response": per_response_tau([r.block_steps for r in responses]),
-        "accepted_histogram": (np.bincount(steps, minlength=block_size)[:block_size] / max(steps.size, 1)).tolist(),
+        "accepted_histogram": (np.bincount(steps, minlength=draft_length + 1)[:draft_length + 1]
+                               / max(steps.size, 1)).tolist(),
         "slot_acceptance": (matches / np.maximum(counts, 1)).tolist(),
         "slot_acceptance_conditional": (runs / np.maximum(runs_before, 1)).tolist(),
         "ddtree_tau": {int(b): pooled_tau([r.tree_steps[b] for r in responses]) for b in budgets},
@@ -308,7 +326,7 @@ def evaluate_drafter(target, drafter: Drafter, examples: Sequence[Example], *,
                      budgets: Sequence[int] = DEFAULT_BUDGETS, rows: int | None = None,
                      query_chunk_blocks: int | None = 64,
                      row_chunk: int = 256, vocab_chunk: int = 8192, across_processes: bool = False) -> dict:
-    """Exact τ, its histogram, per-slot acceptance and DDTree τ of `drafter` on (prompt, greedy
+    """Exact τ, its histogram, per-draft acceptance and DDTree τ (where defined) of `drafter` on (prompt, greedy
     continuation) examples; see `summarize` for the keys. `greedy_agreement` below 1 means a continuation
     is not exactly the target's greedy one (e.g. read from data made in another precision): τ then
     describes decoding along that text rather than what the generator would commit.
@@ -327,7 +345,7 @@ def evaluate_drafter(target, drafter: Drafter, examples: Sequence[Example], *,
     if across_processes:
         shares = distributed.gather_json([response.to_json() for response in responses])
         responses = [ResponseScores.from_json(value) for share in shares for value in share]
-    return summarize(responses, drafter.config.block_size)
+    return summarize(responses, drafter.config.draft_length)
 
 
 def process_share(items: Sequence) -> list:

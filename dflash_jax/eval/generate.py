@@ -1,7 +1,8 @@
-"""Greedy speculative decoding with a decode-cached target (either family) and a DFlash drafter (design §9.3).
+"""Greedy speculative decoding with a decode-cached target (either family) and a DFlash or DSpark drafter
+(design §9.3, §18.2).
 
 One loop serves both modes, so their speeds are comparable: with a drafter each step verifies a drafted block
-[bonus, d1..d_{B-1}] in one target forward and drafts the next; without one the block is just [bonus] (plain
+[bonus, d1..d_D] in one target forward and drafts the next (D = B-1, or B for DSpark); without one the block is just [bonus] (plain
 greedy decoding, block size 1). The prefill runs the target over the prompt, takes its greedy token as the
 first bonus and drafts the first block. Per step, at start = the bonus token's position:
   1. the target extends its KV cache by the block; posterior = its greedy token after each block position;
@@ -10,9 +11,10 @@ first bonus and drafts the first block. Per step, at start = the bonus token's p
      dropped; the hybrid target's verification kept its recurrent state after every block position, and the
      accepted one is picked);
   3. the drafter caches the context K/V of the verified positions (its block K/V are never kept) and drafts
-     slots 1..B-1 of the block [new bonus, mask...] at the new start, from the context before it (the new
-     bonus's own target features do not exist yet); greedy argmax per slot, or for DFlash2 the candidate
-     selector's walk from the bonus (design §18.3).
+     the block [new bonus, mask...] at the new start, from the context before it (the new bonus's own target
+     features do not exist yet): greedy argmax of slots 1..B-1; for DSpark of every slot left to right, each
+     with the Markov bias of the token before it (the bonus, then the previous draft; `MarkovHead.greedy_chain`);
+     for DFlash2 the candidate selector's walk from the bonus (design §18.4).
 Committed tokens never pass `max_new_tokens`: a step accepts at most what still fits with its bonus, and a
 stop token is always committed as a bonus (drafts after it do not count), so the output and the acceptance
 lengths are exactly those of `exact_tau` on the same greedy continuation.
@@ -61,7 +63,8 @@ class SpeculativeGenerator:
 
     def __init__(self, target, drafter: Drafter | None, *, prefill_len: int, capacity: int):
         self.block_size = drafter.config.block_size if drafter is not None else 1
-        self.verify_width = self.block_size  # tokens of one verification pass
+        self.draft_length = drafter.config.draft_length if drafter is not None else 0  # drafts per step
+        self.verify_width = 1 + self.draft_length  # tokens of one verification pass
         if capacity < prefill_len:
             raise ValueError(f"capacity ({capacity}) must be >= prefill_len ({prefill_len})")
         self.prefill_len, self.capacity = prefill_len, capacity
@@ -82,14 +85,17 @@ class SpeculativeGenerator:
 
     def _draft(self, target, drafter, drafter_cache, out, context_start, bonus, anchor):
         """The drafter caches the context of the target's new positions (out, from context_start on) and
-        drafts the block after `bonus` [1] at `anchor`: (drafts [1, B-1], drafter cache). No drafter: none."""
+        drafts the block after `bonus` [1] at `anchor`: (drafts [1, D], drafter cache). No drafter: none."""
         if drafter is None:
             return jnp.zeros((1, 0), jnp.int32), None
         hidden, drafter_cache = self._draft_hidden(target, drafter, drafter_cache, out, context_start, bonus, anchor)
-        if drafter.candidate_selector is not None:  # DFlash2: the selector's walk from the bonus (design §18.3)
+        if drafter.candidate_selector is not None:  # DFlash2: the selector's walk from the bonus (design §18.4)
             logits = fp32_logits(hidden[:, 1:], target.lm_head_kernel())
             log_probs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # as exact τ's top_k_log_probs
             return drafter.candidate_selector.greedy_walk(hidden[:, 1:], log_probs, bonus), drafter_cache
+        if drafter.markov_head is not None:  # DSpark: every slot, left to right (design §18.2)
+            return drafter.markov_head.greedy_chain(fp32_logits(hidden, target.lm_head_kernel()), bonus,
+                                                    drafter.dtype), drafter_cache
         return greedy_tokens(hidden[:, 1:], target.lm_head_kernel()), drafter_cache
 
     def _draft_hidden(self, target, drafter, drafter_cache, out, context_start, bonus, anchor):
@@ -118,7 +124,7 @@ class SpeculativeGenerator:
 
     def _step_fn(self, target_state, drafter_state, cache, drafter_cache, bonus, drafts, limit):
         """One verification step of [bonus, drafts] from the bonus token [1] at position cache.length; at most
-        `limit` drafts are accepted. Returns (cache, drafter_cache, posterior [1, B], accepted, the next step's
+        `limit` drafts are accepted. Returns (cache, drafter_cache, posterior [1, 1 + D], accepted, the next step's
         bonus and drafts): the step commits posterior[0, :accepted + 1], the accepted drafts (equal to the
         target's tokens) and the new bonus."""
         target, drafter = self._models(target_state, drafter_state)
@@ -163,7 +169,7 @@ class SpeculativeGenerator:
         began = time.perf_counter()
         while len(tokens) < max_new_tokens and tokens[-1] not in stop_token_ids:
             # The accepted drafts and the new bonus must fit in max_new_tokens.
-            limit = min(self.block_size - 1, max_new_tokens - len(tokens) - 1)
+            limit = min(self.draft_length, max_new_tokens - len(tokens) - 1)
             cache, drafter_cache, committed, accepted, bonus, drafts = self._verify(cache, drafter_cache, bonus,
                                                                                     drafts, limit)
             accepted = int(accepted)  # waits for the step, so the timing is honest
@@ -201,7 +207,7 @@ def benchmark(plain: SpeculativeGenerator, speculative: SpeculativeGenerator, pr
     decoders = {"plain": plain, "speculative": speculative, **({"ddtree": ddtree} if ddtree is not None else {})}
     runs = {}
     for name, generator in decoders.items():
-        generator.generate(prompts[0], min(max_new_tokens, 2 * speculative.block_size))  # compile, untimed
+        generator.generate(prompts[0], min(max_new_tokens, 2 * speculative.verify_width))  # compile, untimed
         runs[name] = [generator.generate(prompt, max_new_tokens, stop_token_ids) for prompt in prompts]
 
     def speed(generations: list[Generation]) -> tuple[float, float]:

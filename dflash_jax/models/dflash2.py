@@ -1,4 +1,4 @@
-"""DFlash2's parts of the drafter (design §18.3): the grouped dynamic two-tap convolution around each sublayer,
+"""DFlash2's parts of the drafter (design §18.4): the grouped dynamic two-tap convolution around each sublayer,
 and the candidate selector after the LM head.
 
 Convolution (one per sublayer, `BlockConvolution`): with x the sublayer's normed input, rows i of a block in

@@ -86,7 +86,7 @@ class DrafterConfig:
     # confidence head. Defaults keep the drafter_config.json of earlier dflash runs readable.
     method: str = "dflash"
     markov_rank: int = 0
-    # design §18.3: "dflash2"'s convolution taps K and channels per dynamic kernel group, and its selector's rank
+    # design §18.4: "dflash2"'s convolution taps K and channels per dynamic kernel group, and its selector's rank
     # and candidates (0 for the other methods: no such parts).
     conv_kernel_size: int = 0
     conv_group_size: int = 0
@@ -157,10 +157,10 @@ class DrafterConfig:
                                                              self.intermediate_size)
 
     @property
-    def backbone(self) -> DrafterConfig:
-        """The plain DFlash drafter this one extends (design §18): the same config without its method's parts."""
-        return dataclasses.replace(self, method="dflash", markov_rank=0,
-                                   **{field: 0 for field in dflash2.CONV_FIELDS + dflash2.SELECTOR_FIELDS})
+    def draft_length(self) -> int:
+        """Tokens one block drafts: B for "dspark", whose every slot predicts the token after it (the anchor's
+        slot included), B - 1 otherwise (slot 0 holds the bonus token; design §18)."""
+        return self.block_size if self.method == "dspark" else self.block_size - 1
 
     def window(self, layer_index: int) -> int | None:
         """The attention window of a layer: W for sliding_attention, None (full attention) otherwise."""
@@ -226,7 +226,7 @@ class DrafterAttention(nnx.Module):
 
 class DrafterLayer(nnx.Module):
     """Pre-norm Qwen3 decoder layer over the block tokens; the context enters attention as keys/values. For
-    method "dflash2" each sublayer's normed input and output pass its block convolution (design §18.3)."""
+    method "dflash2" each sublayer's normed input and output pass its block convolution (design §18.4)."""
 
     def __init__(self, config: DrafterConfig, window: int | None, *, rngs: nnx.Rngs, param_dtype, dtype):
         eps, hidden = config.rms_norm_eps, config.hidden_size
@@ -250,7 +250,7 @@ class DrafterLayer(nnx.Module):
 class Drafter(nnx.Module):
     """fc + hidden_norm over the target features, the decoder layers, and the final norm (design §3); for
     method "dspark" also `markov_head` and `confidence_head` (design §18; None otherwise), for "dflash2" the
-    layers' convolutions and `candidate_selector` (design §18.3).
+    layers' convolutions and `candidate_selector` (design §18.4).
 
     param_dtype: storage dtype of the weights (fp32 master weights by default); dtype: compute dtype
     (defaults to param_dtype). attention_impl picks the training forward's §5 attention backend: "xla",
@@ -289,7 +289,7 @@ class Drafter(nnx.Module):
                                                param_dtype=param_dtype) if dspark else None)
         self.confidence_head = nnx.data(ConfidenceHead(hidden, config.markov_rank, rngs=rngs,
                                                        param_dtype=param_dtype) if dspark else None)
-        # DFlash2's selector (design §18.3), applied by the loss and the decoders after the LM head.
+        # DFlash2's selector (design §18.4), applied by the loss and the decoders after the LM head.
         self.candidate_selector = nnx.data(CandidateSelector(
             config.vocab_size, hidden, config.selector_rank, config.selector_top_k, rngs=rngs,
             param_dtype=param_dtype, dtype=dtype) if config.method == dflash2.METHOD else None)

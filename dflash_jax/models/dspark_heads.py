@@ -39,10 +39,23 @@ class MarkovHead(nnx.Module):
         """prev_ids [..., B] -> e [..., B, r]."""
         return jnp.take(self.w1[...], prev_ids, axis=0)
 
-    def bias(self, prev_embeddings: jax.Array) -> jax.Array:
-        """e [..., r] -> the logit bias [..., V_draft]. The fused loss applies W2 per vocabulary chunk instead of
-        calling this (no full [rows, V] array); this is the reference and the inference path."""
-        return jnp.dot(prev_embeddings, self.w2[...].astype(prev_embeddings.dtype))
+    def logit_bias(self, prev_ids: jax.Array, dtype) -> jax.Array:
+        """prev_ids [...] -> the logit bias W1[prev] @ W2 [..., V_draft] in fp32, both factors in `dtype` (the
+        drafter's compute dtype, as the training loss's chunks take them). The fused loss applies W2 per
+        vocabulary chunk instead (no full [rows, V] array); this is the reference and the inference path."""
+        return jnp.dot(self.prev_embeddings(prev_ids).astype(dtype), self.w2[...].astype(dtype),
+                       preferred_element_type=jnp.float32)
+
+    def greedy_chain(self, base_logits: jax.Array, first_prev: jax.Array, dtype) -> jax.Array:
+        """DSpark's drafting (vLLM's DSpark speculator, greedy): base_logits [b, D, V] of one block's slots,
+        first_prev [b] the bonus token -> drafts [b, D], left to right: draft_k = argmax(base_logits[:, k] +
+        bias(prev_k)) with prev_0 = the bonus and prev_k = draft_{k-1}. Ties go to the lowest id."""
+        def step(prev, logits):
+            token = jnp.argmax(logits + self.logit_bias(prev, dtype), axis=-1).astype(jnp.int32)
+            return token, token
+
+        _, drafts = jax.lax.scan(step, first_prev.astype(jnp.int32), jnp.moveaxis(base_logits, 1, 0))
+        return jnp.moveaxis(drafts, 0, 1)
 
 
 class ConfidenceHead(nnx.Module):

@@ -6,7 +6,7 @@ conv1d_q/k/v, the row blocks of HF's fused in_proj_qkv and conv1d: each splits o
 parallelism over heads never reshuffles channels between q, k and v); q, k L2-normalised (eps added to Σx²),
 q scaled by dk^-0.5, key heads repeat-interleaved onto value heads; β = sigmoid(in_proj_b x);
 g = −exp(A_log)·softplus(in_proj_a x + dt_bias) in fp32; gated delta rule (fp32 state; its chunk products in the
-dtype `ops/gated_delta.delta_rule_matmuls` sets, fp32 by default); per-head RMSNorm (plain w)
+layer's `delta_rule_dtype`, fp32 by default); per-head RMSNorm (plain w)
 gated by silu(in_proj_z x); out_proj. Conv and recurrent state restart at every packed-segment boundary.
 Decoding carries the conv's last K−1 inputs and the recurrent state from call to call (`RecurrentCache`);
 a verification call (a block, or a draft tree) keeps them after every one of its tokens, each token following
@@ -24,7 +24,7 @@ from flax import nnx
 
 from dflash_jax.models.layers import Linear, param
 from dflash_jax.models.target import NO_SEGMENT
-from dflash_jax.ops.gated_delta import chunked_gated_delta_rule, segment_starts, traced_matmul_dtype
+from dflash_jax.ops.gated_delta import MATMUL_DTYPES, chunked_gated_delta_rule, segment_starts
 from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, constrain
 
 _L2_EPS = 1e-6  # transformers `l2norm` default, added to the sum of squares
@@ -139,11 +139,15 @@ def _l2_normalize(x: jax.Array) -> jax.Array:
 
 class GatedDeltaNet(nnx.Module):
     """Linear-attention mixer. Projections are stored [in, out]; names follow the HF checkpoint, the fused q|k|v
-    projection and its conv split into their q, k and v parts (weights/hf_qwen3_5.py splits the tensors)."""
+    projection and its conv split into their q, k and v parts (weights/hf_qwen3_5.py splits the tensors).
+    delta_rule_dtype: the gated delta rule's chunk products, "float32" (exact) or "bfloat16" (ops/gated_delta.py)."""
 
     def __init__(self, hidden_size: int, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                  value_head_dim: int, conv_kernel_size: int, rms_norm_eps: float, rngs: nnx.Rngs,
-                 param_dtype=jnp.float32):
+                 param_dtype=jnp.float32, delta_rule_dtype: str = "float32"):
+        if delta_rule_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"delta_rule_dtype must be one of {MATMUL_DTYPES}, got {delta_rule_dtype!r}")
+        self.delta_rule_dtype = delta_rule_dtype
         self.num_key_heads, self.num_value_heads = num_key_heads, num_value_heads
         self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
         key_dim, value_dim = num_key_heads * key_head_dim, num_value_heads * value_head_dim
@@ -212,11 +216,11 @@ class GatedDeltaNet(nnx.Module):
             g, beta = jnp.where(padding[..., None], 0.0, g), jnp.where(padding[..., None], 0.0, beta)
 
         q, k, v = (constrain(t, ROWS_HEADS) for t in (q, k, v))
-        matmul_dtype = traced_matmul_dtype()
         if seen is None:
-            out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state, matmul_dtype=matmul_dtype)
+            out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state,
+                                                  matmul_dtype=self.delta_rule_dtype)
         else:
-            out, state = states_along(seen, q, k, v, g, beta, resets, initial_state, matmul_dtype)
+            out, state = states_along(seen, q, k, v, g, beta, resets, initial_state, self.delta_rule_dtype)
         if cache is not None:
             kept = cache.conv_inputs.shape[1]
             fused = jnp.concatenate(conv_inputs, axis=-1).astype(cache.conv_inputs.dtype)

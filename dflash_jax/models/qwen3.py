@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -64,10 +65,14 @@ class Qwen3Config:
             raise ValueError(f"Qwen3 config field 'tie_word_embeddings' must be a bool, "
                              f"got {self.tie_word_embeddings!r}")
         rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)  # refuses unsupported types
-        if self.moe is not None and len(set(self.moe.sparse_layers)) > 1:
-            # The layers run as one scan over one stacked kind; runs of dense and sparse layers are not built yet.
-            raise ValueError("qwen3_moe config with dense layers among sparse ones (mlp_only_layers / "
-                             "decoder_sparse_step) is not supported yet")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_hidden_layers:
+            raise ValueError(f"qwen3_moe settings name {len(self.moe.sparse_layers)} layers' MLPs, the config has "
+                             f"{self.num_hidden_layers} layers")
+
+    @property
+    def mixed_mlps(self) -> bool:
+        """Dense MLP layers among sparse ones (qwen3_moe's mlp_only_layers / decoder_sparse_step)."""
+        return self.moe is not None and len(set(self.moe.sparse_layers)) > 1
 
     @property
     def layer_matmul_params(self) -> int:
@@ -124,6 +129,24 @@ class Qwen3Config:
                  if config.get("model_type") == "qwen3_moe" else None))
 
 
+class MlpStacks(NamedTuple):
+    """`Qwen3.dense_mlps` and `sparse_mlps` split into graph and stacked state, and per layer (sparse, index in
+    its stack); calling it with one layer's choice gives that layer's MLP."""
+
+    dense_graph: nnx.GraphDef
+    dense_state: nnx.State
+    sparse_graph: nnx.GraphDef
+    sparse_state: nnx.State
+    choices: tuple[jax.Array, jax.Array]  # [L] bool, [L] int32
+
+    def __call__(self, sparse: jax.Array, index: jax.Array):
+        def run(graph, state, x):
+            return nnx.merge(graph, jax.tree.map(lambda a: a[index], state))(x)
+
+        return lambda x: jax.lax.cond(sparse, lambda x: run(self.sparse_graph, self.sparse_state, x),
+                                      lambda x: run(self.dense_graph, self.dense_state, x), x)
+
+
 class KVCache(NamedTuple):
     """The decode cache of `Qwen3.__call__`: keys/values of every layer at fixed-size columns (see
     `target.AttentionCache`). Columns 0..length-1 hold the tokens fed so far; later columns may hold stale
@@ -165,8 +188,28 @@ class Attention(nnx.Module):
         return constrain(self.o_proj(out), ROWS_EMBED), cache
 
 
+def feed_forward(config: Qwen3Config, sparse: bool, *, param_dtype, rngs: nnx.Rngs) -> nnx.Module:
+    """A layer's MLP: routed experts (`SparseMoE`) or the dense SwiGLU of `intermediate_size`."""
+    moe = config.moe
+    if sparse:
+        return SparseMoE(config.hidden_size, moe.expert_intermediate_size, moe.num_experts, moe.top_k,
+                         moe.normalize_top_k, rngs=rngs, param_dtype=param_dtype)
+    return MLP(config.hidden_size, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
+
+
+def stacked(make, count: int, rngs: nnx.Rngs) -> nnx.Module:
+    """`count` modules made by make(rngs), their variables stacked on a leading `layers` axis."""
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_stack(stack_rngs):
+        return make(stack_rngs)
+
+    return make_stack(rngs)
+
+
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: x += attn(norm(x)); x += mlp(norm(x))."""
+    """Pre-norm residual block: x += attn(norm(x)); x += mlp(norm(x)). With dense layers among sparse ones
+    (`Qwen3Config.mixed_mlps`) the layer holds no MLP: its caller passes the one it runs (`Qwen3.__call__`)."""
 
     def __init__(self, config: Qwen3Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str, mesh: Mesh | None):
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -174,21 +217,22 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(config, param_dtype=param_dtype, rngs=rngs, attention_impl=attention_impl,
                                    mesh=mesh)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
-        moe = config.moe
-        if moe is not None and moe.sparse_layers[0]:
-            self.mlp = SparseMoE(hidden, moe.expert_intermediate_size, moe.num_experts, moe.top_k,
-                                 moe.normalize_top_k, rngs=rngs, param_dtype=param_dtype)
-        else:
-            self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
+        if not config.mixed_mlps:
+            sparse = config.moe is not None and config.moe.sparse_layers[0]  # every layer alike
+            self.mlp = feed_forward(config, sparse, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | None = None):
+    def __call__(self, x, positions, segment_ids, inv_freq, cache: AttentionCache | None = None, mlp=None):
         attn, cache = self.self_attn(self.input_layernorm(x), positions, segment_ids, inv_freq, cache)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + (self.mlp if mlp is None else mlp)(self.post_attention_layernorm(x)), cache
 
 
 class Qwen3(EmbeddingAndHead, nnx.Module):
-    """Qwen3ForCausalLM. `layers` holds all decoder layers stacked on a leading `layers` axis.
+    """Qwen3ForCausalLM. `layers` holds all decoder layers stacked on a leading `layers` axis. With dense MLP
+    layers among sparse ones (`Qwen3Config.mixed_mlps`), the MLPs are two stacks of their own, `dense_mlps` over
+    the dense layers and `sparse_mlps` over the sparse ones (in layer order), and each step of the one scan over
+    the layers runs its layer's MLP from one of them (`lax.cond`): compile time stays that of one layer, and
+    each weight is stored once.
 
     attention_impl: the backend of `__call__`'s attention, "xla" (query chunks), "splash" (the TPU kernel; the
     Pallas interpreter elsewhere) or "auto" (splash on TPU, else xla; ops/backends.py). mesh: the device mesh
@@ -201,13 +245,14 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         attention_impl = resolve_attention_impl(attention_impl)
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, param_dtype=param_dtype)
 
-        @nnx.split_rngs(splits=config.num_hidden_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_layers(layer_rngs):
-            return DecoderLayer(config, param_dtype=param_dtype, rngs=layer_rngs, attention_impl=attention_impl,
-                                mesh=mesh)
-
-        self.layers = make_layers(rngs)
+        self.layers = stacked(lambda layer_rngs: DecoderLayer(config, param_dtype=param_dtype, rngs=layer_rngs,
+                                                              attention_impl=attention_impl, mesh=mesh),
+                              config.num_hidden_layers, rngs)
+        if config.mixed_mlps:
+            sparse = config.moe.sparse_layers
+            for name, kind in (("dense_mlps", False), ("sparse_mlps", True)):
+                setattr(self, name, stacked(lambda mlp_rngs: feed_forward(config, kind, param_dtype=param_dtype,
+                                                                          rngs=mlp_rngs), sparse.count(kind), rngs))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("embed", "vocab"), rngs=rngs,
@@ -239,22 +284,34 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
             start = cache.length
             cache = cache._replace(segment_ids=write_columns(cache.segment_ids, segment_ids, start))
         layer_kv = None if cache is None else (cache.keys, cache.values)
+        mlps = self._mlp_stacks()
 
         # Tree mode: the layers are a plain pytree here, so this also works when a caller's `jax.jit`
         # closes over the model (graph mode refuses variables from an outer trace).
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0), graph=False)
-        def run_layer(carry, layer, layer_slot, kv):
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0), graph=False)
+        def run_layer(carry, layer, layer_slot, kv, mlp_choice):
             hidden, features = carry
             layer_cache = None if kv is None else AttentionCache(*kv, cache.segment_ids, start, tree)
-            hidden, layer_cache = layer(hidden, positions, segment_ids, inv_freq, layer_cache)
+            mlp = None if mlp_choice is None else mlps(*mlp_choice)
+            hidden, layer_cache = layer(hidden, positions, segment_ids, inv_freq, layer_cache, mlp)
             hidden = constrain(hidden, ROWS_EMBED)
             features = jax.lax.dynamic_update_index_in_dim(features, hidden, layer_slot, axis=0)
             return (hidden, features), None if layer_cache is None else (layer_cache.keys, layer_cache.values)
 
-        (x, buffer), layer_kv = run_layer((x, buffer), self.layers, jnp.asarray(slot), layer_kv)
+        (x, buffer), layer_kv = run_layer((x, buffer), self.layers, jnp.asarray(slot), layer_kv,
+                                          None if mlps is None else mlps.choices)
         if cache is not None:
             cache = KVCache(*layer_kv, cache.segment_ids, start + input_ids.shape[1])
         return TargetOutput(hidden=self.norm(x), features=jnp.moveaxis(buffer[order], 0, 2), cache=cache)
+
+    def _mlp_stacks(self) -> MlpStacks | None:
+        """With dense layers among sparse ones, the two MLP stacks and each layer's choice among them."""
+        if not self.config.mixed_mlps:
+            return None
+        sparse = np.array(self.config.moe.sparse_layers)
+        index = np.where(sparse, np.cumsum(sparse) - 1, np.cumsum(~sparse) - 1)  # the layer's place in its stack
+        return MlpStacks(*nnx.split(self.dense_mlps), *nnx.split(self.sparse_mlps),
+                         (jnp.asarray(sparse), jnp.asarray(index, jnp.int32)))
 
     def keep_prefix(self, cache: KVCache, length: jax.Array) -> KVCache:
         """The cache cut back to its first `length` columns; the columns after stay as stale entries that no

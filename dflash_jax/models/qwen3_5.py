@@ -8,7 +8,8 @@ attention]); the layers at each position of the period are stacked along a leadi
 layers are captured inside the scan into a small [n, B, T, H] buffer. The attention layers run on the backend
 chosen at construction (`attention_impl`, as in `qwen3.py`). Given a decode cache (`init_cache`: the attention
 layers' keys/values, the Gated DeltaNet layers' conv inputs and recurrent states), the same layers run
-incrementally.
+incrementally. The Gated DeltaNet layers' chunk products run in the dtype chosen at construction
+(`delta_rule_dtype`), the same in every forward of the model (design §8.3).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dflash_jax.models.qwen3_5_config import FULL_ATTENTION, LINEAR_ATTENTION, Q
 from dflash_jax.models.target import (NO_SEGMENT, AttentionCache, EmbeddingAndHead, TargetOutput,
                                       causal_self_attention, feature_slots, move_columns, write_columns)
 from dflash_jax.ops.backends import resolve_attention_impl
+from dflash_jax.ops.gated_delta import resolve_delta_rule_dtype
 from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, constrain
 
 __all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "HybridCache", "Qwen3_5", "Qwen3_5Config"]
@@ -84,7 +86,7 @@ class DecoderLayer(nnx.Module):
     the checkpoint: `linear_attn` (Gated DeltaNet) or `self_attn` (gated attention)."""
 
     def __init__(self, config: Qwen3_5Config, layer_type: str, *, param_dtype, rngs: nnx.Rngs, attention_impl: str,
-                 mesh: Mesh | None):
+                 mesh: Mesh | None, delta_rule_dtype: str):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.layer_type = layer_type
         self.input_layernorm = RMSNorm(hidden, eps=eps, zero_centered=True, param_dtype=param_dtype)
@@ -93,7 +95,7 @@ class DecoderLayer(nnx.Module):
                 hidden, num_key_heads=config.linear_num_key_heads, num_value_heads=config.linear_num_value_heads,
                 key_head_dim=config.linear_key_head_dim, value_head_dim=config.linear_value_head_dim,
                 conv_kernel_size=config.linear_conv_kernel_dim, rms_norm_eps=eps, rngs=rngs,
-                param_dtype=param_dtype)
+                param_dtype=param_dtype, delta_rule_dtype=delta_rule_dtype)
         else:
             self.self_attn = GatedAttention(config, param_dtype=param_dtype, rngs=rngs, attention_impl=attention_impl,
                                             mesh=mesh)
@@ -121,9 +123,10 @@ class LayerPeriod(nnx.Module):
     """One period of layer_types: `layers[k]` is the k-th decoder layer of the period."""
 
     def __init__(self, config: Qwen3_5Config, *, param_dtype, rngs: nnx.Rngs, attention_impl: str,
-                 mesh: Mesh | None):
+                 mesh: Mesh | None, delta_rule_dtype: str):
         self.layers = nnx.List([DecoderLayer(config, layer_type, param_dtype=param_dtype, rngs=rngs,
-                                             attention_impl=attention_impl, mesh=mesh)
+                                             attention_impl=attention_impl, mesh=mesh,
+                                             delta_rule_dtype=delta_rule_dtype)
                                 for layer_type in config.layer_period()])
 
 
@@ -131,12 +134,17 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
     """Qwen3_5ForCausalLM text model. `periods` holds the decoder layers: periods.layers[k] is stacked over
     the repetitions of the period, so HF layer i is periods.layers[i % p][i // p] (p = period length).
     attention_impl, mesh: the attention layers' backend, "xla", "splash" or "auto", and the device mesh splash
-    runs per shard of (see `Qwen3`)."""
+    runs per shard of (see `Qwen3`). delta_rule_dtype: the Gated DeltaNet chunk products, "float32", "bfloat16"
+    or "auto" (bfloat16 unless the mesh's devices, else JAX's default backend, are CPUs;
+    config.target_matmul_dtype), fixed here so that every forward of the model computes the same products."""
 
     def __init__(self, config: Qwen3_5Config, *, param_dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_impl: str = "xla", mesh: Mesh | None = None):
+                 attention_impl: str = "xla", mesh: Mesh | None = None, delta_rule_dtype: str = "float32"):
         self.config = config
         attention_impl = resolve_attention_impl(attention_impl)
+        delta_rule_dtype = resolve_delta_rule_dtype(delta_rule_dtype,
+                                                    None if mesh is None else mesh.devices.flat[0].platform)
+        self.delta_rule_dtype = delta_rule_dtype
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, param_dtype=param_dtype)
         repeats = config.num_hidden_layers // len(config.layer_period())
 
@@ -144,7 +152,7 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_periods(period_rngs):
             return LayerPeriod(config, param_dtype=param_dtype, rngs=period_rngs, attention_impl=attention_impl,
-                               mesh=mesh)
+                               mesh=mesh, delta_rule_dtype=delta_rule_dtype)
 
         self.periods = make_periods(rngs)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=True,

@@ -4,20 +4,27 @@ A query of block j sees two disjoint key sets: context positions (p < a_j, withi
 same document) and its own block's B slots. They are scored separately and joined in one softmax: each part
 gives its scores' row maximum and exponentials, the joint maximum rescales both, and the output is
 (Σ_ctx e·v + Σ_blk e·v) / (Σ_ctx e + Σ_blk e), i.e. softmax over [context | own block] exactly. The block part
-is B×B per block (never the N·B×N·B block matrix, of which only the diagonal blocks are visible). The context
-part walks query chunks of C blocks over the context range their anchors reach, known at trace time from the
-static anchor grid: scores [batch, Hq, C*B, reach] in fp32 with reach = max a_j (full layers) or
-max a_j - min a_j + W - 1 at most (sliding layers), instead of [batch, Hq, N*B, T + N*B] for the dense form.
-Each chunk is rematerialised in the backward pass (`jax.checkpoint`): the backward keeps only the inputs, not
-any chunk's probabilities (flash-attention's trade of compute for memory).
+is B×B per block (never the N·B×N·B block matrix, of which only the diagonal blocks are visible).
 
-Layout: queries and keys are put head-major once per call ([b, Hkv, rows, group, D] and [b, Hkv, keys, D]),
-so that every chunk's matmuls take their operands as stored, with the batch and kv-head axes leading, and no
-chunk copies (transposes) its slice of the keys.
+The context part walks query chunks of C blocks, each scored against a fixed number of consecutive context
+positions (its reach) that covers every position its static anchors can see: scores [batch, Hq, C*B, reach] in
+fp32 instead of [batch, Hq, N*B, T + N*B] for the dense form. The chunks are a `lax.scan` (one body, so the
+compiled program and its compile time do not grow with the number of chunks), grouped into runs of one reach
+(`chunk_runs`): on a sliding layer every chunk sees a window of the same width, (C-1)*S + W - 1 positions
+from its first anchor's window start, so one run covers all; on a full layer the reach is the prefix before
+the chunk's last anchor, which grows along the row, so the chunks fall into FULL_REACH_RUNS runs of equal count,
+each scanned over its last chunk's prefix. Each chunk is rematerialised in the backward pass (`jax.checkpoint`
+of the scan's body): the backward keeps only the inputs, not any chunk's probabilities (flash-attention's trade
+of compute for memory), and one chunk's scores are alive at a time.
+
+Layout: queries and keys are put head-major once per call ([b, Hkv, rows, group, D] and [b, Hkv, keys, D]), so
+that every chunk's matmuls take their operands as stored, with the batch and kv-head axes leading; the scan
+takes the queries and block keys chunk by chunk and slices each chunk's context reach out of the whole row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,6 +34,11 @@ import numpy as np
 from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.attention import MASKED_SCORE, grouped_attention, to_head_major
 from dflash_jax.ops.mask import block_rule, context_rule, validate_window
+
+# Runs of equal reach on a full-attention layer. Each run scores all its chunks against the prefix its last chunk
+# reaches, so with k runs of equal count a layer computes (k + 1) / k of the context scores the growing prefixes
+# need (1.25 for 4), for k scan bodies of compiled code.
+FULL_REACH_RUNS = 4
 
 
 def context_reach(grid: AnchorGrid, window: int | None, first_block: int, end_block: int) -> tuple[int, int]:
@@ -39,6 +51,55 @@ def context_reach(grid: AnchorGrid, window: int | None, first_block: int, end_bl
     stop = int(anchors.max())
     start = 0 if window is None else max(0, int(anchors.min()) - window + 1)
     return start, stop
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRun:
+    """`chunks` consecutive query chunks of `blocks` blocks each, from block `first_block`, computed by one scan
+    body: each chunk scores its queries against `reach` consecutive context positions from `reach_start`."""
+
+    first_block: int
+    chunks: int
+    blocks: int
+    reach: int
+
+    @property
+    def end_block(self) -> int:
+        return self.first_block + self.chunks * self.blocks
+
+
+def chunk_runs(grid: AnchorGrid, window: int | None, query_chunk_blocks: int) -> list[ChunkRun]:
+    """The runs covering the N blocks in chunks of query_chunk_blocks (a shorter last chunk is a run of its own).
+
+    Sliding layers: one run of reach min(T, (C-1)*S + W - 1), the widest window any C consecutive anchors see.
+    Full layers: FULL_REACH_RUNS runs of equal chunk count, each of reach a_last (the prefix before its last
+    anchor, which holds every earlier chunk's prefix).
+    """
+    full_chunks, rest = divmod(grid.num_anchors, query_chunk_blocks)
+    groups = []  # (first block, chunks, blocks per chunk)
+    if full_chunks:
+        parts = 1 if window is not None else min(FULL_REACH_RUNS, full_chunks)
+        bounds = [round(i * full_chunks / parts) for i in range(parts + 1)]
+        groups += [(low * query_chunk_blocks, high - low, query_chunk_blocks) for low, high in zip(bounds, bounds[1:])]
+    if rest:
+        groups.append((full_chunks * query_chunk_blocks, 1, rest))
+    runs = []
+    for first, chunks, blocks in groups:
+        if window is None:
+            reach = int(grid.anchors[first + chunks * blocks - 1])
+        else:
+            reach = min(grid.seq_len, (blocks - 1) * grid.stride + window - 1)
+        runs.append(ChunkRun(first, chunks, blocks, reach))
+    return runs
+
+
+def reach_start(grid: AnchorGrid, window: int | None, run: ChunkRun, first_anchor):
+    """The first context position a chunk of `run` whose first anchor is first_anchor (an int or a traced
+    scalar) scores: 0 on full layers; on sliding layers that anchor's window start a - W + 1, moved into the row
+    so that the reach fits (a shifted window still holds every position the chunk sees: `context_reach`)."""
+    if window is None:
+        return 0
+    return jnp.clip(first_anchor - window + 1, 0, grid.seq_len - run.reach)
 
 
 def dflash_attention(
@@ -84,32 +145,51 @@ def dflash_attention(
     # matmul's rows are (row, group) and its batch axes (b, Hkv) lead); keys and values [b, Hkv, len, D].
     q = to_head_major(q, kv_heads)
     k_ctx, v_ctx, k_blk, v_blk = (x.swapaxes(1, 2) for x in (k_ctx, v_ctx, k_blk, v_blk))
-    arrays = (q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, anchor_segment_ids)
-    outputs = []
-    for first_block in range(0, grid.num_anchors, query_chunk_blocks):
-        end_block = min(first_block + query_chunk_blocks, grid.num_anchors)
-        attend = functools.partial(_attend_chunk, grid, window, scale, first_block, end_block)
-        outputs.append(jax.checkpoint(attend)(*arrays))
+    outputs = [_attend_run(grid, window, scale, run, q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids,
+                           anchor_segment_ids)
+               for run in chunk_runs(grid, window, query_chunk_blocks)]
     out = jnp.concatenate(outputs, axis=2).swapaxes(1, 2)  # [b, N*B, Hkv, group, D]
-    return out.reshape(batch, grid.num_queries, q_heads, head_dim).astype(q.dtype)
+    return out.reshape(batch, grid.num_queries, q_heads, head_dim)
 
 
-def _attend_chunk(grid: AnchorGrid, window: int | None, scale: float, first_block: int, end_block: int,
-                  q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, anchor_segment_ids) -> jax.Array:
-    """Attention of the queries of blocks first_block..end_block-1: [b, Hkv, C*B, group, D] in fp32.
+def _attend_run(grid: AnchorGrid, window: int | None, scale: float, run: ChunkRun, q, k_ctx, v_ctx, k_blk, v_blk,
+                context_segment_ids, anchor_segment_ids) -> jax.Array:
+    """The queries of one run's blocks, [b, Hkv, chunks*blocks*B, group, D] in q.dtype: a scan over its chunks.
 
-    It takes the full (head-major) inputs and slices them itself, so that under `jax.checkpoint` the backward
-    keeps the full inputs (shared by all chunks) as residuals, not one copy of each chunk's context slice.
+    The queries, block keys/values and anchor segments go in chunk by chunk (a leading chunk axis); the context
+    and its segments are the scan's constants, each chunk slicing its reach out of them, so the backward keeps
+    the whole context once (not a copy per chunk) and accumulates its gradient in place.
     """
-    block, blocks = grid.block_size, end_block - first_block
-    rows = slice(first_block * block, end_block * block)
-    q = q[:, :, rows]
+    def by_chunk(x: jax.Array, axis: int, start: int, stop: int) -> jax.Array:
+        """x[..., start:stop, ...] along axis, split into the run's chunks along a new leading axis."""
+        x = jax.lax.slice_in_dim(x, start, stop, axis=axis)
+        return jnp.moveaxis(x.reshape(*x.shape[:axis], run.chunks, -1, *x.shape[axis + 1:]), axis, 0)
+
+    rows = (run.first_block * grid.block_size, run.end_block * grid.block_size)
+    # Each query row's anchor, a constant per chunk: the mask's comparisons then read it, where computing it
+    # from a traced chunk index would repeat integer divisions in every fusion over the scores.
+    query_anchors = jnp.asarray(grid.query_anchors[rows[0]:rows[1]].reshape(run.chunks, -1))
+    chunks = (query_anchors, by_chunk(q, 2, *rows), by_chunk(k_blk, 2, *rows), by_chunk(v_blk, 2, *rows),
+              by_chunk(anchor_segment_ids, 1, run.first_block, run.end_block))
+    attend = jax.checkpoint(functools.partial(_attend_chunk, grid, window, scale, run), prevent_cse=False)
+    _, out = jax.lax.scan(lambda carry, chunk: (carry, attend(k_ctx, v_ctx, context_segment_ids, *chunk)), None,
+                          chunks)
+    out = jnp.moveaxis(out, 0, 2)  # [b, Hkv, chunks, blocks*B, group, D]
+    return out.reshape(*out.shape[:2], -1, *out.shape[4:])
+
+
+def _attend_chunk(grid: AnchorGrid, window: int | None, scale: float, run: ChunkRun, k_ctx, v_ctx,
+                  context_segment_ids, query_anchors, q, k_blk, v_blk, anchor_segment_ids) -> jax.Array:
+    """Attention of one chunk's queries, run.blocks blocks: query_anchors [C*B] (each row's anchor), q [b, Hkv,
+    C*B, group, D], k_blk/v_blk [b, Hkv, C*B, D], anchor_segment_ids [b, C]; returns [b, Hkv, C*B, group, D] in
+    q.dtype."""
+    block, blocks = grid.block_size, run.blocks
     batch, kv_heads, _, group, head_dim = q.shape
 
     # Own blocks: [b, Hkv, C, B, group, B] scores of slot k (rows) against slot k' (keys) of the same block.
     by_block = (batch, kv_heads, blocks, block)
     block_scores = jnp.einsum("bhcqgd,bhckd->bhcqgk", q.reshape(*by_block, group, head_dim),
-                              k_blk[:, :, rows].reshape(*by_block, head_dim), preferred_element_type=jnp.float32)
+                              k_blk.reshape(*by_block, head_dim), preferred_element_type=jnp.float32)
     block_scores = block_scores.reshape(batch, kv_heads, blocks * block, group, block) * scale
     if window is not None:  # sliding layers: causal within the block (k' <= k)
         slot = jnp.arange(block)
@@ -117,16 +197,17 @@ def _attend_chunk(grid: AnchorGrid, window: int | None, scale: float, first_bloc
         block_scores = jnp.where(causal[:, None, :], block_scores, MASKED_SCORE)
     row_max = jnp.max(block_scores, axis=-1)
 
-    # Context: [b, Hkv, C*B, group, reach] over the positions the chunk's anchors reach.
-    start, stop = context_reach(grid, window, first_block, end_block)
-    if stop > start:
-        query_anchor = jnp.asarray(grid.query_anchors[rows])[:, None]
-        query_slot = jnp.asarray(grid.query_slots[rows])[:, None]
-        query_segment = jnp.repeat(anchor_segment_ids[:, first_block:end_block], block, axis=1)
-        visible = (context_rule(query_anchor, query_slot, jnp.arange(start, stop)[None, :], window)[None]
-                   & (query_segment[:, :, None] == context_segment_ids[:, None, start:stop]))  # [b, C*B, reach]
-        context_scores = jnp.einsum("bhqgd,bhkd->bhqgk", q, k_ctx[:, :, start:stop],
-                                    preferred_element_type=jnp.float32) * scale
+    # Context: [b, Hkv, C*B, group, reach] over the run's reach from this chunk's start.
+    if run.reach:
+        start = reach_start(grid, window, run, query_anchors[0])
+        query_slot = np.tile(np.arange(block), blocks)[:, None]
+        keys = start + jnp.arange(run.reach)
+        query_segment = jnp.repeat(anchor_segment_ids, block, axis=1)
+        key_segment = jax.lax.dynamic_slice_in_dim(context_segment_ids, start, run.reach, axis=1)
+        visible = (context_rule(query_anchors[:, None], query_slot, keys[None, :], window)[None]
+                   & (query_segment[:, :, None] == key_segment[:, None, :]))  # [b, C*B, reach]
+        k_reach, v_reach = (jax.lax.dynamic_slice_in_dim(x, start, run.reach, axis=2) for x in (k_ctx, v_ctx))
+        context_scores = jnp.einsum("bhqgd,bhkd->bhqgk", q, k_reach, preferred_element_type=jnp.float32) * scale
         context_scores = jnp.where(visible[:, None, :, None, :], context_scores, MASKED_SCORE)
         row_max = jnp.maximum(row_max, jnp.max(context_scores, axis=-1))
 
@@ -134,14 +215,14 @@ def _attend_chunk(grid: AnchorGrid, window: int | None, scale: float, first_bloc
     block_weights = jnp.exp(block_scores - row_max[..., None])
     total = jnp.sum(block_weights, axis=-1)
     out = jnp.einsum("bhcqgk,bhckd->bhcqgd", block_weights.reshape(*by_block, group, block).astype(v_blk.dtype),
-                     v_blk[:, :, rows].reshape(*by_block, head_dim), preferred_element_type=jnp.float32)
+                     v_blk.reshape(*by_block, head_dim), preferred_element_type=jnp.float32)
     out = out.reshape(batch, kv_heads, blocks * block, group, head_dim)
-    if stop > start:
+    if run.reach:
         context_weights = jnp.exp(context_scores - row_max[..., None])
         total = total + jnp.sum(context_weights, axis=-1)
-        out = out + jnp.einsum("bhqgk,bhkd->bhqgd", context_weights.astype(v_ctx.dtype), v_ctx[:, :, start:stop],
+        out = out + jnp.einsum("bhqgk,bhkd->bhqgd", context_weights.astype(v_reach.dtype), v_reach,
                                preferred_element_type=jnp.float32)
-    return out / total[..., None]
+    return (out / total[..., None]).astype(q.dtype)
 
 
 def cached_dflash_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, k_blk: jax.Array, v_blk: jax.Array,

@@ -16,45 +16,28 @@ enters the chunked form. Decoding continues from the state a previous call retur
 (Precision.HIGHEST, the exact path) or, with `matmul_dtype="bfloat16"`, the chunked form's per-chunk products
 take bf16 operands with fp32 accumulation (tensor-core speed on TPU and GPU) while the triangular inverse and
 the state carried across chunks stay fp32 (bench/RESULTS.md, "Gated delta rule precision", has the errors).
-The train step runs the frozen target's layers under `delta_rule_matmuls(config.target_matmul_dtype)`, which
-sets the products' dtype of every Gated DeltaNet traced inside it (design §8.3); elsewhere they are fp32.
+Which one a target runs is fixed when it is built (`Qwen3_5(delta_rule_dtype=...)`, from
+config.target_matmul_dtype, resolved by `resolve_delta_rule_dtype`), so training, evaluation and regeneration
+compute the same products (design §8.3).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
-
 import jax
 import jax.numpy as jnp
-
-from dflash_jax.ops.backends import compile_platform
 
 CHUNK_SIZE = 64  # transformers' chunk size; any power of two gives the same result up to fp32 rounding
 MATMUL_DTYPES = ("float32", "bfloat16")
 MATMUL_CHOICES = ("auto", *MATMUL_DTYPES)  # "auto": bfloat16 on TPU and GPU, float32 on CPU
-_MATMUL_DTYPE = contextvars.ContextVar("delta_rule_matmul_dtype", default="float32")
 
 
-@contextlib.contextmanager
-def delta_rule_matmuls(choice: str) -> Iterator[None]:
-    """Gated DeltaNet layers traced inside run their chunk products in `choice` (MATMUL_CHOICES)."""
+def resolve_delta_rule_dtype(choice: str, platform: str | None = None) -> str:
+    """The chunk products' dtype (MATMUL_DTYPES) of `choice` (MATMUL_CHOICES) on `platform` (the devices the
+    model runs on; default JAX's default backend): "auto" is float32 on CPU, bfloat16 elsewhere."""
     if choice not in MATMUL_CHOICES:
         raise ValueError(f"the delta rule's matmul dtype must be one of {MATMUL_CHOICES}, got {choice!r}")
-    token = _MATMUL_DTYPE.set(choice)
-    try:
-        yield
-    finally:
-        _MATMUL_DTYPE.reset(token)
-
-
-def traced_matmul_dtype() -> str:
-    """The chunk products' dtype for the computation being traced: the enclosing `delta_rule_matmuls`, "auto"
-    resolved for the platform it compiles for (`compile_platform`), else float32."""
-    choice = _MATMUL_DTYPE.get()
     if choice == "auto":
-        return "float32" if compile_platform() == "cpu" else "bfloat16"
+        return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
     return choice
 
 

@@ -27,7 +27,8 @@ from dflash_jax.planning.chips import Chip
 from dflash_jax.planning.hlo_cost import Collective, HloCost
 from dflash_jax.planning.plan import abstract_config, per_device_bytes, target_bytes_by_layout
 from dflash_jax.planning.roofline import Roofline, roofline
-from dflash_jax.sharding import AUTO_LAYOUT_ORDER, make_mesh
+from dflash_jax.models.moe import EXPERT_IN
+from dflash_jax.sharding import AUTO_LAYOUT_ORDER, layout_rules, logical_spec, make_mesh
 from dflash_jax.train import flops, validate
 from dflash_jax.train.state import state_spec
 from dflash_jax.weights.families import family_of
@@ -44,6 +45,7 @@ class Prediction(NamedTuple):
     memory: dict[str, float]  # bytes per device: target, params, opt_state, batch, temporaries, total
     roofline: Roofline | None  # None without the chip's peaks, or when it cannot run
     reason: str  # why it cannot run or does not fit; "" when it does
+    experts: str = ""  # where a mixture-of-experts target's experts lie (`expert_placement`); "" for a dense one
 
     @property
     def fits(self) -> bool:
@@ -78,7 +80,8 @@ def predict_candidates(config: ConfigDict, target_config, devices: list, granule
         micro_batch = candidate.data.batch_size // candidate.grad_accum_steps
         if micro_batch % shards:
             found.extend(Prediction(layout, sizes, None, {}, None, f"{micro_batch} rows per micro-batch do not "
-                                    f"split over {shards} (data, fsdp) shards") for layout in layouts)
+                                    f"split over {shards} (data, fsdp) shards",
+                                    expert_placement(target_config, layout, sizes)) for layout in layouts)
             continue
         mesh = make_mesh(**sizes, devices=devices)
         by_layout = target_bytes_by_layout(target_state, mesh)
@@ -101,8 +104,33 @@ def predict_candidates(config: ConfigDict, target_config, devices: list, granule
             reason = (f"predicted {memory['total'] / 2**30:.1f} GiB of {budget_bytes / 2**30:.1f}" if over else "")
             if layout == "tensor" and sizes["tensor"] == 1 and "replicate" in layouts:
                 reason = "the replicate layout's shardings on tensor = 1"  # not compiled twice
-            found.append(Prediction(layout, sizes, candidate, memory, line, reason))
+            found.append(Prediction(layout, sizes, candidate, memory, line, reason,
+                                    expert_placement(target_config, layout, sizes)))
     return sorted(found, key=rank_key)
+
+
+def expert_placement(target_config, layout: str, sizes: dict[str, int]) -> str:
+    """Where a mixture-of-experts target's experts lie on a candidate's mesh in a layout, as the rule table places
+    their kernels [E, H, I] (design §13), e.g. "256 over tensor=8 (32 a device), hidden over fsdp=4"; "" for a
+    dense target."""
+    moe = getattr(target_config, "moe", None)
+    if moe is None:
+        return ""
+    mesh_shape = {"data": sizes["data"] * sizes.get("dcn_data", 1), "fsdp": sizes["fsdp"], "tensor": sizes["tensor"]}
+    with nnx.logical_axis_rules(layout_rules(layout)):
+        spec = logical_spec((moe.num_experts, target_config.hidden_size, moe.expert_intermediate_size), EXPERT_IN,
+                            mesh_shape)
+    expert_axes, hidden_axes = (tuple(axis for axis in ((entry,) if isinstance(entry, str) else entry or ())
+                                      if mesh_shape[axis] > 1) for entry in spec[:2])  # axes that split
+    if expert_axes:
+        shards = math.prod(mesh_shape[axis] for axis in expert_axes)
+        text = (f"{moe.num_experts} over {'x'.join(f'{axis}={mesh_shape[axis]}' for axis in expert_axes)} "
+                f"({moe.num_experts // shards} a device)")
+    else:
+        text = f"{moe.num_experts} on every device"
+    if hidden_axes:
+        text += ", hidden over " + "x".join(f"{axis}={mesh_shape[axis]}" for axis in hidden_axes)
+    return text
 
 
 def rank_key(prediction: Prediction) -> tuple:
@@ -135,6 +163,9 @@ def temporaries(config: ConfigDict, target_config, drafter_config, rows: int, si
         target += rows * t.num_attention_heads / tensor * length * length * 4
     if layout == "fsdp":
         target += whole["target"] / (t.num_hidden_layers * tensor)
+    moe = getattr(t, "moe", None)
+    if moe is not None:  # the dispatch's expert-sorted rows and their SwiGLU: every assignment's (models/moe.py)
+        target += rows * length * moe.top_k * 2 * (hidden + moe.expert_intermediate_size) * target_item
     per_layer = hidden if config.remat != "none" else 4 * hidden + 3 * d.intermediate_size / tensor
     drafter = rows * queries * per_layer * d.num_hidden_layers * 4
     drafter += rows * length * (len(d.target_layer_ids) * hidden

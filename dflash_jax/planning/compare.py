@@ -133,11 +133,16 @@ def _rank(candidate: Candidate) -> tuple:
 
 
 def format_comparison(candidates: list[Candidate]) -> str:
-    lines = ["| layout | mesh (per slice or host) | memory per device | bytes per device on each link | step "
-             "(overlap - none) | MFU | tokens/s | run | bound | from | note |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """The candidates as a Markdown table, best first, with a column of where a mixture-of-experts target's
+    experts lie in each (analytic.expert_placement)."""
+    experts = any(c.prediction is not None and c.prediction.experts for c in candidates)
+    lines = ["| layout | mesh (per slice or host) |" + " experts |" * experts + " memory per device | bytes per "
+             "device on each link | step (overlap - none) | MFU | tokens/s | run | bound | from | note |",
+             "| --- | --- |" + " --- |" * experts + " --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for candidate in candidates:
         plan, prediction, mesh = candidate.plan, candidate.prediction, mesh_text(candidate.mesh)
+        if experts:
+            mesh += f" | {prediction.experts if prediction is not None else ''}"
         if plan is not None and plan.roofline is not None:
             total, line, source = plan.total_bytes, plan.roofline, "compiled"
         elif plan is None and prediction is not None and prediction.roofline is not None:

@@ -225,7 +225,8 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
     config = abstract_config(config)  # the layout may be settled below
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer=None)
     target = family_of(target_config).abstract_model(target_config, param_dtype=validate.dtype_of(config.target_dtype),
-                                   attention_impl=attention_impl, mesh=mesh)
+                                   attention_impl=attention_impl, mesh=mesh,
+                                   delta_rule_dtype=config.target_matmul_dtype)
     target_graphdef, target_state = nnx.split(target)
     by_layout = target_bytes_by_layout(target_state, mesh)
     kind = mesh.devices.flat[0].device_kind

@@ -58,7 +58,7 @@ def prediction_record(prediction: Prediction | None) -> dict | None:
     if prediction is None:
         return None
     line = prediction.roofline
-    return {"memory_bytes": prediction.memory, "fits": prediction.fits,
+    return {"memory_bytes": prediction.memory, "fits": prediction.fits, "experts": prediction.experts or None,
             "step_seconds": None if line is None else list(line.step_seconds),
             "seconds_by_resource": None if line is None else line.seconds}
 

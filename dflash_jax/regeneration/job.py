@@ -6,7 +6,9 @@ round k generates the k-th response of every record that needs one (chats may ne
 in one call of the decoder, which buckets them by prompt length and keeps its batch full (decode.py). When
 the whole window is done its records are appended to the output. SIGTERM/SIGINT stop the job after the
 window in flight is written. With several processes, each takes every processes-th record (its share) and
-appends its window to its own part file, a dropped record there as a `null` line (shares.py merges them).
+appends its window to its own part file, a dropped record there as a `null` line (shares.py merges them); they
+agree at every window boundary whether to stop, so a signal to any one of them stops all after the same
+window.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from dflash_jax.runtime import distributed
 from dflash_jax.runtime.paths import open_input
 from dflash_jax.regeneration.decode import BatchDecoder
 from dflash_jax.regeneration.output import ResumableJsonl
@@ -82,11 +85,18 @@ def regenerate(decoder: BatchDecoder, tokenizer: PreTrainedTokenizerBase, prompt
                disable=not progress)
     window_size = WINDOW_BATCHES * decoder.batch_size
     with StopRequest() as stop:
-        while not stop.requested:
+        while True:
             window = [(process + index * processes, Regeneration(record, tokenizer, where, chat_template_kwargs))
                       for index, (where, record) in itertools.islice(records, window_size)]
-            if not window:
+            # Every process stops at the same window boundary: a stop asked of any of them stops all (a process
+            # whose share is done takes part with empty windows until every share is).
+            if any(distributed.process_flags(stop.requested is not None)):
+                summary.stopped_by = stop.requested or "a stop on another process"
                 break
+            if not any(distributed.process_flags(bool(window))):
+                break
+            if not window:
+                continue
             kept = _run_window(decoder, window, max_prompt_tokens, summary)
             if processes == 1:
                 lines = [r.output() for r in kept if r is not None]
@@ -97,7 +107,6 @@ def regenerate(decoder: BatchDecoder, tokenizer: PreTrainedTokenizerBase, prompt
             summary.written += sum(r is not None for r in kept)
             bar.update(len(window))
             bar.set_postfix(tokens_per_s=f"{summary.tokens_per_second:,.0f}")
-        summary.stopped_by = stop.requested
     bar.close()
     return summary
 

@@ -36,8 +36,11 @@ def check_no_foreign_parts(out: str | os.PathLike, processes: int) -> None:
     foreign = sorted(p.name for p in out.parent.glob(f"{out.name}.part-*-of-*")
                      if not p.name.endswith(PROGRESS_SUFFIX) and p.name not in expected)
     if foreign:
-        raise DataError(str(out), f"has parts of a run with another number of processes ({', '.join(foreign)}); "
-                                  f"rerun with that many processes to finish it, or remove them to start over")
+        counts = sorted({int(name.rsplit("-of-", 1)[1]) for name in foreign if name.rsplit("-of-", 1)[1].isdigit()})
+        needed = " or ".join(map(str, counts)) or "that many"
+        raise DataError(str(out), f"has the parts of a job of {needed} processes ({', '.join(foreign)}), not "
+                                  f"{processes}: rerun it with {needed} processes to finish it, or remove the parts "
+                                  f"to start over")
 
 
 def merge_parts(output: ResumableJsonl, processes: int, total: int) -> None:

@@ -7,7 +7,8 @@ or evaluate) is read through `local_copy`: its top-level files are downloaded on
 from there, since the safetensors and tokenizer readers take local files only (an Orbax target's arrays, in a
 subdirectory, stay in the bucket: Orbax reads them there, each host its own shards). A file a command grows at a
 URL (metrics.jsonl, regenerate's output) is a `StagedFile`: written locally and uploaded whole, since object
-stores have no append. Every remote path is reached through `as_path` or `filesystem`, which first point every
+stores have no append; the files a library writes into a directory at a URL (TensorBoard's) are a
+`StagedDirectory`. Every remote path is reached through `as_path` or `filesystem`, which first point every
 storage client at the same endpoint and bound its operations (runtime/storage.py, design §7.2).
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import shutil
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -90,6 +93,25 @@ class StagedFile:
 
     def upload(self) -> None:
         self._fs.put_file(os.fspath(self.local), self._key)
+
+
+class StagedDirectory:
+    """A directory at a URL that a library fills with ordinary file calls (TensorBoard's event files): the files
+    are written in a local directory of this process's own (`local`, empty at the start) and `upload` puts each
+    of them at the URL whole. Files already at the URL (an earlier run's) stay as they are."""
+
+    def __init__(self, url: str):
+        self._fs, self._key = filesystem(url)
+        self.local = cached_path(url) / f"{socket.gethostname()}-{os.getpid()}"
+        shutil.rmtree(self.local, ignore_errors=True)  # left by a process of this id that is gone
+        self.local.mkdir(parents=True)
+
+    def upload(self) -> None:
+        for file in sorted(self.local.iterdir()):
+            self._fs.put_file(os.fspath(file), f"{self._key}/{file.name}")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.local, ignore_errors=True)
 
 
 def local_copy(url: str, patterns: Sequence[str]) -> str:

@@ -21,10 +21,12 @@ import dataclasses
 import itertools
 import logging
 import os
+import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from urllib.parse import parse_qs, unquote
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +62,60 @@ def configure(storage_config) -> None:
             setattr(SETTINGS, field.name, int(value) if field.type == "int" else float(value))
 
 
+# In a command, the most seconds between an outage and the end of the process (`StorageOutage`).
+_end_after_outage: float | None = None
+
+
+def end_commands_after_outages(seconds: float = 10.0) -> None:
+    """Makes every later StorageOutage end the process at the latest `seconds` after it (command-line entry
+    points call this; a library caller keeps the exception to itself)."""
+    global _end_after_outage
+    _end_after_outage = seconds
+
+
 class StorageOutage(Exception):
     """A storage operation that did not succeed within its deadline and retries. Not an OSError, so that no
-    caller mistakes it for a missing file (and, say, starts a file afresh over one it could not read)."""
+    caller mistakes it for a missing file (and, say, starts a file afresh over one it could not read).
+
+    In a command (`end_commands_after_outages`) an outage ends the process: its line and exit code come at the
+    latest that many seconds after it, the time the callers it unwinds through have to close their files; each
+    of those that needs the same storage would otherwise wait out a deadline of its own. A caller that lives on
+    after an outage (the workdir lock's heartbeat) calls `forgive`."""
 
     def __init__(self, operation: str, path: str, reason: str):
-        super().__init__(f"storage outage: {operation} {path} failed ({reason}); nothing is lost: rerun the "
-                         f"same command when the storage answers again (exit code {EXIT_STORAGE_OUTAGE})")
+        super().__init__(_outage_message(operation, path, reason))
         self.operation, self.path = operation, path
+        self._ending = None if _end_after_outage is None else Deadline.start(
+            _end_after_outage, lambda: str(self), EXIT_STORAGE_OUTAGE)
+
+    def forgive(self) -> None:
+        if self._ending is not None:
+            Deadline.end(self._ending)
+
+
+def _outage_message(operation: str, path: str, reason: str) -> str:
+    return (f"storage outage: {operation} {path} failed ({reason}); nothing is lost: rerun the same command when "
+            f"the storage answers again (exit code {EXIT_STORAGE_OUTAGE})")
+
+
+# TensorStore's words (absl status codes) for a request that found no server or no answer: its own retries ran
+# out, which says nothing about the data.
+_UNANSWERED_STATUS = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def outage_in(error: BaseException, operation: str, path: str) -> StorageOutage | None:
+    """The storage outage behind `error`, if it is one: a StorageOutage anywhere in its chain (raised in a
+    library's thread, say Orbax's background save, and wrapped), or TensorStore's report of an unanswered
+    request. None for any other failure (a damaged file, a bug)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, StorageOutage):
+            return error
+        if str(error).lstrip().startswith(_UNANSWERED_STATUS):
+            return StorageOutage(operation, path, (str(error).strip().splitlines() or [""])[0])
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def report_and_exit(message: str, code: int) -> None:
@@ -161,15 +209,17 @@ def bounded_gcs_filesystem():
     if gcsfs_log.level == logging.NOTSET:  # its import announces features at INFO: not a line on a command's stderr
         gcsfs_log.setLevel(logging.WARNING)
     try:
-        import gcsfs  # noqa: PLC0415
+        # The core class, not gcsfs.GCSFileSystem: that one (ExtendedGcsFileSystem) first asks a gRPC control
+        # plane for each bucket's layout, a second client that takes neither the endpoint nor the bounds. The
+        # core class speaks the JSON API alone, as TensorStore does.
+        from gcsfs.core import GCSFileSystem  # noqa: PLC0415
     except ImportError:
         return None
 
-    class BoundedGCSFileSystem(gcsfs.GCSFileSystem):
+    class BoundedGCSFileSystem(GCSFileSystem):
         async def _call(self, method, path, *args, **kwargs):
-            url = self._format_path(path, args) if args else path
-            return await bounded(method, url, lambda: super(BoundedGCSFileSystem, self)._call(
-                method, path, *args, **kwargs))
+            return await bounded(method, _object_url(self._format_path(path, args), kwargs),
+                                 lambda: super(BoundedGCSFileSystem, self)._call(method, path, *args, **kwargs))
 
         async def _get_file(self, rpath, lpath, **kwargs):
             size = (await self._info(rpath)).get("size") or 0
@@ -178,6 +228,20 @@ def bounded_gcs_filesystem():
 
     BoundedGCSFileSystem.__name__ = BoundedGCSFileSystem.__qualname__ = "BoundedGCSFileSystem"
     return BoundedGCSFileSystem
+
+
+def _object_url(url: str, kwargs: dict) -> str:
+    """gs://bucket/name of the object (or listing prefix) a JSON API request is about, else its URL: the name is
+    in the URL's path or query, the listing's prefix, or the metadata at the start of a simple upload's body."""
+    match = re.search(r"/b/([^/?]+)/o(?:/([^?]+))?(?:\?(.*))?$", url)
+    if not match:
+        return url
+    name = unquote(match[2] or "") or parse_qs(match[3] or "").get("name", [""])[0] or kwargs.get("prefix") or ""
+    data = kwargs.get("data")
+    if not name and isinstance(data, (bytes, bytearray, memoryview)):
+        named = re.search(rb'"name": "([^"]*)"', bytes(data[:4096]))
+        name = named[1].decode() if named else ""
+    return f"gs://{unquote(match[1])}/{name}"
 
 
 class Deadline:
@@ -223,7 +287,7 @@ def deadline(operation: str, path: str, size: int = 0) -> Iterator[None]:
     """While active, `operation` on `path` must finish within SETTINGS.deadline_seconds (plus the time for
     `size` bytes), else the process ends with the storage outage's line and exit code."""
     seconds = SETTINGS.deadline_seconds + size / SLOWEST_BYTES_PER_SECOND
-    message = str(StorageOutage(operation, path, f"not finished within {seconds:g} s"))
+    message = _outage_message(operation, path, f"not finished within {seconds:g} s")
     key = Deadline.start(seconds, lambda: message, EXIT_STORAGE_OUTAGE)
     try:
         yield

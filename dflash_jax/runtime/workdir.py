@@ -33,6 +33,7 @@ from ml_collections import ConfigDict
 
 from dflash_jax.runtime.errors import CheckpointError, WorkdirLockedError
 from dflash_jax.runtime.paths import StagedFile, is_url
+from dflash_jax.runtime import storage
 from dflash_jax.runtime.storage import StorageOutage
 from dflash_jax.runtime import distributed
 
@@ -208,6 +209,7 @@ class WorkdirLock:
                 partial.write_text(self._text())
                 partial.replace(self.path)
             except StorageOutage as error:  # a missed heartbeat: the lock goes stale only after several
+                error.forgive()
                 log.warning("%s", error)
 
 
@@ -351,12 +353,18 @@ def newest_readable(checkpoints: epath.Path, steps: Sequence[int], restore: Call
     workdir = checkpoints.parent
     failures: dict[int, str] = {}
     for step in sorted(steps, reverse=True):
-        with library_logs_captured() as library_lines:
+        where = f"{checkpoints}/{step}"
+        # In a bucket, TensorStore's threads read it: bounded by the storage watchdog (design §7.2).
+        bounded = storage.deadline("checkpoint restore", where) if is_url(checkpoints) else contextlib.nullcontext()
+        with library_logs_captured() as library_lines, bounded:
             try:
                 result = restore(step)
-            except StorageOutage:  # the store did not answer: says nothing about the checkpoint
-                raise
             except Exception as error:  # noqa: BLE001 - any failure to read means: fall back to an older step
+                outage = storage.outage_in(error, "checkpoint restore", where)
+                if outage is error:  # the store did not answer: says nothing about the checkpoint
+                    raise
+                if outage is not None:
+                    raise outage from error
                 failures[step] = short_reason(error) + record_error(
                     workdir, f"restoring checkpoint step {step}", error, library_lines)
                 continue

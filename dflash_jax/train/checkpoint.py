@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -42,6 +43,7 @@ class Checkpointer:
         # (runtime/stop.py) without asking the storage, which may be the part that no longer answers.
         self._complete: int | None = None
         self._in_flight: int | None = None
+        self._saving_bytes = 0  # of the save in flight, for its deadline
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -70,21 +72,20 @@ class Checkpointer:
     def save(self, step: int, state: TrainState, data_state: dict[str, Any]) -> None:
         """Starts writing in the background (arrays are copied off the device first, so the caller may
         donate or overwrite `state` right away); `wait` or `close` blocks until it is on disk."""
-        with self._bounded("checkpoint save"):  # it first waits for the previous save to finish
+        with self._bounded("checkpoint save", self._saving_bytes):  # it first waits for the previous save
             self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                              data=ocp.args.JsonSave(data_state)), force=True)
         self._finished()
-        self._in_flight = step
+        self._in_flight, self._saving_bytes = step, _own_bytes(state)
 
     def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         """The state (placed on the shardings carried by `abstract_state`) and the data position at `step`."""
-        with self._bounded("checkpoint restore"):
-            restored = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return restored.state, restored.data
 
     def wait(self) -> None:
-        with self._bounded("checkpoint save"):
+        with self._bounded("checkpoint save", self._saving_bytes):
             self._manager.wait_until_finished()
         self._finished()
 
@@ -104,12 +105,27 @@ class Checkpointer:
         if self._in_flight is not None:
             self._complete, self._in_flight = self._in_flight, None
 
-    def _bounded(self, operation: str):
-        """A save or restore in a bucket runs in TensorStore's threads, whose own retries of an unanswered
-        request take a quarter of an hour: bounded by the storage watchdog instead (design §7.2)."""
-        if not is_url(self._workdir):
-            return contextlib.nullcontext()
-        return storage.deadline(operation, os.fspath(self._workdir / CHECKPOINTS_DIR))
+    @contextlib.contextmanager
+    def _bounded(self, operation: str, size: int) -> Iterator[None]:
+        """A save into a bucket runs in TensorStore's threads, whose own retries of an unanswered request take a
+        quarter of an hour: bounded by the storage watchdog instead, with time for this process's `size` bytes
+        (design §7.2). What the save's background thread met reaches the caller wrapped by Orbax: an outage
+        there is reported as one, not as a failed save."""
+        where = os.fspath(self._workdir / CHECKPOINTS_DIR)
+        with storage.deadline(operation, where, size) if is_url(self._workdir) else contextlib.nullcontext():
+            try:
+                yield
+            except Exception as error:
+                outage = storage.outage_in(error, operation, where)
+                if outage is None or outage is error:
+                    raise
+                raise outage from error
+
+
+def _own_bytes(state: TrainState) -> int:
+    """The bytes this process writes of `state`: one copy of each of its shards."""
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)
+               for shard in leaf.addressable_shards if shard.replica_id == 0)
 
 
 def _set_aside(workdir: epath.Path, step: int) -> None:

@@ -46,6 +46,7 @@ def base_config() -> ConfigDict:
     # The products inside a hybrid target's Gated DeltaNet chunks (design §8.3): "bfloat16" operands with fp32
     # accumulation (tensor-core speed), "float32" (exact, Precision.HIGHEST), "auto" = bfloat16 on TPU and GPU,
     # float32 on CPU. The recurrent state, the triangular inverse and the state carried across chunks stay fp32.
+    # Training, evaluation and regeneration load the target with it alike.
     config.target_matmul_dtype = "auto"
     config.compute_dtype = "bfloat16"  # drafter compute; its weights and optimizer state stay fp32 (design §7)
 
@@ -129,7 +130,10 @@ def base_config() -> ConfigDict:
     # "auto" = splash on TPU, cuDNN on GPU (the target's causal attention; the drafter's runs in XLA there), XLA
     # elsewhere (the target's XLA path walks 512-query chunks); "cudnn" off GPU falls back to XLA with a warning.
     config.attention_impl = "auto"
-    config.query_chunk_blocks = 16  # blocks per query chunk in the XLA drafter attention
+    # Blocks per query chunk of the drafter's XLA attention, a memory knob only (the chunks are one scanned body,
+    # ops/dflash_attention.py): 16 blocks of 16 slots score 256 queries at a time, for the 27B drafter's 32 heads
+    # 68 MiB of fp32 scores a row on a sliding layer (a reach of 2,167 positions), 128 MiB on the full layer's last.
+    config.query_chunk_blocks = 16
 
     # Optimisation (design §7).
     # The schedule's length: total_steps, or epochs (passes over the corpus; total_steps is then derived from its

@@ -118,6 +118,7 @@ def run_loop(run: startup.TrainingRun, evaluate: EvaluateFn | None) -> dict[str,
                 stopping = vote(stop.requested is not None)
                 if stopping:
                     stop.start_grace()  # a stop another process received: the budget starts here
+                    log.warning("stopping after step %d: saving its checkpoint", step)
                 if step % config.checkpoint_every == 0 or step == config.total_steps or stopping:
                     run.checkpointer.save(step, state, merge_states(distributed.gather_json(data_position)))
             stopped_by = (stop.requested or "a stop on another process") if stopping else None

@@ -113,7 +113,7 @@ def lm_head_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: 
     markov = (e [..., R, r], W2 [r, V]): DSpark's Markov bias e @ W2 is added to each row chunk's logits (design
     §18); both get gradients, by `rematerialised_chunks` instead of the fused gradient.
 
-    top_k > 0 (DFlash2, design §18.3): also each row's selector candidates from the same logits,
+    top_k > 0 (DFlash2, design §18.4): also each row's selector candidates from the same logits,
     (ids [..., R, K], whether the label is among the top-K [..., R]) of `dflash2.training_candidates`; integers,
     no gradient.
     """

@@ -1,4 +1,4 @@
-"""DFlash2's selector loss (design §18.3): the K-way cross-entropy of the candidate selector's scores against
+"""DFlash2's selector loss (design §18.4): the K-way cross-entropy of the candidate selector's scores against
 the hard label, teacher-forced on the data's previous tokens.
 
 Per drafted slot k of the block at anchor a: the candidates are the top-K tokens of the unary logits z_k with the

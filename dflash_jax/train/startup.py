@@ -93,6 +93,16 @@ def settle(config: ConfigDict) -> tuple[ConfigDict, Mesh, plan.Plan | None]:
     return config, mesh, report
 
 
+def load_config_target(config: ConfigDict, mesh: Mesh, target_layout: str, attention_impl: str = "xla"):
+    """(model, config) of config.target_dir as `train`, `evaluate` and `regenerate` load it: weights in
+    config.target_dtype laid out by `target_layout`, its full-sequence attention on `attention_impl`, and its
+    Gated DeltaNet products in config.target_matmul_dtype, so that the training teacher, evaluation and
+    regeneration of one config compute the same greedy tokens (design §8.3)."""
+    return load_target(config.target_dir, param_dtype=validate.dtype_of(config.target_dtype), mesh=mesh,
+                       attention_impl=attention_impl, target_layout=target_layout,
+                       delta_rule_dtype=config.target_matmul_dtype)
+
+
 def plan_summary(report: plan.Plan) -> dict[str, float]:
     """What `train` returns for config.plan_only."""
     return {"plan_total_gib": report.total_bytes / plan.GIB, "plan_temp_gib": report.temp_bytes / plan.GIB}
@@ -108,8 +118,7 @@ def setup(given: ConfigDict, config: ConfigDict, mesh: Mesh, report: plan.Plan |
     attention_impl = resolve_attention_impl(config.attention_impl)
     log.info("loading target %s onto mesh %s (layout: %s, attention: %s)", config.target_dir, dict(mesh.shape),
              config.target_layout, attention_impl)
-    target, target_config = load_target(config.target_dir, param_dtype=validate.dtype_of(config.target_dtype),
-                                        mesh=mesh, attention_impl=attention_impl, target_layout=config.target_layout)
+    target, target_config = load_config_target(config, mesh, config.target_layout, attention_impl)
     tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
     _check_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)

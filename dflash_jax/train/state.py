@@ -22,9 +22,7 @@ from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.sharding import state_shardings
 from dflash_jax.train.optimizer import make_optimizer
 from dflash_jax.train.validate import dtype_of
-from dflash_jax.weights.drafter_files import drafter_config_from_file, read_drafter_weights
-from dflash_jax.weights.hub import local_dir
-from dflash_jax.weights.safetensors_dir import read_config
+from dflash_jax.weights.drafter_files import read_warm_start
 
 
 class TrainState(NamedTuple):
@@ -64,8 +62,7 @@ def init_train_state(drafter_config: DrafterConfig, config: ConfigDict, attentio
     """The step-0 state, created directly on its shardings (no host copy of the full drafter)."""
     state = jax.jit(lambda: _init(drafter_config, config, attention_impl), out_shardings=spec.shardings)()
     if config.drafter.init_from:
-        state = state._replace(params=_load_params(config.drafter.init_from, drafter_config, config, attention_impl,
-                                                   spec))
+        state = state._replace(params=_load_params(config.drafter.init_from, drafter_config, spec, state.params))
         state = state._replace(opt_state=jax.jit(make_optimizer(config).init,
                                                  out_shardings=spec.shardings.opt_state)(state.params))
     return state
@@ -79,16 +76,14 @@ def _init(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str
     return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(config).init(params), rng)
 
 
-def _load_params(directory: str, drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str,
-                 spec: StateSpec) -> nnx.State:
+def _load_params(directory: str, drafter_config: DrafterConfig, spec: StateSpec, initial: nnx.State) -> nnx.State:
     """Drafter weights from a directory in the export layout (design §10) or a Hub repo id, placed on the param
-    shardings. A drafter of another method (a DFlash export warm-starting DSpark or DFlash2, design §18) gives
-    the backbone; this run's own parts keep their initialisation (the step-0 state's: the same seed)."""
+    shardings; the parts its drafter's method lacks (DSpark's heads, starting from a DFlash drafter, design §18)
+    keep their values in `initial`, the run's own initialisation."""
     try:
-        source = drafter_config_from_file(read_config(local_dir(directory, "drafter")), directory)
-        fresh = (make_drafter(drafter_config, config, attention_impl, seed=config.seed)
-                 if source.method != drafter_config.method else None)
-        drafter = read_drafter_weights(directory, drafter_config, param_dtype=jnp.float32, fresh=fresh)
+        drafter = read_warm_start(directory, drafter_config, param_dtype=jnp.float32)
     except (CheckpointError, OSError) as error:
         raise ConfigError(f"config.drafter.init_from={directory!r}: {error}") from None
-    return jax.device_put(nnx.state(drafter, nnx.Param), spec.shardings.params)
+    loaded = jax.tree.map(lambda value, init: init if isinstance(value, jax.ShapeDtypeStruct) else value,
+                          nnx.state(drafter, nnx.Param), initial)
+    return jax.device_put(loaded, spec.shardings.params)

@@ -16,7 +16,7 @@ count, so accumulation gives exactly the full-batch gradient). Per micro-batch:
 For method "dspark" (design §18) every block slot is drafted (slot k predicts the token after a+k), the Markov
 bias W2·W1[input_ids[a+k]] is added to each slot's logits inside the fused loss's row chunks, and the confidence
 head's BCE against the detached 1 − TV of the same pass is added with weight config.drafter.confidence_alpha.
-For "dflash2" (design §18.3) the fused pass also yields each slot's top-K candidates, and the selector's K-way
+For "dflash2" (design §18.4) the fused pass also yields each slot's top-K candidates, and the selector's K-way
 cross-entropy (train/selector.py), weighted as the unary loss, is added with weight config.drafter.selector_alpha;
 the slots' accuracy is then the selector's, whose picks decoding commits.
 """
@@ -38,7 +38,6 @@ from dflash_jax.models.dflash import TargetContext, target_context
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.ops.anchors import (AnchorGrid, DrafterInputs, anchor_utilisation, anchor_validity, slot_mask,
                                     slot_tokens)
-from dflash_jax.ops.gated_delta import delta_rule_matmuls
 from dflash_jax.sharding import BATCH_AXES, TARGET_LAYOUTS, batch_sharding, layout_rules, replicated
 from dflash_jax.train.confidence import confidence_loss
 from dflash_jax.train.loss import (dflash_loss, dpace_weights, lm_head_cross_entropy, position_weights,
@@ -82,7 +81,7 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
     dpace = config.loss.position_weights == "dpace"  # weights from the drafter's own confidence (design §6)
     terms = parse_loss_terms(config.loss.terms)
     confidence_alpha = config.drafter.confidence_alpha if dspark else 0.0
-    top_k = drafter_config.selector_top_k  # DFlash2's candidates per slot; 0: no selector (design §18.3)
+    top_k = drafter_config.selector_top_k  # DFlash2's candidates per slot; 0: no selector (design §18.4)
     selector_alpha = config.drafter.selector_alpha if top_k else 0.0
     # The fused loss against the target's distribution (design §18), also for the confidence target 1 − TV.
     distribution = terms != (("ce", 1.0),) or confidence_alpha > 0
@@ -91,10 +90,8 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
         return slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block, from_anchor=dspark)
 
     def teacher(target_state: nnx.State, batch: dict[str, jax.Array]) -> TargetContext:
-        # Traced under the rules of the target's layout, which decide its embedding lookup (models/layers.py),
-        # and the dtype of its Gated DeltaNet chunk products (design §8.3).
-        with nnx.logical_axis_rules(layout_rules(config.target_layout)), \
-                delta_rule_matmuls(config.target_matmul_dtype):
+        # Traced under the rules of the target's layout, which decide its embedding lookup (models/layers.py).
+        with nnx.logical_axis_rules(layout_rules(config.target_layout)):
             return target_context(nnx.merge(target_graphdef, target_state), batch["input_ids"], batch["positions"],
                                   batch["segment_ids"], grid, drafter_config, labels=config.loss.labels,
                                   vocab_chunk=config.loss.vocab_chunk, with_distribution=distribution)

@@ -12,6 +12,10 @@ are logged again. The writer opened on resume starts with TensorBoard's purge ma
 the first step to come): TensorBoard then drops every earlier-written point at or past that step, and shows
 each step once. W&B continues the same run (its id is kept in the workdir) and ignores points at steps it
 already has; metrics.jsonl is the complete record.
+
+In a bucket workdir the event files are written locally and uploaded at each record through the bounded
+filesystem (`paths.StagedDirectory`, design §7.2): tensorboardX's own gs:// writer is another client
+(google-cloud-storage) that takes no private endpoint and has no deadline.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from etils import epath
 from ml_collections import ConfigDict
 
 from dflash_jax.runtime.errors import ConfigError
-from dflash_jax.runtime.paths import as_path, cache_root, is_url
+from dflash_jax.runtime.paths import StagedDirectory, as_path, cache_root, is_url
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +53,16 @@ class Trackers:
     step the run resumes from (0 for a fresh run)."""
 
     def __init__(self, workdir: str | os.PathLike, config: ConfigDict, start_step: int):
-        workdir = as_path(workdir)  # a bucket workdir's event files go there through tensorboardX's gs:// writer
-        self._tensorboard = self._wandb = None
+        workdir = as_path(workdir)
+        self._tensorboard = self._wandb = self._staged = None
         if config.tensorboard:
             from tensorboardX import SummaryWriter
+            directory = os.fspath(workdir / TENSORBOARD_DIR)
+            if is_url(workdir):  # see StagedDirectory
+                self._staged = StagedDirectory(directory)
+                directory = os.fspath(self._staged.local)
             # purge_step: hide what a previous run logged at steps >= start_step + 1 (see the module docstring).
-            self._tensorboard = SummaryWriter(os.fspath(workdir / TENSORBOARD_DIR),
-                                              purge_step=start_step + 1 if start_step else None)
+            self._tensorboard = SummaryWriter(directory, purge_step=start_step + 1 if start_step else None)
         if config.wandb_project:
             self._wandb = _wandb_run(workdir, config)
 
@@ -65,12 +72,17 @@ class Trackers:
             for tag, value in scalars.items():
                 self._tensorboard.add_scalar(tag, value, global_step=step)
             self._tensorboard.flush()
+            if self._staged is not None:
+                self._staged.upload()
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self._tensorboard is not None:
             self._tensorboard.close()
+            if self._staged is not None:
+                self._staged.upload()
+                self._staged.remove()
         if self._wandb is not None:
             self._wandb.finish()
 

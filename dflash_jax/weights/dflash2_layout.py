@@ -1,4 +1,4 @@
-"""The config.json keys and tensor names of a DFlash2 drafter export (design §18.4).
+"""The config.json keys and tensor names of a DFlash2 drafter export (design §18.5).
 
 A DFlash2 drafter is written in the z-lab layout of design §10 (weights/drafter_files.py) with
 `architectures: ["DFlash2DraftModel"]` and four more `dflash_config` keys, `conv_kernel_size`,

@@ -5,7 +5,7 @@ The z-lab directory (design §10): config.json + model.safetensors, the layout v
 tensors (bf16, PyTorch [out, in], unprefixed; no embed_tokens/lm_head, so vLLM shares the target's). A DSpark
 drafter is written in the speculators layout vLLM serves with `method: "dspark"` (weights/speculators_dspark.py,
 design §18.1): the same backbone tensors plus its two heads, and a speculators config.json. A DFlash2 drafter
-keeps the z-lab layout with its own architecture and keys (weights/dflash2_layout.py, design §18.4).
+keeps the z-lab layout with its own architecture and keys (weights/dflash2_layout.py, design §18.5).
 `export_drafter` writes a `Drafter`; `load_drafter_dir` reads such a directory (ours or a published z-lab
 one) back into NNX. A training workdir holds drafter_config.json and Orbax checkpoints of the train state;
 `restore_drafter` reads the drafter of one of them. `load_drafter` takes either.
@@ -101,7 +101,7 @@ def serve_command(target: str, export_dir: str | Path, config: DrafterConfig) ->
     """The `vllm serve` line of design §10 for this export. vLLM (0.32) serves DSpark, DFlash2 and a drafter
     that mixes sliding and full attention layers only with its V2 model runner, which an environment variable
     selects; a DSpark block drafts block_size tokens (design §18), a DFlash or DFlash2 one block_size - 1, and
-    DFlash2 is served as method "dflash" (its architecture selects the candidate walk, design §18.4)."""
+    DFlash2 is served as method "dflash" (its architecture selects the candidate walk, design §18.5)."""
     dspark = config.method == "dspark"
     spec = json.dumps({"method": "dspark" if dspark else "dflash", "model": str(export_dir),
                        "num_speculative_tokens": config.block_size - (0 if dspark else 1)}, separators=(",", ":"))
@@ -261,16 +261,37 @@ def load_drafter_dir(directory: str | Path, *, param_dtype=jnp.float32, **drafte
 
 
 def read_drafter_weights(directory: str | Path, config: DrafterConfig, *, param_dtype=jnp.float32,
-                         fresh: Drafter | None = None, **drafter_kwargs) -> Drafter:
+                         absent: Iterable[str] = (), **drafter_kwargs) -> Drafter:
     """The tensors of a z-lab directory's safetensors (or a Hub repo id's) as a `Drafter` of `config` (whatever
-    its config.json says); CheckpointError naming the directory when they do not fit. `fresh`: a drafter of
-    `config` whose weights stand for the method's own parts the directory lacks (`drafter_from_torch_layout`)."""
+    its config.json says); CheckpointError naming the directory when they do not fit. `absent`: tensor names
+    the directory may lack (`read_warm_start`), whose parameters are left abstract."""
     reader = CheckpointReader(local_dir(directory, "drafter"))
     tensors = {name: reader.read(name) for name in reader.names()}
     try:
-        return drafter_from_torch_layout(tensors, config, param_dtype=param_dtype, fresh=fresh, **drafter_kwargs)
+        return drafter_from_torch_layout(tensors, config, param_dtype=param_dtype, absent=absent, **drafter_kwargs)
     except ValueError as error:
         raise CheckpointError(f"{directory}: {error}") from None
+
+
+def read_warm_start(directory: str | Path, config: DrafterConfig, *, param_dtype=jnp.float32) -> Drafter:
+    """The weights an export directory gives a run of `config` that starts from it (`drafter.init_from`): every
+    tensor for a drafter of the same method; for a drafter of a method with fewer parts (a DFlash one starting a
+    DSpark run, design §18) the backbone, the parts it lacks left abstract for the run's own initialisation.
+    A directory whose drafter has parts `config` lacks is refused (they would be dropped), as are missing or
+    unexpected backbone tensors and shape mismatches (CheckpointError naming the directory)."""
+    directory = Path(local_dir(directory, "drafter"))
+    source = drafter_config_from_file(read_config(directory), directory / CONFIG_FILE)
+    ours, theirs = tensor_names(config), tensor_names(source)
+    if theirs - ours:
+        raise CheckpointError(f"{directory}: a {source.method!r} drafter cannot start a {config.method!r} run: its "
+                              f"{', '.join(sorted(theirs - ours))} would be dropped")
+    return read_drafter_weights(directory, config, param_dtype=param_dtype, absent=ours - theirs)
+
+
+def tensor_names(config: DrafterConfig) -> set[str]:
+    """The export names of every tensor a drafter of `config` has."""
+    abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0)))
+    return {_torch_name(path)[0] for path, _ in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
 
 
 def _torch_name(path: tuple) -> tuple[str, bool]:
@@ -278,7 +299,7 @@ def _torch_name(path: tuple) -> tuple[str, bool]:
 
     The module attributes above carry the export names, so ('layers', 0, 'self_attn', 'q_proj', 'kernel')
     becomes 'layers.0.self_attn.q_proj.weight'; DSpark's heads have names of their own (HEAD_TENSORS), and
-    DFlash2's base kernels and codebooks are parameters, not modules: no '.weight' (design §18.4).
+    DFlash2's base kernels and codebooks are parameters, not modules: no '.weight' (design §18.5).
     """
     if tuple(path) in HEAD_TENSORS:
         return HEAD_TENSORS[tuple(path)]
@@ -299,27 +320,23 @@ def drafter_to_torch_layout(drafter: Drafter) -> dict[str, np.ndarray]:
 
 
 def drafter_from_torch_layout(tensors: Mapping[str, np.ndarray], config: DrafterConfig, *,
-                              param_dtype=jnp.float32, fresh: Drafter | None = None, **drafter_kwargs) -> Drafter:
+                              param_dtype=jnp.float32, absent: Iterable[str] = (), **drafter_kwargs) -> Drafter:
     """The inverse of `drafter_to_torch_layout`: a Drafter holding exactly these tensors.
 
-    fresh: a drafter of `config` (its initialisation) whose weights stand for the tensors of its method's own
-    parts that `tensors` lacks, so that one member of the drafter family starts from another's backbone (design
-    §18, `drafter.init_from`); the backbone's tensors must all be there. Raises ValueError naming missing or
-    unexpected tensors and shape mismatches. drafter_kwargs go to Drafter.
+    Raises ValueError naming missing or unexpected tensors and shape mismatches. drafter_kwargs go to Drafter.
+    Tensors named in `absent` may be missing: their parameters keep abstract values (jax.ShapeDtypeStruct).
     """
     abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0), param_dtype=param_dtype,
                                               **drafter_kwargs))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     variables = {_torch_name(path): variable for path, variable in nnx.to_flat_state(params)}
     expected = {name for name, _ in variables}
-    if fresh is not None:
-        kept = {name: value for name, value in drafter_to_torch_layout(fresh).items()
-                if name not in tensors and name not in _names(config.backbone)}
-        tensors = {**tensors, **kept}
-    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    missing, unexpected = sorted(expected - set(tensors) - set(absent)), sorted(set(tensors) - expected)
     if missing or unexpected:
         raise ValueError(f"drafter tensors do not match the DrafterConfig: missing {missing}, unexpected {unexpected}")
     for (name, is_kernel), variable in variables.items():
+        if name not in tensors:  # one of `absent`
+            continue
         value = np.asarray(tensors[name])
         value = value.T if is_kernel else value
         if value.shape != tuple(variable.shape):
@@ -327,12 +344,6 @@ def drafter_from_torch_layout(tensors: Mapping[str, np.ndarray], config: Drafter
             raise ValueError(f"tensor {name} has shape {np.asarray(tensors[name]).shape}, expected {torch_shape}")
         variable.set_value(jnp.asarray(value, dtype=variable.dtype))
     return nnx.merge(graphdef, params, rest)
-
-
-def _names(config: DrafterConfig) -> set[str]:
-    """The export names of a drafter of `config`."""
-    abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0)))
-    return {_torch_name(path)[0] for path, _ in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
 
 
 def workdir_path(workdir: str | os.PathLike) -> epath.Path:

@@ -38,6 +38,7 @@ class TargetFamily:
     text_rules: Callable[[Any, str, bool], list[WeightRule]]
     prefixes: tuple[str, ...] = ("model.",)  # where the text model's tensors may sit, most specific first
     skipped: tuple[str, ...] = ()  # tensors of parts a target does not use (a vision tower, an MTP head)
+    delta_rule: bool = False  # Gated DeltaNet layers: the model takes delta_rule_dtype (design §8.3)
 
     def config_from_hf(self, hf_config: Mapping) -> Any:
         return self.config_type.from_hf(hf_config)
@@ -61,17 +62,19 @@ class TargetFamily:
         """Prefixes of checkpoint tensors that are read by no rule and are not an error."""
         return self.skipped + ((LM_HEAD,) if config.tie_word_embeddings else ())
 
-    def abstract_model(self, config, *, param_dtype, attention_impl: str = "xla", mesh: Mesh | None = None
-                       ) -> nnx.Module:
-        """The model's structure with shapes and dtypes only (`nnx.eval_shape`), to be filled with weights."""
+    def abstract_model(self, config, *, param_dtype, attention_impl: str = "xla", mesh: Mesh | None = None,
+                       delta_rule_dtype: str = "float32") -> nnx.Module:
+        """The model's structure with shapes and dtypes only (`nnx.eval_shape`), to be filled with weights.
+        delta_rule_dtype: config.target_matmul_dtype, for a family with Gated DeltaNet layers."""
+        options = {"delta_rule_dtype": delta_rule_dtype} if self.delta_rule else {}
         return nnx.eval_shape(lambda: self.model(config, param_dtype=param_dtype, rngs=nnx.Rngs(0),
-                                                 attention_impl=attention_impl, mesh=mesh))
+                                                 attention_impl=attention_impl, mesh=mesh, **options))
 
 
 QWEN3 = TargetFamily(Qwen3Config, Qwen3, hf_qwen3.text_rules)
 QWEN3_5 = TargetFamily(Qwen3_5Config, Qwen3_5, hf_qwen3_5.text_rules,
                        prefixes=(hf_qwen3_5.MULTIMODAL_PREFIX, hf_qwen3_5.TEXT_ONLY_PREFIX),
-                       skipped=hf_qwen3_5.SKIPPED_PREFIXES)
+                       skipped=hf_qwen3_5.SKIPPED_PREFIXES, delta_rule=True)
 # A MoE model_type selects the same family: its config then carries `moe` (models/moe_config.py).
 FAMILIES = {"qwen3": QWEN3, "qwen3_moe": QWEN3, "qwen3_5": QWEN3_5, "qwen3_5_text": QWEN3_5,
             "qwen3_5_moe": QWEN3_5, "qwen3_5_moe_text": QWEN3_5}

@@ -27,18 +27,28 @@ _DENSE_MLP_TENSORS = (
 
 def text_rules(config: Qwen3Config, prefix: str, fused_experts: bool = False) -> list[WeightRule]:
     """The embedding, the decoder layers (stacked along `layers`) and the final norm under `prefix`; a qwen3_moe
-    config's sparse layers take the router and the experts in the checkpoint's layout (`hf_moe.py`)."""
-    layers = range(config.num_hidden_layers)
+    config's sparse layers take the router and the experts in the checkpoint's layout (`hf_moe.py`). With dense
+    layers among sparse ones the MLPs are stacked apart, over the layers of their kind (`Qwen3.dense_mlps`,
+    `sparse_mlps`)."""
+    layers = list(range(config.num_hidden_layers))
     moe = config.moe
-    if moe is not None and moe.sparse_layers[0]:
-        mlp = moe_tensors(moe, config.hidden_size, fused_experts)
+    dense = [(name, path, fixup, None) for name, path, fixup in _DENSE_MLP_TENSORS]
+    if config.mixed_mlps:
+        sparse_layers = [i for i in layers if moe.sparse_layers[i]]
+        dense_layers = [i for i in layers if not moe.sparse_layers[i]]
+        mlps = [(name, ("dense_mlps", *path[1:]), fixup, dense_layers, experts)
+                for name, path, fixup, experts in dense]
+        mlps += [(name, ("sparse_mlps", *path[1:]), fixup, sparse_layers, experts)
+                 for name, path, fixup, experts in moe_tensors(moe, config.hidden_size, fused_experts)]
     else:
-        mlp = [(name, path, fixup, None) for name, path, fixup in _DENSE_MLP_TENSORS]
+        every_sparse = moe is not None and moe.sparse_layers[0]
+        layer_mlp = moe_tensors(moe, config.hidden_size, fused_experts) if every_sparse else dense
+        mlps = [(name, ("layers", *path), fixup, layers, experts) for name, path, fixup, experts in layer_mlp]
     return [
         WeightRule(f"{prefix}embed_tokens.weight", ("embed_tokens", "embedding")),
         *(WeightRule(f"{prefix}layers.{{layer}}.{name}", ("layers", *path), fixup, layers)
           for name, path, fixup in _LAYER_TENSORS),
-        *(WeightRule(f"{prefix}layers.{{layer}}.{name}", ("layers", *path), fixup, layers, experts)
-          for name, path, fixup, experts in mlp),
+        *(WeightRule(f"{prefix}layers.{{layer}}.{name}", path, fixup, stack, experts)
+          for name, path, fixup, stack, experts in mlps),
         WeightRule(f"{prefix}norm.weight", ("norm", "weight")),
     ]

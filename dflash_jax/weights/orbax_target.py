@@ -121,7 +121,7 @@ def _check_tensor_names(reader: CheckpointReader, rules: list[WeightRule], skipp
 
 
 def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: Mesh | None = None,
-                      attention_impl: str = "xla", target_layout: str = "fsdp"):
+                      attention_impl: str = "xla", target_layout: str = "fsdp", delta_rule_dtype: str = "float32"):
     """Restore a directory written by `write_orbax_target`; returns (model, config) like `load_target`.
 
     With a mesh each variable is restored directly onto its sharding from the logical-axis rules (each
@@ -137,7 +137,8 @@ def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: 
                               f"{marker.get('version')!r}, expected {FORMAT!r} version {VERSION}; write it again from the "
                               "Hugging Face checkpoint with `dflash-jax convert`")
     family, config = resolve(read_config(directory), directory / "config.json")
-    abstract = family.abstract_model(config, param_dtype=param_dtype, attention_impl=attention_impl, mesh=mesh)
+    abstract = family.abstract_model(config, param_dtype=param_dtype, attention_impl=attention_impl, mesh=mesh,
+                                     delta_rule_dtype=delta_rule_dtype)
     graphdef, state = nnx.split(abstract)
     if mesh is not None:
         shardings = {path: s.get_value() for path, s in nnx.to_flat_state(state_shardings(state, mesh, target_layout))}

@@ -1,10 +1,13 @@
-"""Every training, plan and launch command in the README validates as written on the devices it names: its config
-file and overrides parse as the command line parses them, and the config, the mesh and the batch pass the start-up
-checks for that device count (the point where a run would start loading weights, or a plan compiling), so a README
-that drifts from the configs fails here rather than on a slice that was just created."""
+"""The commands of the README and of its guides under docs/ run as written. Every `dflash-jax` command parses
+with that command's own flags (a flag renamed or removed fails here), and every training, plan and launch command
+validates on the devices it names: its config file and overrides parse as the command line parses them, and the
+config, the mesh and the batch pass the start-up checks for that device count (the point where a run would start
+loading weights, or a plan compiling), so a guide that drifts from the configs fails here rather than on a slice
+that was just created."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
 import sys
@@ -15,7 +18,7 @@ import numpy as np
 import pytest
 from absl import flags
 
-from dflash_jax.commands.cli import define_config_flag, packaged_config_path
+from dflash_jax.commands.cli import COMMANDS as CLI_COMMANDS, define_config_flag, packaged_config_path
 from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.sharding import BATCH_AXES
 from dflash_jax.train.validate import resolve_batch_size, validate_batch_layout, validate_config
@@ -25,13 +28,23 @@ GPUS_PER_HOST = 8  # a GPU host of the README's commands; launch/slurm.sbatch as
 COMMANDS = ("dflash-jax train", "dflash-jax plan", "launch/tpu_pod.sh", "sbatch", "launch/gpu.sh", "launch/tpu_vm.sh")
 
 
-def readme_commands() -> list[str]:
-    """The README's bash lines that start a training run or plan one, continuation lines joined (a trailing
-    comment dropped)."""
+def bash_lines() -> list[str]:
+    """The bash lines of the README and the guides under docs/, continuation lines joined (a trailing comment
+    dropped)."""
     blocks = [b for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
               for b in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S)]
     lines = [line.strip() for block in blocks for line in block.replace("\\\n", " ").splitlines()]
-    return [line.split(" #")[0].strip() for line in lines if line.startswith(COMMANDS)]
+    return [line.split(" #")[0].strip() for line in lines]
+
+
+def readme_commands() -> list[str]:
+    """The lines that start a training run or plan one."""
+    return [line for line in bash_lines() if line.startswith(COMMANDS)]
+
+
+def dflash_jax_commands() -> list[str]:
+    """Every `dflash-jax <command>` line."""
+    return [line for line in bash_lines() if line.startswith("dflash-jax ")]
 
 
 def chips_of(tpu_type: str) -> int:
@@ -113,6 +126,49 @@ def test_the_readme_has_training_and_launch_commands():
 @pytest.mark.parametrize("command", readme_commands())
 def test_readme_command_validates_on_the_devices_it_names(command):
     check(command)
+
+
+def fresh_flags(module_name: str) -> flags.FlagValues:
+    """The flags of the command module, defined anew (its module is run again under another name, outside
+    sys.modules), so that parsing them leaves the imported command's flags as they were."""
+    spec = importlib.util.find_spec(module_name)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(f"{module_name}_fresh", spec.origin))
+    module.__spec__.loader.exec_module(module)
+    return module.FLAGS
+
+
+def parse_flags(command: str) -> None:
+    """Parses `command` (a `dflash-jax` line; `[--flag VALUE]` marks an optional flag whose value is a placeholder:
+    only its name is checked) with its command's own flags, as `dflash-jax` would; raises on an unknown command or
+    flag, or a value that does not parse."""
+    optional = re.findall(r"\[--(\w+)[^]]*\]", command)
+    words = shlex.split(re.sub(r"\[--\w+[^]]*\]", " ", command))
+    assert words[1] in CLI_COMMANDS, f"{words[1]!r} is not a dflash-jax command"
+    flag_values = fresh_flags(CLI_COMMANDS[words[1]])
+    assert set(optional) <= set(flag_values), f"unknown flags {set(optional) - set(flag_values)}"
+    if "--config" in words:
+        i = words.index("--config") + 1
+        words[i] = str(REPO / words[i]) if not Path(words[i]).is_absolute() else words[i]
+    argv = [f"dflash-jax {words[1]}", *words[2:]]
+    with mock.patch.object(sys, "argv", argv):  # ml_collections finds the --config.* overrides in sys.argv
+        rest = flag_values(argv)
+    assert rest == argv[:1], f"arguments that are not flags: {rest[1:]}"
+    if "--config" in words:
+        flag_values.config.keys()  # the config file loads with its overrides
+
+
+def test_the_guides_run_every_command():
+    assert {line.split()[1] for line in dflash_jax_commands()} == set(CLI_COMMANDS)
+
+
+@pytest.mark.parametrize("command", dflash_jax_commands())
+def test_every_dflash_jax_command_parses_with_its_flags(command):
+    parse_flags(command)
+
+
+def test_a_renamed_flag_fails_the_parse():
+    with pytest.raises(flags.Error, match="max_new_token"):
+        parse_flags("dflash-jax evaluate --workdir /run --max_new_token 8")
 
 
 def test_a_command_whose_batch_or_mesh_does_not_fit_its_slice_fails_the_check():

@@ -1,4 +1,4 @@
-"""DFlash2's evaluation (design §18.3): exact τ, teacher-forced on the target's greedy continuation (each slot's
+"""DFlash2's evaluation (design §18.4): exact τ, teacher-forced on the target's greedy continuation (each slot's
 selector pick after the continuation's previous token), equals the τ of the speculative generator that walks the
 selector from the bonus token, whose output is plain greedy decoding token for token; the selector changes the
 drafts (so the equality is not the unary argmax's); DDTree is refused, and its figures are left out; the

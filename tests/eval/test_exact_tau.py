@@ -6,7 +6,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -16,10 +15,9 @@ from dflash_jax.eval.exact_tau import (DraftScorer, Example, _score, evaluate_dr
 from dflash_jax.commands.evaluate import placed
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
 from dflash_jax.models.drafter import Drafter
-from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, block_token_ids
 from dflash_jax.sharding import make_mesh, replicated
 from dflash_jax.weights.targets import load_target
-from tests.eval_fixtures import BLOCK, VOCAB, drafter_config
+from tests.eval_fixtures import BLOCK, VOCAB, drafter_config, target_and_greedy_examples, train_briefly
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
 NEW_TOKENS = 28
@@ -67,7 +65,7 @@ def test_walk_statistics_on_hand_built_drafts():
     # A: anchor 2 accepts 3 -> anchor 6, whose 3 right drafts are capped to 2 so the bonus is the last
     # token (position 9). B: one step, nothing accepted.
     assert responses[0].block_steps == [3, 2] and responses[1].block_steps == [0]
-    summary = summarize(responses, BLOCK)
+    summary = summarize(responses, BLOCK - 1)
     assert summary["tau"] == pytest.approx((4 + 3 + 1) / 3)  # pooled: committed tokens over steps
     assert summary["tau_per_response"] == pytest.approx(((4 + 3) / 2 + 1) / 2)  # mean of per-response means
     assert summary["accepted_histogram"] == pytest.approx([1 / 3, 0, 1 / 3, 1 / 3])
@@ -88,55 +86,11 @@ def test_examples_need_a_prompt_and_a_continuation():
     assert walk(lambda p: 5, start=4, end=5) == []  # a one-token continuation needs no verification
 
 
-def train_briefly(target, drafter: Drafter, examples: list[Example], steps: int) -> Drafter:
-    """A few Adam steps of block cross-entropy on the examples' continuations (stride-1 anchors), enough
-    for partly right drafts. Deliberately independent of the train package."""
-    config = drafter.config
-    length = 48
-    grid = AnchorGrid(length, 1, BLOCK)
-    texts = np.stack([np.pad(np.concatenate([e.prompt_ids, e.continuation_ids]), (0, length))[:length]
-                      for e in examples]).astype(np.int32)
-    starts = np.asarray([len(e.prompt_ids) for e in examples])[:, None, None]
-    ends = starts + NEW_TOKENS
-    positions = jnp.broadcast_to(jnp.arange(length), texts.shape)
-    segments = jnp.ones(texts.shape, jnp.int32)
-    features = target(jnp.asarray(texts), positions, segments, config.target_layer_ids).features
-    features = features.reshape(len(texts), length, -1)
-    embeds = target.embed(block_token_ids(texts, grid.anchors, BLOCK, config.mask_token_id))
-    inputs = DrafterInputs.from_rows(grid, positions, segments)
-    slot_index = grid.anchors[:, None] + np.arange(BLOCK)[None, :]
-    labels = jnp.asarray(texts[:, np.minimum(slot_index, length - 1)])
-    weights = ((grid.anchors[None, :, None] >= starts) & (slot_index[None] < ends) & (slot_index[None] > grid.anchors[
-        None, :, None])).astype(np.float32)
-    lm_head = target.lm_head_kernel()
-    optimizer = nnx.Optimizer(drafter, optax.adam(3e-3), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(drafter, optimizer):
-        def loss_fn(model):
-            hidden, _ = model(features, embeds, inputs)
-            logits = hidden.reshape(len(texts), length, BLOCK, -1) @ lm_head
-            return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, labels) * weights) / weights.sum()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(drafter)
-        optimizer.update(drafter, grads)
-        return loss
-
-    for _ in range(steps):
-        step(drafter, optimizer)
-    return drafter
-
-
 def test_exact_tau_equals_the_generators_tau(tmp_path):
     """One test (one training run, whichever xdist worker gets it): a briefly trained drafter whose drafts
     are partly accepted, the KV-cached generators, and the exact-τ forward over the same greedy texts."""
-    save_qwen3(tmp_path, qwen3_config(vocab_size=VOCAB), seed=5)
-    target = load_target(tmp_path, param_dtype=jnp.float32)[0]
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in rng.integers(3, 13, 8)]
-    plain = SpeculativeGenerator(target, None, prefill_len=16, capacity=64)
-    examples = [Example(p, plain.generate(p, NEW_TOKENS).tokens) for p in prompts]
-    drafter = train_briefly(target, Drafter(drafter_config(), rngs=nnx.Rngs(0)), examples, steps=30)
+    target, plain, prompts, examples = target_and_greedy_examples(tmp_path, NEW_TOKENS)
+    drafter = train_briefly(target, Drafter(drafter_config(), rngs=nnx.Rngs(0)), examples, 30, NEW_TOKENS)
     speculative = SpeculativeGenerator(target, drafter, prefill_len=16, capacity=64)
     scorer = DraftScorer(target, drafter, top_k=8)
 
@@ -147,7 +101,7 @@ def test_exact_tau_equals_the_generators_tau(tmp_path):
         np.testing.assert_array_equal(speculative_run.tokens, example.continuation_ids)
         np.testing.assert_array_equal(plain_run.tokens, example.continuation_ids)
         assert response.block_steps == [length - 1 for length in speculative_run.acceptance_lengths]
-    summary = summarize(responses, BLOCK)
+    summary = summarize(responses, BLOCK - 1)
     assert summary["tau"] == pytest.approx(report["tau"], abs=1e-12)
     assert summary["tau_per_response"] == pytest.approx(report["tau_per_response"], abs=1e-12)
     # Mixed outcomes, so the equality above exercises partial acceptance and both caches' cropping.
@@ -162,7 +116,7 @@ def test_exact_tau_equals_the_generators_tau(tmp_path):
     assert set(result) == {"responses", "verify_steps", "tau", "tau_per_response", "accepted_histogram",
                            "slot_acceptance", "slot_acceptance_conditional", "ddtree_tau", "ddtree_tau_per_response",
                            "greedy_agreement"}
-    assert result["tau"] == pytest.approx(summarize(responses[:3], BLOCK)["tau"])
+    assert result["tau"] == pytest.approx(summarize(responses[:3], BLOCK - 1)["tau"])
 
 
 def check_one_candidate_trees_are_block_drafts(scorer, examples, responses):
@@ -225,5 +179,5 @@ def test_batched_scorer_gives_the_one_example_figures(tmp_path):
         np.testing.assert_array_equal(got[1], want[1])  # the drafts
         np.testing.assert_allclose(got[2], want[2], rtol=0, atol=1e-6)  # their log-probs
     assert _score._cache_size() == compiled + 1  # the padded batch included
-    assert summarize(score_responses(batched, examples, budgets), BLOCK) == summarize(
-        [score_responses(one, [example], budgets)[0] for example in examples], BLOCK)
+    assert summarize(score_responses(batched, examples, budgets), BLOCK - 1) == summarize(
+        [score_responses(one, [example], budgets)[0] for example in examples], BLOCK - 1)

@@ -1,4 +1,4 @@
-"""DFlash2's parts of the drafter (design §18.3): the block convolution against its formula written as loops, its
+"""DFlash2's parts of the drafter (design §18.4): the block convolution against its formula written as loops, its
 identity at initialisation (the whole drafter's output then equals DFlash's, in training and decoding), the
 config checks, the training candidates and the selector's greedy walk against a loop over slots."""
 

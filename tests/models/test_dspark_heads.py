@@ -22,7 +22,8 @@ def test_markov_bias_and_confidence_logits_match_numpy():
     e = markov.prev_embeddings(jnp.asarray(prev))
     np.testing.assert_allclose(np.asarray(e), w1[prev], rtol=0, atol=0)
     expected_bias = np.einsum("bkr,rv->bkv", w1[prev], w2)
-    np.testing.assert_allclose(np.asarray(markov.bias(e)), expected_bias, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(markov.logit_bias(jnp.asarray(prev), jnp.float32)), expected_bias,
+                               rtol=1e-5, atol=1e-6)
     features = np.concatenate([hidden, w1[prev]], axis=-1)
     expected_conf = features @ np.asarray(confidence.kernel[...])[:, 0] + np.asarray(confidence.bias[...])[0]
     np.testing.assert_allclose(np.asarray(confidence(jnp.asarray(hidden), e)), expected_conf, rtol=1e-5, atol=1e-6)

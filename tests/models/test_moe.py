@@ -95,3 +95,44 @@ def test_tiled_dispatch_equals_ragged_dot():
     tiled = grouped_swiglu(x, experts, weights, gate, up, down, tiled=True)
     ragged = grouped_swiglu(x, experts, weights, gate, up, down, tiled=False)
     np.testing.assert_allclose(np.asarray(tiled), np.asarray(ragged), rtol=1e-5, atol=1e-4)
+
+
+def _dispatch_inputs(rows: int, num_experts: int):
+    keys = jax.random.split(jax.random.key(4), 6)
+    x = jax.random.normal(keys[0], (rows, 5, HIDDEN))
+    weights, experts = route(jax.random.normal(keys[1], (rows, 5, num_experts)), TOP_K, normalize=True)
+    gate, up = (jax.random.normal(k, (num_experts, HIDDEN, INTER)) for k in keys[2:4])
+    down = jax.random.normal(keys[4], (num_experts, INTER, HIDDEN))
+    return x, experts, weights, gate, up, down
+
+
+@pytest.mark.parametrize("rules, expert_axes, tiled", [
+    ({}, ("tensor",), True),  # the table: rows replicated over tensor, one all-reduce adds the shares
+    ({}, ("tensor",), False),  # ragged_dot, as off CPU
+    ({"expert": "fsdp"}, ("fsdp",), True),  # rows split over the expert axis: gathered, the sums scattered back
+    ({"expert": ("fsdp", "tensor")}, ("fsdp", "tensor"), False),
+])
+def test_expert_parallel_dispatch_equals_one_device(rules, expert_axes, tiled):
+    """Experts split over the mesh (design §13): each device computes only its own experts' assignments of the
+    rows it holds, and the shares add up to the one-device result; every mesh layout of the table and two
+    others the rule table could name."""
+    from dflash_jax.models import moe
+    from dflash_jax.sharding import LOGICAL_RULES, ROWS_EMBED, logical_spec, make_mesh
+
+    mesh = make_mesh(2, 2, 2)
+    x, experts, weights, gate, up, down = _dispatch_inputs(8, 8)
+    want = grouped_swiglu(x.reshape(-1, HIDDEN), experts.reshape(-1, TOP_K), weights.reshape(-1, TOP_K), gate, up,
+                          down, tiled=tiled).reshape(x.shape)
+    table = tuple((name, rules.get(name, axes)) for name, axes in LOGICAL_RULES)
+
+    @jax.jit
+    def sharded(x, experts, weights, gate, up, down):
+        with nnx.logical_axis_rules(table), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            assert logical_spec(gate.shape, moe.EXPERT_IN, dict(mesh.shape))[0] in (expert_axes, expert_axes[0])
+            rows = jax.lax.with_sharding_constraint(x, logical_spec(x.shape, ROWS_EMBED, dict(mesh.shape)))
+            return moe.expert_parallel_swiglu(rows, experts, weights, gate, up, down, mesh.abstract_mesh,
+                                              expert_axes, tiled=tiled)
+
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    got = sharded(*jax.device_put((x, experts, weights, gate, up, down), replicated))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -9,13 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
 from dflash_jax.weights.targets import load_target
 from tests.decode_check import max_relative_error_of_cached_logits
-from tests.hf_fixtures import qwen3_config, save_qwen3
+from tests.hf_fixtures import hf_forward, qwen3_config, relative_error, save_qwen3
 
 SEQ_LEN = 77  # not a multiple of 64
 TOLERANCE = 1e-4
@@ -35,11 +34,6 @@ CONFIGS = {
 }
 
 
-def relative_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
-
-
 @functools.partial(nnx.jit, static_argnames="feature_layer_ids")
 def run(model, input_ids, positions, segment_ids, feature_layer_ids=()):
     out = model(input_ids, positions, segment_ids, feature_layer_ids)
@@ -49,19 +43,6 @@ def run(model, input_ids, positions, segment_ids, feature_layer_ids=()):
 def single_document(input_ids):
     batch, length = input_ids.shape
     return jnp.broadcast_to(jnp.arange(length), (batch, length)), jnp.ones((batch, length), jnp.int32)
-
-
-def hf_forward(model, input_ids):
-    """Logits, `hidden_states` and each decoder layer's own output (HF's last hidden state is final-normed)."""
-    layer_outputs = []
-    hooks = [layer.register_forward_hook(lambda _m, _i, out: layer_outputs.append(out[0] if isinstance(out, tuple)
-                                                                                  else out))
-             for layer in model.model.layers]
-    with torch.no_grad():
-        out = model(torch.as_tensor(np.asarray(input_ids)), output_hidden_states=True)
-    for hook in hooks:
-        hook.remove()
-    return out.logits.numpy(), [h.numpy() for h in out.hidden_states], [h.numpy() for h in layer_outputs]
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

@@ -1,6 +1,8 @@
 """qwen3_5_moe target against transformers' Qwen3_5MoeForCausalLM / Qwen3_5MoeForConditionalGeneration (CPU,
-fp32, random weights including norms): both saved layouts, the fused expert layout of the published files,
-the FLOP count, a checkpoint missing one expert's tensor, and config errors."""
+fp32, random weights including norms): every layer (Gated DeltaNet and gated attention, each with routed experts
+and the sigmoid-gated shared expert) and the logits in both saved layouts, the fused expert layout of the
+published files and tied embeddings; packed documents against each document run alone by transformers; the
+FLOP count, a checkpoint missing one expert's tensor, and config errors."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dflash_jax.models.qwen3_5_config import Qwen3_5Config
 from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.sharding import make_mesh
 from dflash_jax.weights.targets import load_target
-from tests.hf_fixtures import QWEN3_5_MOE_TEXT_CONFIG, fuse_experts, save_qwen3_5_moe
+from tests.hf_fixtures import QWEN3_5_MOE_TEXT_CONFIG, fuse_experts, hf_forward, relative_error, save_qwen3_5_moe
 
 TOLERANCE = 1e-4  # as the dense hybrid's parity (tests/models/test_qwen3_5.py)
 
@@ -29,37 +31,60 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3_5_moe")
     causal_lm = save_qwen3_5_moe(root / "causal_lm", seed=0)
     multimodal = save_qwen3_5_moe(root / "conditional_generation", multimodal=True, seed=1)
+    tied = save_qwen3_5_moe(root / "tied", seed=2, tie_word_embeddings=True)
     fused = fuse_experts(root / "causal_lm", root / "fused")
     fused_model = transformers.Qwen3_5MoeForCausalLM.from_pretrained(fused, dtype=torch.float32).eval()
     return {"causal_lm": (root / "causal_lm", causal_lm),
             "conditional_generation": (root / "conditional_generation", multimodal),
-            "fused": (fused, fused_model)}
+            "tied": (root / "tied", tied), "fused": (fused, fused_model)}
 
 
 @nnx.jit(static_argnums=(2,))
-def forward(model, ids, feature_ids):
-    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    out = model(ids, positions, jnp.zeros_like(ids), feature_ids)
+def forward(model, ids, feature_ids, positions=None, segments=None):
+    """Features and logits; one document per row unless positions and segment ids are given."""
+    if positions is None:
+        positions, segments = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), jnp.zeros_like(ids)
+    out = model(ids, positions, segments, feature_ids)
     return out.features, model.logits(out.hidden)
 
 
-def relative_error(actual, expected) -> float:
-    expected = np.asarray(expected, np.float64)
-    return float(np.max(np.abs(np.asarray(actual, np.float64) - expected)) / np.max(np.abs(expected)))
-
-
-@pytest.mark.parametrize("layout", ["causal_lm", "conditional_generation", "fused"])
+@pytest.mark.parametrize("layout", ["causal_lm", "conditional_generation", "tied", "fused"])
 def test_parity_with_transformers(checkpoints, layout):
     directory, hf_model = checkpoints[layout]
     model, config = load_target(directory, param_dtype=jnp.float32)
     assert config.moe.num_experts == 6 and config.moe.has_shared_expert and config.intermediate_size == 0
+    assert config.tie_word_embeddings == (layout == "tied")
     ids = np.random.default_rng(2).integers(0, config.vocab_size, (2, 37))
-    with torch.no_grad():
-        hf_out = hf_model(input_ids=torch.as_tensor(ids), output_hidden_states=True)
-    features, logits = forward(model, jnp.asarray(ids), (0, 1, 2))
-    assert relative_error(logits, hf_out.logits) < TOLERANCE
-    for layer in range(3):  # HF hidden_states[i + 1] is the output of layer i (its last is final-normed)
-        assert relative_error(features[:, :, layer], hf_out.hidden_states[layer + 1]) < TOLERANCE, layer
+    hf_logits, _, hf_layers = hf_forward(hf_model, ids)
+    layers = tuple(range(config.num_hidden_layers))
+    features, logits = forward(model, jnp.asarray(ids), layers)
+    assert relative_error(logits, hf_logits) < TOLERANCE
+    for layer in layers:  # each decoder layer's own output (HF's last hidden_states entry is final-normed)
+        assert relative_error(features[:, :, layer], hf_layers[layer]) < TOLERANCE, layer
+
+
+def test_packed_documents_equal_each_document_alone_in_transformers(checkpoints):
+    """Two documents and padding in one row: each document's logits and every layer's output equal what
+    transformers computes for that document alone (the second starts mid-chunk of the delta rule, and the conv
+    window straddles the boundary)."""
+    directory, hf_model = checkpoints["causal_lm"]
+    model, config = load_target(directory, param_dtype=jnp.float32)
+    rng = np.random.default_rng(3)
+    lengths, padding = (45, 30), 5
+    documents = [rng.integers(0, config.vocab_size, length) for length in lengths]
+    ids = np.concatenate([*documents, np.zeros(padding, int)])[None]
+    positions = np.concatenate([np.arange(n) for n in (*lengths, padding)])[None]
+    segments = np.repeat([1, 2, 0], (*lengths, padding))[None]
+    layers = tuple(range(config.num_hidden_layers))
+    features, logits = forward(model, jnp.asarray(ids), layers, jnp.asarray(positions), jnp.asarray(segments))
+    start = 0
+    for document in documents:
+        hf_logits, _, hf_layers = hf_forward(hf_model, document[None])
+        span = slice(start, start + len(document))
+        assert relative_error(logits[:, span], hf_logits) < TOLERANCE
+        for layer in layers:
+            assert relative_error(features[:, span, layer], hf_layers[layer]) < TOLERANCE, layer
+        start += len(document)
 
 
 @pytest.mark.slow  # about 6 s: the sharded compile

@@ -7,9 +7,13 @@ import jax
 import numpy as np
 import pytest
 
-from bench.bench_delta_rule_precision import compare, features_and_labels, packed_rows, random_targets
-from dflash_jax.ops.gated_delta import (chunked_gated_delta_rule, delta_rule_matmuls, recurrent_gated_delta_rule,
-                                        segment_starts, traced_matmul_dtype, unit_lower_triangular_inverse)
+from flax import nnx
+
+from bench.bench_delta_rule_precision import (PERIOD, SHAPES, compare, features_and_labels, packed_rows,
+                                              random_targets)
+from dflash_jax.models.qwen3_5 import LINEAR_ATTENTION, Qwen3_5, Qwen3_5Config
+from dflash_jax.ops.gated_delta import (chunked_gated_delta_rule, recurrent_gated_delta_rule, resolve_delta_rule_dtype,
+                                        segment_starts, unit_lower_triangular_inverse)
 from dflash_jax.train.config import base_config
 
 HEADS, KEY_DIM, VALUE_DIM = 3, 16, 24
@@ -146,26 +150,26 @@ def test_bf16_delta_rule_keeps_the_targets_features_and_greedy_labels():
     """A random hybrid target (one [GDN x3, attention] period, fp32 weights) on two packed rows: bf16 chunk
     products move the feature layers by bf16 rounding and keep the greedy labels (bench/RESULTS.md measured
     5.7e-3 and 99% at T = 512 on near-flat random logits; the bounds leave room for other seeds)."""
-    model = random_targets("tiny")["float32"]
-    batch = packed_rows(model.config.vocab_size, rows=2, length=128)
-    exact, fast = (features_and_labels(model, *batch, dtype) for dtype in ("float32", "bfloat16"))
+    targets = random_targets("tiny")
+    batch = packed_rows(targets["float32", "float32"].config.vocab_size, rows=2, length=128)
+    exact, fast = (features_and_labels(targets["float32", dtype], *batch) for dtype in ("float32", "bfloat16"))
     error, worst, agreement = compare(exact, fast)
     assert 1e-4 < error < 1.5e-2 and worst < 2.5e-2 and agreement >= 0.95, (error, worst, agreement)
 
 
 def test_auto_is_bf16_off_cpu_and_fp32_on_cpu():
-    """config.target_matmul_dtype defaults to "auto", which the train step enters around the target's forward:
-    bf16 when the step compiles for TPU or GPU devices (the mesh in the trace context), fp32 on CPU."""
-    from jax._src.mesh import AbstractDevice  # the only way to name a TPU mesh without libtpu
-
+    """config.target_matmul_dtype defaults to "auto": bf16 for a target built for TPU or GPU devices, fp32 for
+    CPU ones (JAX's default backend when no mesh is given); the model keeps what it was built with."""
     assert base_config().target_matmul_dtype == "auto"
-    assert traced_matmul_dtype() == "float32"  # outside the train step's target forward
     for platform, expected in (("tpu", "bfloat16"), ("gpu", "bfloat16"), ("cpu", "float32")):
-        mesh = jax.sharding.AbstractMesh((1,), ("data",), abstract_device=AbstractDevice("x", None, platform))
-        with jax.sharding.use_abstract_mesh(mesh), delta_rule_matmuls("auto"):
-            assert traced_matmul_dtype() == expected
-    with delta_rule_matmuls("float32"):
-        assert traced_matmul_dtype() == "float32"
+        assert resolve_delta_rule_dtype("auto", platform) == expected
+        assert resolve_delta_rule_dtype("float32", platform) == "float32"
+    assert resolve_delta_rule_dtype("auto") == "float32"  # the tests run on CPU
     with pytest.raises(ValueError, match="must be one of"):
-        with delta_rule_matmuls("fp8"):
-            pass
+        resolve_delta_rule_dtype("fp8")
+    config = Qwen3_5Config(**SHAPES["tiny"], layer_types=PERIOD * 2)
+    model = nnx.eval_shape(lambda: Qwen3_5(config, rngs=nnx.Rngs(0), delta_rule_dtype="bfloat16"))
+    layers = model.periods.layers
+    assert model.delta_rule_dtype == "bfloat16"
+    assert {layer.linear_attn.delta_rule_dtype for layer in layers if layer.layer_type == LINEAR_ATTENTION} == {
+        "bfloat16"}

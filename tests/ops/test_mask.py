@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.ops.attention import grouped_attention
-from dflash_jax.ops.dflash_attention import context_reach, dflash_attention
+from dflash_jax.ops.dflash_attention import (FULL_REACH_RUNS, chunk_runs, context_reach, dflash_attention,
+                                            reach_start)
 from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.mask import dense_mask, position_mask, tile_fraction
 from tests.torch_reference import reference_mask
@@ -161,6 +162,9 @@ def _output_and_grads(attend, inputs, segments, cotangent):
     (AnchorGrid(32, 2, 4), 5, 4),  # stride < block
     (AnchorGrid(32, 8, 4), None, 2),  # stride > block
     (AnchorGrid(32, 8, 4), 3, 3),
+    (AnchorGrid(64, 4, 4), None, 3),  # four runs of full reach and a shorter last chunk
+    (AnchorGrid(64, 4, 4), 9, 3),  # the last chunks' windows moved back into the row
+    (AnchorGrid(32, 4, 4), 100, 3),  # a window wider than the row
 ], ids=str)
 def test_dflash_attention_equals_dense(grid, window, chunk):
     """Forward and gradients of the chunked attention equal dense attention under the oracle mask."""
@@ -196,11 +200,8 @@ def _largest_array(jaxpr) -> int:
 
 def _chunk_scores(grid, window, batch, q_heads, chunk) -> int:
     """Element count of the largest per-chunk score array the documented bound allows: a chunk's C*B queries
-    against the context its anchors reach, or against their own block's B slots if that is wider."""
-    widest = grid.block_size
-    for first in range(0, grid.num_anchors, chunk):
-        start, stop = context_reach(grid, window, first, min(first + chunk, grid.num_anchors))
-        widest = max(widest, stop - start)
+    against its run's context reach, or against their own block's B slots if that is wider."""
+    widest = max([grid.block_size] + [run.reach for run in chunk_runs(grid, window, chunk)])
     return batch * q_heads * chunk * grid.block_size * widest
 
 
@@ -241,17 +242,70 @@ def _score_elements(jaxpr, head_dim: int) -> int:
 
 
 @pytest.mark.parametrize("window", [None, 9])
-def test_scores_cover_each_chunks_reach_and_own_blocks_only(window):
-    """The forward scores each chunk's queries against the context its anchors reach plus their own block's B
-    slots: never another block's slots (the dense form's N*B x N*B block part, all but B x B per block masked)."""
+def test_scores_cover_each_runs_reach_and_own_blocks_only(window):
+    """The forward's one scan body per run scores a chunk's queries against the run's context reach plus their
+    own block's B slots: never another block's slots (the dense form's N*B x N*B block part, all but B x B per
+    block masked)."""
     grid, chunk, head_dim = AnchorGrid(64, 4, 4), 3, 6
     inputs = _attention_inputs(grid, seed=2, head_dim=head_dim)
     segments = jnp.asarray(_segments(grid.seq_len))
     batch, q_heads = inputs[0].shape[0], inputs[0].shape[2]
-    expected = 0
-    for first in range(0, grid.num_anchors, chunk):
-        end = min(first + chunk, grid.num_anchors)
-        start, stop = context_reach(grid, window, first, end)
-        expected += batch * q_heads * (end - first) * grid.block_size * (stop - start + grid.block_size)
+    expected = sum(batch * q_heads * run.blocks * grid.block_size * (run.reach + grid.block_size)
+                   for run in chunk_runs(grid, window, chunk))
     forward = jax.make_jaxpr(_chunked(grid, window, chunk))(*inputs, segments).jaxpr
     assert _score_elements(forward, head_dim) == expected
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 9, 40, 100])
+@pytest.mark.parametrize("grid", [AnchorGrid(64, 4, 4), AnchorGrid(64, 2, 4), AnchorGrid(96, 8, 4)], ids=str)
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 100])
+def test_chunk_runs_cover_every_chunks_reach(grid, window, chunk):
+    """The runs tile the blocks in chunks of `chunk` (a shorter last one), and each chunk's scored positions
+    [start, start + reach) hold every context position its anchors see; at most FULL_REACH_RUNS runs (one on a
+    sliding layer) plus the shorter last chunk's, whatever the number of chunks."""
+    runs = chunk_runs(grid, window, chunk)
+    assert len(runs) <= (FULL_REACH_RUNS if window is None else 1) + 1
+    first = 0
+    for run in runs:
+        assert run.first_block == first and 0 <= run.reach <= grid.seq_len
+        for index in range(run.chunks):
+            begin = run.first_block + index * run.blocks
+            start, stop = context_reach(grid, window, begin, begin + run.blocks)
+            scored = int(reach_start(grid, window, run, int(grid.anchors[begin])))
+            assert scored <= start and stop <= scored + run.reach, (run, begin)
+        first = run.end_block
+    assert first == grid.num_anchors
+    assert [run.blocks for run in runs[:-1]] == [min(chunk, grid.num_anchors)] * (len(runs) - 1)
+
+
+def test_full_runs_compute_a_quarter_more_than_the_growing_prefixes():
+    """The 27B recipe's grid (T 4096, stride 8, B 16) in chunks of 16 blocks: the full layer's runs score at most
+    (k + 1) / k of the context positions each chunk's own prefix holds (k = FULL_REACH_RUNS), and a sliding
+    layer's (W 2048) one run at most the window of C anchors."""
+    grid, chunk = AnchorGrid(4096, 8, 16), 16
+    needed = sum(context_reach(grid, None, first, first + chunk)[1] for first in range(0, grid.num_anchors, chunk))
+    scored = sum(run.chunks * run.reach for run in chunk_runs(grid, None, chunk))
+    assert needed < scored <= needed * (FULL_REACH_RUNS + 1) / FULL_REACH_RUNS
+    (sliding,) = chunk_runs(grid, 2048, chunk)
+    assert sliding.chunks == 32 and sliding.reach == 15 * 8 + 2047
+
+
+def _equations(jaxpr) -> int:
+    """Equations of a jaxpr, nested jaxprs included: the size of the program handed to the compiler."""
+    return sum(1 + sum(_equations(sub) for sub in jex.core.jaxprs_in_params(eqn.params)) for eqn in jaxpr.eqns)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_program_does_not_grow_with_the_chunk_count(window):
+    """Forward and backward of 4, 8 and 16 chunks (no shorter last chunk) are programs of the same size: one scan
+    body per run, not code per chunk."""
+    grid = AnchorGrid(64, 2, 4)  # 32 blocks
+    inputs = _attention_inputs(grid, seed=3)
+    segments = jnp.asarray(_segments(grid.seq_len))
+
+    def size(chunk):
+        attend = _chunked(grid, window, chunk)
+        backward = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(attend(*a, segments)), argnums=(0, 1, 2, 3, 4)))
+        return _equations(backward(*inputs).jaxpr)
+
+    assert size(8) == size(4) == size(2)

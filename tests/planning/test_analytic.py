@@ -15,7 +15,7 @@ from flax import nnx
 
 from dflash_jax.planning import analytic
 from dflash_jax.planning.chips import chip_named
-from dflash_jax.planning.compare import compare_plans, format_comparison
+from dflash_jax.planning.compare import Candidate, compare_plans, format_comparison
 from dflash_jax.planning.plan import target_architecture
 from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.train.loop import train
@@ -129,3 +129,28 @@ def test_train_with_a_default_mesh_compiles_one_step(files, tmp_path, monkeypatc
     config.hbm_gib = 1e-4
     with pytest.raises(ConfigError, match="no mesh of the 8 devices fits the train step in 0.0 GiB per device"):
         train(config, tmp_path / "run")
+
+
+def test_each_candidate_names_where_the_experts_lie(files):
+    """The Qwen3.6-35B-A3B recipe (no checkpoint) on the 8 devices taken as H200s: the rule table splits the 256
+    experts over tensor in the fsdp and tensor layouts (each expert's hidden axis over fsdp in the fsdp layout)
+    and keeps them whole in the replicate layout; `plan --compare`'s table has a column of it (design §13)."""
+    from configs import qwen36_35b_a3b
+
+    config = qwen36_35b_a3b.get_config()
+    config.data.seq_len, config.data.anchor_stride, config.query_chunk_blocks = 256, 8, 8
+    predictions = analytic.predict_candidates(config, qwen36_35b_a3b.target_config(), jax.devices(), 1, LAYOUTS,
+                                              (1, 8), None, H200)
+    placed = {(p.layout, p.mesh["tensor"]): p.experts for p in predictions}
+    assert placed == {("fsdp", 1): "256 on every device, hidden over fsdp=8",
+                      ("fsdp", 8): "256 over tensor=8 (32 a device)",
+                      ("tensor", 1): "256 on every device", ("tensor", 8): "256 over tensor=8 (32 a device)",
+                      ("replicate", 1): "256 on every device", ("replicate", 8): "256 on every device"}
+    # Split over fsdp = 8 or tensor = 8, a device holds an eighth of the target (the norms and the router whole).
+    by_layout = {(p.layout, p.mesh["tensor"]): p.memory["target"] for p in predictions}
+    assert abs(by_layout[("fsdp", 1)] / by_layout[("tensor", 8)] - 1) < 0.01
+    assert 7.9 < by_layout[("replicate", 1)] / by_layout[("tensor", 8)] <= 8
+    table = format_comparison([Candidate(p.layout, p.mesh, None, p.reason, p) for p in predictions])
+    assert table.splitlines()[0].startswith("| layout | mesh (per slice or host) | experts | memory per device |")
+    assert "| tensor | data=1,fsdp=1,tensor=8,dcn_data=1 | 256 over tensor=8 (32 a device) |" in table
+    assert analytic.expert_placement(target_architecture(_config(files)), "fsdp", predictions[0].mesh) == ""

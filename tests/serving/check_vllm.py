@@ -1,6 +1,7 @@
 """Step 2 of `make test-vllm` (vLLM venv, CPU): serve the exported drafters with a real vLLM engine.
 
-For the target and each drafter of OUT/artifacts.json (written by make_artifacts.py), greedy (temperature 0):
+For each target of OUT/artifacts.json (written by make_artifacts.py: the toy or random Qwen3, and a Qwen3-MoE)
+and each of its drafters, greedy (temperature 0):
   1. vLLM without speculation gives the reference continuations of the held-out prompts;
   2. vLLM with `speculative_config={"method": "dflash", "model": <export>, "num_speculative_tokens": B-1}`
      must load the drafter, draft, and give exactly the same tokens; a trained drafter must get tokens
@@ -129,15 +130,15 @@ def record_drafts(drafter: dict, artifacts: dict, reference: list[list[int]]) ->
     return per_prompt
 
 
-def main(out_dir: str) -> None:
-    artifacts = json.loads((Path(out_dir) / "artifacts.json").read_text())
-    llm = engine(artifacts["target"], None)
-    reference = generate(llm, artifacts["prompts"], artifacts["max_tokens"])
+def check_group(group: dict) -> dict:
+    """Steps 1-3 for one target and its drafters (a group of artifacts.json): {"reference", "drafters"}."""
+    llm = engine(group["target"], None)
+    reference = generate(llm, group["prompts"], group["max_tokens"])
     del llm
     gc.collect()
     results = {}
-    for name, drafter in artifacts["drafters"].items():
-        results[name] = result = serve(name, drafter, artifacts, reference)
+    for name, drafter in group["drafters"].items():
+        results[name] = result = serve(name, drafter, group, reference)
         if "refused" in result:
             print(f"vLLM DFlash {name}: refused by this vLLM build, as known: {result['refused']}", flush=True)
             continue
@@ -145,9 +146,17 @@ def main(out_dir: str) -> None:
               f"tokens {result['accepted']:.0f}, mean acceptance length {result['mean_acceptance_length']:.3f}"
               f"{'' if drafter['trained'] else ' (untrained drafter)'}", flush=True)
         if drafter["trained"]:
-            result["draft_log_probs"] = record_drafts(drafter, artifacts, reference)
-    (Path(out_dir) / "vllm_results.json").write_text(json.dumps({"reference": reference, "drafters": results}) + "\n")
-    print(f"vLLM drafter checks: {len(results)} passed, 0 failed")
+            result["draft_log_probs"] = record_drafts(drafter, group, reference)
+    return {"reference": reference, "drafters": results}
+
+
+def main(out_dir: str) -> None:
+    artifacts = json.loads((Path(out_dir) / "artifacts.json").read_text())
+    results = check_group(artifacts)
+    results["moe"] = check_group(artifacts["moe"])  # the Qwen3-MoE target (make_artifacts.py)
+    (Path(out_dir) / "vllm_results.json").write_text(json.dumps(results) + "\n")
+    checked = len(results["drafters"]) + len(results["moe"]["drafters"])
+    print(f"vLLM drafter checks: {checked} passed, 0 failed")
 
 
 if __name__ == "__main__":

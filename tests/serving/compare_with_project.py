@@ -1,6 +1,7 @@
 """Step 3 of `make test-vllm` (project venv): what vLLM computed against what the project computes.
 
-For each trained drafter that vLLM served (OUT/vllm_results.json from check_vllm.py), on the same prompts
+For each trained drafter that vLLM served (OUT/vllm_results.json from check_vllm.py; the Qwen3-MoE target's
+too), on the same prompts
 and the same continuations (vLLM's own greedy outputs), with the same exported files:
   - τ: the project's exact greedy τ (dflash_jax.eval.exact_tau, design §9) must lie within 10% of vLLM's
     accepted / drafts + 1. Both are pooled over every verification step (vLLM also drafts past the last
@@ -53,16 +54,14 @@ def compare_drafts(scorer: DraftScorer, example: Example, steps: list) -> tuple[
     return worst, equal, total
 
 
-def main(out_dir: str) -> None:
-    out = Path(out_dir)
-    artifacts = json.loads((out / "artifacts.json").read_text())
-    results = json.loads((out / "vllm_results.json").read_text())
+def compare_group(group: dict, served_group: dict) -> tuple[int, list[str]]:
+    """(checks made, failures) for one target's trained drafters."""
     examples = [Example(np.asarray(prompt), np.asarray(continuation))
-                for prompt, continuation in zip(artifacts["prompts"], results["reference"])]
-    target, target_config = load_target(artifacts["target"], param_dtype=jnp.float32)  # vLLM ran float32 too
+                for prompt, continuation in zip(group["prompts"], served_group["reference"])]
+    target, target_config = load_target(group["target"], param_dtype=jnp.float32)  # vLLM ran float32 too
     failures, checks = [], 0
-    for name, drafter_info in artifacts["drafters"].items():
-        served = results["drafters"][name]
+    for name, drafter_info in group["drafters"].items():
+        served = served_group["drafters"][name]
         if not drafter_info["trained"] or "refused" in served:
             continue
         drafter, _ = load_drafter_dir(drafter_info["dir"])
@@ -85,6 +84,16 @@ def main(out_dir: str) -> None:
               f"of every slot; drafted tokens equal {equal}/{total}")
         if worst > LOG_PROB_TOLERANCE:
             failures.append(f"{name}: draft log-probs")
+    return checks, failures
+
+
+def main(out_dir: str) -> None:
+    out = Path(out_dir)
+    artifacts = json.loads((out / "artifacts.json").read_text())
+    results = json.loads((out / "vllm_results.json").read_text())
+    checks, failures = compare_group(artifacts, results)
+    moe_checks, moe_failures = compare_group(artifacts["moe"], results["moe"])  # the Qwen3-MoE target
+    checks, failures = checks + moe_checks, failures + moe_failures
     print(f"vLLM vs project: {checks - len(failures)} passed, {len(failures)} failed")
     if failures:
         sys.exit(f"vLLM and the project disagree: {failures}")

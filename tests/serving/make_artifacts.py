@@ -11,11 +11,15 @@ and exported with convert/export_drafter.py:
   sliding  all sliding-window layers (causal blocks, window W)
   mixed    sliding + full: exported untrained (no training run), since vLLM 0.32 on CPU refuses it
            (see check_vllm.py)
-  dspark   the full drafter's config as an untrained DSpark drafter, for check_vllm_dspark.py
+  dspark   the full drafter's config as an untrained DSpark drafter, for check_vllm_dspark.py, with the
+           project's head outputs on random inputs (OUT/dspark_heads.npz)
   dflash2  the full drafter's config as an untrained DFlash2 drafter (convolutions and selector away from their
            initialisation), with the project's outputs of its CPU-runnable parts, for check_vllm_dflash2.py
+and a mixture-of-experts group: a tiny random Qwen3-MoE target (8 experts, 2 per token, renormalised), trained
+on its own greedy continuations like the random Qwen3 above, with one full-attention drafter.
 Writes OUT/artifacts.json for check_vllm*.py: target, drafters {name: {dir, trained}}, dspark, dflash2 (and its
-references), block_size, prompts.
+references), block_size, prompts, and "moe" with the MoE group's target, drafters, block_size, prompts and
+max_tokens.
 """
 
 from __future__ import annotations
@@ -42,20 +46,40 @@ DRAFTERS = {"full": ("full_attention", "full_attention"), "sliding": ("sliding_a
             "mixed": ("sliding_attention", "full_attention")}
 
 
-def random_target_and_data(out: Path) -> tuple[Path, Path, list[list[int]]]:
-    """A random Qwen3 (head_dim 32: vLLM's CPU attention takes 32/64/80/...) + tokenizer, its greedy
-    continuations of 300 word prompts as training records, and 6 held-out prompts (token ids)."""
+# The random targets' shape (head_dim 32: vLLM's CPU attention takes 32/64/80/...).
+TARGET_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+def save_random_target(target: Path, family: str, vocab_size: int) -> None:
+    """A random fp32 Qwen3 ("qwen3") or Qwen3-MoE ("qwen3_moe": 8 experts of width 64, 2 per token,
+    renormalised) of TARGET_SHAPE, saved by transformers."""
+    import torch
+    import transformers
+
+    from tests.hf_fixtures import qwen3_config, randomize_parameters, save_qwen3
+
+    if family == "qwen3":
+        save_qwen3(target, qwen3_config(vocab_size=vocab_size, **TARGET_SHAPE), seed=0)
+        return
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=vocab_size, moe_intermediate_size=64, num_experts=8,
+                                         num_experts_per_tok=2, norm_topk_prob=True,
+                                         **TARGET_SHAPE)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+    randomize_parameters(model, seed=0).save_pretrained(target)
+
+
+def random_target_and_data(target: Path, family: str) -> tuple[Path, Path, list[list[int]]]:
+    """A random target of `family` (save_random_target) + tokenizer in `target`, its greedy continuations of 300
+    word prompts as training records (target/../<family>_train.jsonl), and 6 held-out prompts (token ids)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.hf_fixtures import qwen3_config, save_qwen3
     from tests.tokenizer_fixture import _WORDS, make_chat_tokenizer
 
-    target = out / "target"
     tokenizer = make_chat_tokenizer()
-    save_qwen3(target, qwen3_config(vocab_size=len(tokenizer) + 8, hidden_size=128, intermediate_size=256,
-                                    num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                    max_position_embeddings=1024, tie_word_embeddings=True), seed=0)
+    save_random_target(target, family, vocab_size=len(tokenizer) + 8)
     tokenizer.save_pretrained(target)
     tokenizer, model = AutoTokenizer.from_pretrained(target), AutoModelForCausalLM.from_pretrained(target).eval()
     rng = random.Random(0)
@@ -68,7 +92,7 @@ def random_target_and_data(out: Path) -> tuple[Path, Path, list[list[int]]]:
     with torch.no_grad():
         generated = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                                    pad_token_id=0)[:, width:].tolist()
-    train_file = out / "train.jsonl"
+    train_file = target.parent / f"{family}_train.jsonl"
     with open(train_file, "w") as f:
         for prompt, continuation in zip(prompts[NUM_PROMPTS:], generated):
             completion = tokenizer.decode([i for i in continuation if i < len(tokenizer)])
@@ -126,16 +150,46 @@ def export_untrained_mixed(full_run: Path, out: Path) -> Path:
     return export_drafter(Drafter(config, rngs=nnx.Rngs(0)), config, out / "drafter_mixed", overwrite=True)
 
 
-def export_untrained_dspark(full_run: Path, out: Path) -> Path:
-    """The "full" run's drafter config as a DSpark drafter (Markov rank 8), randomly initialised and exported:
-    vLLM on CPU can only parse it (check_vllm_dspark.py)."""
+def export_untrained_dspark(full_run: Path, target: Path, out: Path) -> Path:
+    """The "full" run's drafter config as a DSpark drafter (Markov rank 8), randomly initialised (W1 scaled so that
+    the Markov bias is on the logits' scale) and exported, and OUT/dspark_heads.npz: random final hidden states
+    and previous tokens, the target's LM head, and the project's Markov-corrected logits and confidence logits of
+    them from the exported weights. vLLM on CPU can only parse the drafter, load it and run its heads
+    (check_vllm_dspark.py)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
     from dflash_jax.models.drafter import Drafter, DrafterConfig
-    from dflash_jax.weights.drafter_files import export_drafter
+    from dflash_jax.ops.lm_head import fp32_logits
+    from dflash_jax.weights.drafter_files import export_drafter, load_drafter_dir
+    from dflash_jax.weights.targets import load_target
     full = DrafterConfig(**json.loads((full_run / "drafter_config.json").read_text()))
     config = dataclasses.replace(full, method="dspark", markov_rank=8)
-    return export_drafter(Drafter(config, rngs=nnx.Rngs(0)), config, out / "drafter_dspark", overwrite=True)
+    drafter = Drafter(config, rngs=nnx.Rngs(0))
+    drafter.markov_head.w1.set_value(drafter.markov_head.w1[...] * 100)
+    export_dir = export_drafter(drafter, config, out / "drafter_dspark", overwrite=True)
+    exported, _ = load_drafter_dir(export_dir)  # the bf16 weights on disk, as vLLM reads them
+    lm_head = load_target(target, param_dtype=jnp.float32)[0].lm_head_kernel()
+    keys = jax.random.split(jax.random.key(0))
+    hidden = jax.random.normal(keys[0], (16, config.hidden_size), jnp.float32)
+    previous = jax.random.randint(keys[1], (16,), 0, config.vocab_size)
+    head = exported.markov_head
+    logits = fp32_logits(hidden, lm_head) + head.logit_bias(previous, jnp.float32)
+    confidence = exported.confidence_head(hidden, head.prev_embeddings(previous))
+    np.savez(out / "dspark_heads.npz", hidden=np.asarray(hidden), previous=np.asarray(previous),
+             lm_head=np.asarray(lm_head).T, logits=np.asarray(logits), confidence=np.asarray(confidence))
+    return export_dir
+
+
+def moe_group(out: Path, steps: int) -> dict:
+    """The mixture-of-experts group: its random target and data, and one full-attention drafter trained on them."""
+    target, train_file, prompts = random_target_and_data(out / "target_moe", "qwen3_moe")
+    overrides = tiny_overrides("full", target, train_file, steps, seq_len=128)
+    drafter = train_and_export("moe", REPO / "configs/tiny.py", overrides, out)
+    return {"target": str(target), "drafters": {"moe": {"dir": str(drafter), "trained": True}},
+            "block_size": BLOCK_SIZE, "prompts": prompts, "max_tokens": NEW_TOKENS}
 
 
 def export_dflash2_and_references(full_run: Path, out: Path) -> tuple[Path, Path]:
@@ -207,7 +261,7 @@ def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     toy = (TOY_TARGET / "config.json").is_file() and (TOY_DATA / "train.jsonl").is_file()
-    target, train_file, prompts = toy_target_and_data() if toy else random_target_and_data(out)
+    target, train_file, prompts = toy_target_and_data() if toy else random_target_and_data(out / "target", "qwen3")
     seq_len = 512 if toy else 128  # a toy record (prompt <= 192 + completion <= 128) fits one row
     runs = {name: (REPO / "configs/tiny.py", tiny_overrides(name, target, train_file, args.steps, seq_len))
             for name in ("full", "sliding")}
@@ -223,10 +277,11 @@ def main() -> None:
         drafters["full"] = {"dir": str(export(full_run, out / "drafter_full")), "trained": True}
     drafters["mixed"] = {"dir": str(export_untrained_mixed(full_run, out)), "trained": False}
     dflash2, dflash2_references = export_dflash2_and_references(full_run, out)
-    artifacts = {"target": str(target), "drafters": drafters, "dspark": str(export_untrained_dspark(full_run, out)),
+    artifacts = {"target": str(target), "drafters": drafters,
+                 "dspark": str(export_untrained_dspark(full_run, target, out)),
                  "dflash2": str(dflash2), "dflash2_references": str(dflash2_references),
-                 "block_size": BLOCK_SIZE, "prompts": prompts,
-                 "max_tokens": NEW_TOKENS}
+                 "block_size": BLOCK_SIZE, "prompts": prompts, "max_tokens": NEW_TOKENS,
+                 "moe": moe_group(out, args.steps)}
     (out / "artifacts.json").write_text(json.dumps(artifacts, indent=2) + "\n")
     print(f"wrote {out / 'artifacts.json'} (target {target}, drafters {sorted(drafters)})")
 

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from configs import qwen3_8b, qwen27b, qwen27b_dflash2, tiny
+from configs import qwen3_8b, qwen27b, qwen27b_dflash2, qwen27b_dspark, tiny
 from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.qwen3 import Qwen3Config
@@ -76,8 +76,6 @@ def config(**overrides):
     ({"drafter.conv_kernel_size": 0}, "config.drafter.conv_kernel_size must be an int >= 1, got 0"),
     ({"drafter.selector_top_k": -3}, "config.drafter.selector_top_k must be an int >= 1, got -3"),
     ({"drafter.selector_alpha": -0.5}, "config.drafter.selector_alpha must be >= 0, got -0.5"),
-    ({"drafter.method": "dspark", "eval_every": 100},
-     "config.eval_every=100: exact τ is not implemented yet for config.drafter.method='dspark'"),
     ({"drafter.markov_rank": 0}, "config.drafter.markov_rank must be >= 1, got 0"),
     ({"loss.terms": "kld"}, "config.loss.terms must be a JSON object such as '{\"ce\": 0.1, \"tv\": 0.9}', got 'kld'"),
     ({"loss.terms": '{"kl": 1, "nla": 1}'}, "config.loss.terms has unknown terms ['nla']"),
@@ -186,7 +184,7 @@ def test_drafter_defaults_come_from_the_target():
 
 
 def test_shipped_configs_validate():
-    for module in (tiny, qwen3_8b, qwen27b, qwen27b_dflash2):
+    for module in (tiny, qwen3_8b, qwen27b, qwen27b_dflash2, qwen27b_dspark):
         c = module.get_config()
         c.target_dir, c.data.train_files = "/ckpt/target", ("train.jsonl",)
         validate_config(c)
@@ -310,3 +308,29 @@ def test_a_workdir_refuses_a_different_drafter(tmp_path):
     other = resolve_drafter_config(config(**{"drafter.block_size": 4}), TARGET, make_chat_tokenizer())
     with pytest.raises(ConfigError, match=r"records a different drafter .*'block_size': \(8, 4\)"):
         _check_drafter_config(tmp_path / "drafter_config.json", other)
+
+
+def test_qwen27b_dspark_is_speculators_dspark_recipe():
+    """configs/qwen27b_dspark.py: speculators 0.9.0's DSpark defaults for Qwen3.6-27B (design §18)."""
+    config = qwen27b_dspark.get_config()
+    config.target_dir, config.data.train_files = "/ckpt/target", ("train.jsonl",)
+    validate_config(config)
+    resolved = resolve_drafter_config(config, qwen27b_dspark.target_config(), tokenizer=None)
+    assert (resolved.method, resolved.markov_rank, resolved.block_size, resolved.draft_length) == ("dspark", 256, 8, 8)
+    assert (resolved.num_hidden_layers, resolved.hidden_size, resolved.intermediate_size) == (5, 5120, 17408)
+    assert (resolved.num_attention_heads, resolved.num_key_value_heads, resolved.head_dim) == (24, 4, 256)
+    assert resolved.layer_types == ("sliding_attention",) * 5 and resolved.sliding_window == 2048
+    assert resolved.target_layer_ids == tuple(i - 1 for i in (2, 64 // 2, 64 - 3))  # speculators' aux ids - 1
+    assert (dict(config.loss.terms), config.loss.position_weights, config.loss.gamma) == ({"kl": 1.0}, "decay", 4.0)
+    assert config.drafter.confidence_alpha == 1.0
+    assert (config.data.seq_len, config.data.seq_len // config.data.anchor_stride, config.epochs) == (8192, 512, 20)
+    optim = config.optim
+    assert (optim.name, optim.learning_rate, optim.muon_learning_rate) == ("muon", 1e-3, None)
+    assert (optim.weight_decay, optim.muon_weight_decay, optim.b2, optim.warmup_ratio) == (0.01, 0.1, 0.999, 0.01)
+    drafter = nnx.eval_shape(lambda: Drafter(resolved, rngs=nnx.Rngs(0)))
+    params = {"/".join(map(str, path)): int(np.prod(x.shape))
+              for path, x in nnx.to_flat_state(nnx.state(drafter, nnx.Param))}
+    # The Markov head: W1 [V, 256] and W2 [256, V] over the target's 248320 tokens; the confidence head [H + r] -> 1.
+    assert params["markov_head/w1"] == params["markov_head/w2"] == 248320 * 256
+    assert params["confidence_head/kernel"] == 5120 + 256
+    assert abs(sum(params.values()) / 1e9 - 1.91) < 0.01, sum(params.values())  # 0.13 B of it the Markov head

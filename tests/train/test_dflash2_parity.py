@@ -1,4 +1,4 @@
-"""DFlash2 (design §18.3) against the installed vLLM speculators 0.9.0 (its `DFlash2DraftModel`, eager, fp32,
+"""DFlash2 (design §18.4) against the installed vLLM speculators 0.9.0 (its `DFlash2DraftModel`, eager, fp32,
 CPU; tests/train/speculators_dflash2.py in `.venv-speculators`): on the same weights, rows and anchors, the
 drafter's unary logits, the selector's training candidates and their scores, and for several loss settings
 (speculators' default KL with the fixed decay, CE with D-PACE, the other distribution terms, a selector weight)

@@ -1,4 +1,4 @@
-"""DFlash2's training (design §18.3): the fused LM-head loss's candidates and the selector's K-way cross-entropy
+"""DFlash2's training (design §18.4): the fused LM-head loss's candidates and the selector's K-way cross-entropy
 against a dense reference on full [rows, V] logits (values and gradients, through the fused pass's custom
 gradient), and the `train` command on the toy config trains and resumes a DFlash2 drafter and starts one from a
 trained DFlash export. Parity with speculators' own DFlash2 is test_dflash2_parity.py."""

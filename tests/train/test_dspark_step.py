@@ -17,8 +17,10 @@ from flax import nnx
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.anchors import DrafterInputs
 from dflash_jax.train.step import anchor_grid
-from dflash_jax.weights.drafter_files import restore_drafter
-from tests.command import dflash_jax, user_error
+from dflash_jax.runtime.errors import ConfigError
+from dflash_jax.weights.drafter_files import (drafter_to_torch_layout, export_drafter, load_drafter_dir,
+                                              restore_drafter)
+from tests.command import dflash_jax
 from tests.train_fixtures import build, make_target, mesh_of, tiny_config, write_corpus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -133,7 +135,7 @@ def test_dspark_loss_and_gradients_match_a_dense_reference(files, overrides):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max(), err_msg=str(path))
 
 
-# slow: two train commands on the toy target, then the refused export and evaluate
+# slow: two train commands on the toy target, then evaluate --speed and export
 @pytest.mark.slow
 def test_train_command_trains_and_resumes_dspark_on_the_toy_config(tmp_path):
     workdir = tmp_path / "run"
@@ -157,8 +159,46 @@ def test_train_command_trains_and_resumes_dspark_on_the_toy_config(tmp_path):
         trained, initial = (np.asarray(getattr(getattr(d, head), name)[...]) for d in (drafter, fresh))
         assert trained.shape == initial.shape and not np.allclose(trained, initial), (head, name)
 
-    # Export and exact τ do not know the Markov bias yet: each refuses in one line.
-    assert "export of method 'dspark' drafters is not implemented yet" in user_error(
-        dflash_jax("export", "--workdir", str(workdir), "--out", str(tmp_path / "export")))
-    assert "evaluation is implemented for 'dflash' only" in user_error(
-        dflash_jax("evaluate", "--config", str(REPO / "configs" / "toy.py"), "--workdir", str(workdir)))
+    # evaluate: exact τ is what the speculative decoder commits, which is plain greedy decoding; no DDTree.
+    report = tmp_path / "eval.json"
+    done = dflash_jax("evaluate", "--config", str(REPO / "configs" / "toy.py"), "--workdir", str(workdir),
+                      "--num_prompts", "4", "--max_new_tokens", "24", "--speed", "--json", str(report), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(report.read_text())
+    speed = figures["speed"]
+    assert figures["trained"]["tau"] == pytest.approx(speed["tau"], abs=1e-9)
+    assert speed["outputs_differing_from_plain"] == 0 and "ddtree" not in speed
+    assert figures["trained"]["ddtree_tau"] == {} and len(figures["trained"]["accepted_histogram"]) == 9
+    assert "DDTree τ: not defined for this drafter" in done.stdout
+    # export: the speculators layout, read back as the same drafter
+    done = dflash_jax("export", "--workdir", str(workdir), "--out", str(tmp_path / "export"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported, exported_config = load_drafter_dir(tmp_path / "export")
+    assert exported_config == drafter_config
+    np.testing.assert_allclose(np.asarray(exported.markov_head.w2[...]), np.asarray(drafter.markov_head.w2[...]),
+                               rtol=1e-2, atol=1e-3)  # bf16 on disk
+
+def test_a_dspark_run_starts_from_a_dflash_drafter(files, tmp_path):
+    """`drafter.init_from` a DFlash export (design §18): the backbone is the export's, the Markov and confidence
+    heads are the run's own initialisation; a DSpark export cannot start a DFlash run (its heads would be lost)."""
+    dflash = build(tiny_config(*files), mesh_of())
+    source = Drafter(dflash.drafter_config, rngs=nnx.Rngs(7))
+    export_drafter(source, dflash.drafter_config, tmp_path / "dflash")
+    exported = {name: np.asarray(jnp.asarray(value, jnp.bfloat16), np.float32)  # the export is bf16
+                for name, value in drafter_to_torch_layout(source).items()}
+    dspark = {"drafter.method": "dspark", "drafter.markov_rank": RANK}
+    fresh = build(tiny_config(*files, **dspark), mesh_of())
+    warm = build(tiny_config(*files, **dspark, **{"drafter.init_from": str(tmp_path / "dflash")}), mesh_of())
+    initial, loaded = (drafter_to_torch_layout(nnx.merge(setup.spec.graphdef, setup.state.params))
+                       for setup in (fresh, warm))
+    heads = {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+             "confidence_head.proj.bias"}
+    assert set(loaded) == set(exported) | heads
+    for name, value in loaded.items():
+        np.testing.assert_array_equal(value, exported[name] if name in exported else initial[name], name)
+    assert not np.array_equal(loaded["fc.weight"], initial["fc.weight"])
+
+    export_drafter(nnx.merge(warm.spec.graphdef, warm.state.params), warm.drafter_config, tmp_path / "dspark")
+    with pytest.raises(ConfigError, match="a 'dspark' drafter cannot start a 'dflash' run: its "
+                                          "confidence_head.proj.bias, .* would be dropped"):
+        build(tiny_config(*files, **{"drafter.init_from": str(tmp_path / "dspark")}), mesh_of())

@@ -15,7 +15,8 @@ from dflash_jax.sharding import logical_spec, state_shardings
 from dflash_jax.train.checkpoint import Checkpointer
 from dflash_jax.train.state import state_spec
 from dflash_jax.train.step import put_batch
-from tests.train_fixtures import build, make_qwen3_5_target, make_target, mesh_of, tiny_config, write_corpus
+from tests.train_fixtures import (build, make_qwen3_5_moe_target, make_qwen3_5_target, make_qwen3_moe_target,
+                                  make_target, mesh_of, tiny_config, write_corpus)
 
 ROWS = 8  # global batch: one row per device on the 8 simulated devices
 
@@ -24,12 +25,15 @@ ROWS = 8  # global batch: one row per device on the 8 simulated devices
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharding")
     return {"qwen3": make_target(root / "qwen3"), "qwen3_5": make_qwen3_5_target(root / "qwen3_5"),
-            "corpus": write_corpus(root / "train.jsonl")}
+            "qwen3_moe": make_qwen3_moe_target(root / "qwen3_moe"),
+            "qwen3_5_moe": make_qwen3_5_moe_target(root / "qwen3_5_moe"), "corpus": write_corpus(root / "train.jsonl")}
 
 
 def config_for(files, kind, data=1, fsdp=1, tensor=1, target_layout="fsdp"):
+    # Qwen3.5-MoE has no dense MLP width for the drafter to copy.
+    width = {"drafter.intermediate_size": 96} if kind == "qwen3_5_moe" else {}
     return tiny_config(files[kind], files["corpus"], target_layout=target_layout,
-                       **{"data.batch_size": ROWS, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor})
+                       **{"data.batch_size": ROWS, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor}, **width)
 
 
 def one_step(files, kind, mesh_shape, target_layout="fsdp"):
@@ -41,7 +45,14 @@ def one_step(files, kind, mesh_shape, target_layout="fsdp"):
 
 @pytest.fixture(scope="module")
 def one_device(files):
-    return {kind: one_step(files, kind, (1, 1, 1))[:2] for kind in ("qwen3", "qwen3_5")}
+    """kind -> the one-device step's (metrics, parameters), each computed when a test first asks for it."""
+    steps = {}
+
+    def get(kind):
+        if kind not in steps:
+            steps[kind] = one_step(files, kind, (1, 1, 1))[:2]
+        return steps[kind]
+    return get
 
 
 def assert_same_step(one_device_step, step):
@@ -63,7 +74,7 @@ def assert_same_step(one_device_step, step):
       for kind, shape in [("qwen3", (1, 4, 2)), ("qwen3", (2, 2, 2)), ("qwen3_5", (1, 4, 2)), ("qwen3_5", (8, 1, 1)),
                           ("qwen3_5", (1, 8, 1))]]])
 def test_step_on_a_mesh_matches_one_device(files, one_device, kind, mesh_shape):
-    assert_same_step(one_device[kind], one_step(files, kind, mesh_shape)[:2])
+    assert_same_step(one_device(kind), one_step(files, kind, mesh_shape)[:2])
 
 
 # Each layout once in make test (the hybrid target in the tensor layout, the dense one replicated), the other two
@@ -76,13 +87,34 @@ def test_target_layouts_match_one_device(files, one_device, kind, target_layout,
     """config.target_layout changes where the target's weights lie, never the step's result ("fsdp", the
     default, is the test above)."""
     metrics, params, target_state = one_step(files, kind, mesh_shape, target_layout)
-    assert_same_step(one_device[kind], (metrics, params))
+    assert_same_step(one_device(kind), (metrics, params))
     specs = {jax.tree_util.keystr(path): leaf.sharding.spec for path, leaf in
              jax.tree_util.tree_leaves_with_path(target_state)}
     used = {axis for spec in specs.values() for entry in spec if entry
             for axis in ((entry,) if isinstance(entry, str) else entry)}
     # tensor: heads, MLP columns and the vocabulary split over tensor, nothing over fsdp; replicate: nothing split.
     assert used == ({"tensor"} if target_layout == "tensor" else set()), specs
+
+
+# Mixture-of-experts targets (design §13): experts split over tensor, each device running its own experts' share of
+# the rows. In make test one layout of each family, with tensor = 2; the rest in make test-slow (tensor = 8 puts
+# one of the 8 experts on each device).
+@pytest.mark.parametrize("kind, target_layout, mesh_shape", [
+    ("qwen3_moe", "fsdp", (1, 4, 2)), ("qwen3_5_moe", "tensor", (2, 2, 2)),
+    *[pytest.param(kind, layout, shape, marks=pytest.mark.slow) for kind, layout, shape in [
+        ("qwen3_moe", "fsdp", (8, 1, 1)), ("qwen3_moe", "fsdp", (1, 8, 1)), ("qwen3_moe", "fsdp", (2, 2, 2)),
+        ("qwen3_moe", "fsdp", (1, 1, 8)), ("qwen3_moe", "tensor", (1, 4, 2)), ("qwen3_moe", "replicate", (2, 2, 2)),
+        ("qwen3_5_moe", "fsdp", (1, 4, 2)), ("qwen3_5_moe", "fsdp", (1, 8, 1)), ("qwen3_5_moe", "tensor", (1, 1, 8)),
+        ("qwen3_5_moe", "replicate", (2, 2, 2))]]])
+def test_moe_step_on_a_mesh_matches_one_device(files, one_device, kind, target_layout, mesh_shape):
+    metrics, params, target_state = one_step(files, kind, mesh_shape, target_layout)
+    assert_same_step(one_device(kind), (metrics, params))
+    specs = {jax.tree_util.keystr(path): leaf.sharding.spec for path, leaf in
+             jax.tree_util.tree_leaves_with_path(target_state) if "experts" in jax.tree_util.keystr(path)}
+    assert specs
+    split = None if target_layout == "replicate" else "tensor"
+    for path, spec in specs.items():  # [layers, E, in, out]: the experts split over tensor, each expert whole there
+        assert spec[1] == split and "tensor" not in spec[2:], (path, spec)
 
 
 _COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-reduce|reduce-scatter)(-start)?\(")
@@ -99,7 +131,8 @@ def float_collectives(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 @pytest.mark.parametrize("kind, mesh_shape", [("qwen3", (1, 8, 1)), ("qwen3_5", (1, 4, 2)),
-                                              pytest.param("qwen3_5", (2, 2, 2), marks=pytest.mark.slow)])
+                                              pytest.param("qwen3_5", (2, 2, 2), marks=pytest.mark.slow),
+                                              pytest.param("qwen3_5_moe", (1, 4, 2), marks=pytest.mark.slow)])
 def test_no_collective_moves_a_global_batch_of_activations(files, kind, mesh_shape):
     """Regression test for the activations' sharding constraints: without them the partitioner shards
     activations along the hidden axis (where the FSDP weights are split) and all-reduces or all-gathers

@@ -1,4 +1,4 @@
-"""DFlash2 export (design §18.4): the z-lab layout with the DFlash2 architecture and keys, tensor by tensor under
+"""DFlash2 export (design §18.5): the z-lab layout with the DFlash2 architecture and keys, tensor by tensor under
 vLLM's names, read back into NNX, the model card and the vLLM serve line; vLLM's own parsing and loading of it is
 tests/serving/check_vllm_dflash2.py."""
 
