@@ -184,7 +184,8 @@ def main() -> None:
     if "full" not in drafters:
         drafters["full"] = {"dir": str(export(full_run, out / "drafter_full")), "trained": True}
     drafters["mixed"] = {"dir": str(export_untrained_mixed(full_run, out)), "trained": False}
-    artifacts = {"target": str(target), "drafters": drafters, "dspark": str(export_untrained_dspark(full_run, target, out)),
+    dspark = export_untrained_dspark(full_run, target, out)
+    artifacts = {"target": str(target), "drafters": drafters, "dspark": str(dspark),
                  "block_size": BLOCK_SIZE, "prompts": prompts,
                  "max_tokens": NEW_TOKENS}
     (out / "artifacts.json").write_text(json.dumps(artifacts, indent=2) + "\n")
