@@ -68,7 +68,8 @@ def test_a_packaged_recipe_is_named_without_its_path(tmp_path):
     assert json.loads(by_name.stdout) == json.loads(qwen27b.get_config().to_json_best_effort())
     assert packaged_config_path("configs/qwen27b.py") == "configs/qwen27b.py"  # a path stays a path
     with pytest.raises(UserError, match=r"^--config qwen28b: no such file, nor a packaged config \(those are: "
-                                        r"qwen27b, qwen27b_dspark, qwen36_35b_a3b, qwen3_30b_a3b, qwen3_8b, tiny, toy\)$"):
+                                        r"qwen27b, qwen27b_dspark, qwen36_35b_a3b, qwen3_30b_a3b, qwen3_8b, "
+                                        r"tiny, toy\)$"):
         packaged_config_path("qwen28b")
 
 
