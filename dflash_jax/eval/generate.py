@@ -2,8 +2,8 @@
 (design §9.3, §18.2).
 
 One loop serves both modes, so their speeds are comparable: with a drafter each step verifies a drafted block
-[bonus, d1..d_D] in one target forward and drafts the next (D = B-1, or B for DSpark); without one the block is just [bonus] (plain
-greedy decoding, block size 1). The prefill runs the target over the prompt, takes its greedy token as the
+[bonus, d1..d_D] in one target forward and drafts the next (D = B-1, or B for DSpark); without one the block is
+just [bonus] (plain greedy decoding, block size 1). The prefill runs the target over the prompt, takes its greedy token as the
 first bonus and drafts the first block. Per step, at start = the bonus token's position:
   1. the target extends its KV cache by the block; posterior = its greedy token after each block position;
   2. accepted = the leading drafts equal to the posterior; commit them plus posterior[accepted] (the new

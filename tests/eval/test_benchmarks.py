@@ -216,11 +216,13 @@ def test_bad_benchmarks_are_refused_before_any_model_loads(sources, hub_cache, t
 
 
 @pytest.mark.slow
-def test_evaluate_benchmark_on_the_toy_target(sources, hub_cache, tmp_path):
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_evaluate_benchmark_on_the_toy_target(sources, hub_cache, tmp_path, method):
     """Two benchmarks, one multi-turn, with --speed: per benchmark, the drafter's exact τ on the target's greedy
-    answers to z-lab's prompts, turn by turn; plain, speculative and DDTree decoding of the same prompts, the
-    drafting decoders lossless with the τ of the table."""
+    answers to z-lab's prompts, turn by turn; plain, speculative and (DFlash only, design §18.2) DDTree decoding
+    of the same prompts, the drafting decoders lossless with the τ of the table."""
     config = toy_recipe.get_config()
+    config.drafter.method = method
     config.mesh = ConfigDict(dict(data=1, fsdp=1, tensor=1, dcn_data=1))
     config.drafter.num_hidden_layers, config.drafter.layer_types = 1, ("full_attention",)
     tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
@@ -251,13 +253,17 @@ def test_evaluate_benchmark_on_the_toy_target(sources, hub_cache, tmp_path):
             assert score[key] == reference[key], (name, key)
         speed = score["speed"]
         assert speed["responses"] == score["responses"]
-        assert speed["outputs_differing_from_plain"] == 0 and speed["ddtree"]["outputs_differing_from_plain"] == 0
-        assert speed["tau"] == pytest.approx(score["tau"])
-        assert speed["ddtree"]["tau"] == pytest.approx(score["ddtree_tau"][4])
+        assert speed["outputs_differing_from_plain"] == 0 and speed["tau"] == pytest.approx(score["tau"])
+        if method == "dflash":
+            assert speed["ddtree"]["outputs_differing_from_plain"] == 0
+            assert speed["ddtree"]["tau"] == pytest.approx(score["ddtree_tau"][4])
+        else:
+            assert "ddtree" not in speed and score["ddtree_tau"] == {}
 
     table = lines[-1].splitlines()
-    assert table[0] == ("| benchmark | prompts | responses | τ | τ per response | DDTree τ (4) | plain tok/s | "
-                        "speculative tok/s | speed-up | DDTree (4) tok/s | DDTree speed-up |")
+    tree = {"dflash": (" DDTree τ (4) |", " DDTree (4) tok/s | DDTree speed-up |"), "dspark": ("", "")}[method]
+    assert table[0] == (f"| benchmark | prompts | responses | τ | τ per response |{tree[0]} plain tok/s | "
+                        f"speculative tok/s | speed-up |{tree[1]}")
     assert [row.split(" | ")[:4] for row in table[2:]] == [
         ["| humaneval", "2", "2", f"{scores['humaneval']['tau']:.2f}"],
         ["| mt-bench", "2", "4", f"{scores['mt-bench']['tau']:.2f}"]]
