@@ -27,12 +27,11 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.train import validate
 from dflash_jax.weights.drafter_files import export_drafter
 from dflash_jax.weights.targets import load_target
-from tests.eval.test_benchmarks import hub_cache, sources  # noqa: F401 (fixtures)
-from tests.eval.test_exact_tau import NEW_TOKENS, train_briefly
-from tests.eval_fixtures import BLOCK, VOCAB, drafter_config
+from tests.eval_fixtures import BLOCK, VOCAB, drafter_config, train_briefly
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
 DFLASH2 = dict(method="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+NEW_TOKENS = 28  # generated tokens per prompt, as the DFlash exact-τ test
 
 
 @pytest.mark.slow  # a brief training run and three decoders' compiles (about 45 s on one core)
@@ -53,7 +52,7 @@ def test_exact_tau_equals_the_selector_walks_tau(tmp_path):
     selector = drafter.candidate_selector
     for codebook in (selector.predecessor_codebook, selector.successor_codebook):
         codebook.set_value(codebook[...] * 60)
-    drafter = train_briefly(target, drafter, examples, steps=30)
+    drafter = train_briefly(target, drafter, examples, steps=30, new_tokens=NEW_TOKENS)
     speculative = SpeculativeGenerator(target, drafter, prefill_len=16, capacity=64)
 
     report, plain_runs, speculative_runs = benchmark(plain, speculative, prompts, NEW_TOKENS)
