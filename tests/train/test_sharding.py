@@ -33,7 +33,8 @@ def config_for(files, kind, data=1, fsdp=1, tensor=1, target_layout="fsdp"):
     # Qwen3.5-MoE has no dense MLP width for the drafter to copy.
     width = {"drafter.intermediate_size": 96} if kind == "qwen3_5_moe" else {}
     return tiny_config(files[kind], files["corpus"], target_layout=target_layout,
-                       **{"data.batch_size": ROWS, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor}, **width)
+                       **{"data.batch_size": ROWS, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
+                          **width})
 
 
 def one_step(files, kind, mesh_shape, target_layout="fsdp"):
