@@ -4,8 +4,8 @@
 
 `python -m dflash_jax.convert` (or `python convert/hf_to_orbax.py`) is the same command. The result loads
 wherever a target directory is accepted (`load_target`, `config.target_dir`), restored onto the training mesh
-shard by shard. Weights stream one NNX variable at a time (peak host memory about one stacked weight, e.g.
-all layers' up_proj); config.json and the tokenizer files are copied alongside.
+shard by shard. Weights stream one layer at a time (peak host memory about one layer's tensors: for a
+mixture-of-experts target, one layer's experts); config.json and the tokenizer files are copied alongside.
 """
 
 from __future__ import annotations

@@ -1,19 +1,23 @@
 """Data-driven loading of Hugging Face tensors into an NNX model.
 
 A model family declares a table of `WeightRule`s (HF name pattern -> NNX state path, plus a small per-tensor
-fix-up such as a transpose). `load_weights` walks the table, stacks per-layer tensors along the leading
-`layers` axis, checks every shape against the model's abstract state, and reports missing and unexpected
-tensors by name. Tensors are read one at a time and moved to their device sharding immediately.
+fix-up such as a transpose). `load_weights` walks the table one HF layer at a time, checks every shape against
+the model's abstract state, reports missing and unexpected tensors by name, and writes each layer into its
+variable's stack (the leading `layers` axis) on the device shardings, so host memory holds one layer's tensors
+(a layer's experts, for a mixture-of-experts target), not the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.weights.safetensors_dir import CheckpointReader
@@ -54,17 +58,86 @@ class WeightRule:
         return [name for group in self.layer_names() for name in group]
 
 
+def layer_groups(rules: Sequence[WeightRule]) -> list[list[tuple[WeightRule, int | None]]]:
+    """The rules in reading order, (rule, position in its stack or None): the unstacked ones, then HF layer by
+    HF layer every stacked rule holding that layer (a layer's tensors are read together, and only then)."""
+    stacked = [rule for rule in rules if rule.layers is not None]
+    groups = [[(rule, None) for rule in rules if rule.layers is None]]
+    for layer in sorted({i for rule in stacked for i in rule.layers}):
+        groups.append([(rule, list(rule.layers).index(layer)) for rule in stacked if layer in rule.layers])
+    return groups
+
+
+def read_group(reader: CheckpointReader, group: list[tuple[WeightRule, int | None]],
+               variables: dict) -> list[tuple[WeightRule, int | None, np.ndarray]]:
+    """One group of `layer_groups` read from the checkpoint: per rule, its value as the variable holds one layer
+    of it (a layer's experts stacked), in the variable's dtype. A tensor two rules take (a fused gate|up
+    expert tensor) is read once. CheckpointError names a tensor whose shape does not fit the config."""
+    names = [name for rule, position in group for name in rule.layer_names()[position or 0]]
+    shared = {name for name in names if names.count(name) > 1}
+    cache: dict[str, np.ndarray] = {}
+    values = []
+    for rule, position in group:
+        variable = variables[rule.path]
+        per_tensor = tuple(variable.shape[(rule.layers is not None) + (rule.experts is not None):])
+        pieces = []
+        for name in rule.layer_names()[position or 0]:
+            tensor = cache[name] if name in cache else reader.read(name)
+            if name in shared:
+                cache[name] = tensor
+            try:
+                piece = rule.fixup(tensor)
+            except ValueError as error:  # a fix-up that checks its input's shape itself
+                raise CheckpointError(f"{reader.dir}: tensor {name} {error}") from None
+            if tuple(piece.shape) != per_tensor:
+                raise CheckpointError(f"{reader.dir}: tensor {name} has shape {tuple(reader.shape(name))}, "
+                                      f"expected {_hf_shape(per_tensor, rule.fixup)} for this config")
+            pieces.append(np.asarray(piece, dtype=np.dtype(variable.dtype)))  # cast on the host
+        values.append((rule, position, np.stack(pieces) if rule.experts is not None else pieces[0]))
+    return values
+
+
+class LayerStacks:
+    """Device arrays of the model's variables, filled one layer of a stacked variable at a time: only that
+    layer travels from the host, straight to each device's shard of it (with a mesh: a device holding a tensor
+    split of a layer's experts receives only its experts), so host memory holds a layer, never a whole stack."""
+
+    def __init__(self, variables: dict, shardings: dict):
+        self.variables, self.shardings, self.values = variables, shardings, {}
+
+    def put(self, path: tuple, position: int | None, value) -> None:
+        """`value` (host or device array) as the variable `path`, or as layer `position` of its stack."""
+        sharding = self.shardings.get(path)
+        if position is None:
+            self.values[path] = jax.device_put(value, sharding)
+            return
+        if path not in self.values:
+            variable = self.variables[path]
+            self.values[path] = jax.jit(lambda: jnp.zeros(variable.shape, variable.dtype), out_shardings=sharding)()
+        layer_sharding = None if sharding is None else NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+        self.values[path] = _write_layer(self.values[path], jax.device_put(value, layer_sharding),
+                                         np.int32(position), sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _write_layer(stack: jax.Array, layer: jax.Array, position, sharding) -> jax.Array:
+    stack = jax.lax.dynamic_update_index_in_dim(stack, layer, position, axis=0)  # in place: the stack is donated
+    return stack if sharding is None else jax.lax.with_sharding_constraint(stack, sharding)
+
+
 def load_weights(abstract_model: nnx.Module, reader: CheckpointReader, rules: Sequence[WeightRule], *,
                  ignore_prefixes: Sequence[str] = (), shardings: nnx.State | None = None) -> nnx.Module:
     """Fill `abstract_model` (from `nnx.eval_shape`) with the checkpoint's tensors and return the real model.
 
-    Each tensor is cast to the dtype of the variable it fills (the model's `param_dtype` choices).
+    Each tensor is cast to the dtype of the variable it fills (the model's `param_dtype` choices). Tensors are
+    read one HF layer at a time and placed on their shardings (`LayerStacks`).
 
     Raises CheckpointError naming missing tensors, unexpected tensors and shape mismatches.
     """
     graphdef, abstract_state = nnx.split(abstract_model)
     flat_abstract = dict(nnx.to_flat_state(abstract_state))
-    flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+    flat_shardings = ({path: s.get_value() for path, s in nnx.to_flat_state(shardings)}
+                      if shardings is not None else {})
 
     wanted = {name for rule in rules for name in rule.names()}
     missing = sorted(name for name in wanted if name not in reader)
@@ -77,37 +150,19 @@ def load_weights(abstract_model: nnx.Module, reader: CheckpointReader, rules: Se
         if unexpected:
             parts.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
         raise CheckpointError(f"{reader.dir}: " + "; ".join(parts))
-
-    covered = set()
-    for rule in rules:
-        if rule.path not in flat_abstract:
-            raise KeyError(f"weight table names {'.'.join(rule.path)}, which the model does not have")
-        variable = flat_abstract[rule.path]
-        expected = tuple(variable.shape)
-        pieces = []
-        per_tensor = expected[(rule.layers is not None) + (rule.experts is not None):]
-        for group in rule.layer_names():
-            group_pieces = []
-            for name in group:
-                try:
-                    piece = rule.fixup(reader.read(name))
-                except ValueError as error:  # a fix-up that checks its input's shape itself
-                    raise CheckpointError(f"{reader.dir}: tensor {name} {error}") from None
-                if tuple(piece.shape) != per_tensor:
-                    raise CheckpointError(f"{reader.dir}: tensor {name} has shape {tuple(reader.shape(name))}, "
-                                          f"expected {_hf_shape(per_tensor, rule.fixup)} for this config")
-                group_pieces.append(np.asarray(piece, dtype=np.dtype(variable.dtype)))  # cast on the host
-            pieces.append(np.stack(group_pieces) if rule.experts is not None else group_pieces[0])
-        value = np.stack(pieces) if rule.layers is not None else pieces[0]
-        # Host memory goes straight to each device's shard: staging the whole (stacked) tensor on one device
-        # first would need it to fit there, which a large target's stacked MLP kernels do not.
-        sharding = flat_shardings[rule.path].get_value() if rule.path in flat_shardings else None
-        variable.set_value(jax.device_put(value, sharding))
-        covered.add(rule.path)
-
-    uncovered = sorted(".".join(map(str, path)) for path in flat_abstract if path not in covered)
+    unknown = [".".join(rule.path) for rule in rules if rule.path not in flat_abstract]
+    if unknown:
+        raise KeyError(f"weight table names {', '.join(unknown)}, which the model does not have")
+    uncovered = sorted(".".join(map(str, path)) for path in set(flat_abstract) - {rule.path for rule in rules})
     if uncovered:
         raise KeyError(f"weight table leaves model variables unset: {', '.join(uncovered)}")
+
+    stacks = LayerStacks(flat_abstract, flat_shardings)
+    for group in layer_groups(rules):
+        for rule, position, value in read_group(reader, group, flat_abstract):
+            stacks.put(rule.path, position, value)
+    for path, value in stacks.values.items():
+        flat_abstract[path].set_value(value)
     return nnx.merge(graphdef, abstract_state)
 
 

@@ -3,14 +3,17 @@ any mesh shard by shard.
 
 Directory layout written by `write_orbax_target` (`dflash-jax convert`):
     config.json (+ the tokenizer and other small files)   copied from the HF directory
-    params/                                                Orbax checkpoint: one array per NNX variable, named
-                                                           by its path ("layers.mlp.up_proj.kernel"), in the
-                                                           model's own layout (kernels [in, out], stacked layers)
+    params/                                                Orbax checkpoint: the NNX variables in the model's own
+                                                           layout (kernels [in, out]), named by their path
+                                                           ("embed_tokens.embedding"); a variable stacked over
+                                                           layers as one array per layer of its stack
+                                                           ("layers.mlp.up_proj.kernel#3": the 4th layer's)
     dflash_target.json                                     marker, written last: the conversion completed
     dflash_output.json                                     written first: what --overwrite may replace
 
-Writing streams one NNX variable at a time (Orbax partial saves), filled tensor by tensor from the
-memory-mapped safetensors; restoring reads each device's shard straight from tensorstore.
+Writing streams one HF layer at a time (an Orbax partial save per layer, from the memory-mapped safetensors), so
+host memory holds one layer's tensors (a layer's experts, for a mixture-of-experts target); restoring reads each
+device's shard of a layer straight from tensorstore into its stack, layer by layer.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from orbax.checkpoint import v1 as ocp
 from tqdm import tqdm
 
@@ -33,7 +36,7 @@ from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.runtime.paths import as_path, is_url
 from dflash_jax.sharding import state_shardings
 from dflash_jax.weights.families import resolve
-from dflash_jax.weights.mapping import WeightRule
+from dflash_jax.weights.mapping import LayerStacks, WeightRule, layer_groups, read_group
 from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.output_dir import prepare_output_dir
 from dflash_jax.weights.safetensors_dir import INDEX_FILE, CheckpointReader, read_config, read_json
@@ -41,13 +44,20 @@ from dflash_jax.weights.safetensors_dir import INDEX_FILE, CheckpointReader, rea
 MARKER_FILE = "dflash_target.json"
 OUTPUT_KIND = "Orbax target"  # in the output directory's ownership file (weights/output_dir.py)
 PARAMS_DIR = "params"
-# Version 2: a Gated DeltaNet's fused q|k|v projection and conv are stored as their q, k and v parts.
-FORMAT, VERSION = "dflash_jax.orbax_target", 2
+# Version 2: a Gated DeltaNet's fused q|k|v projection and conv are stored as their q, k and v parts. Version 3:
+# stacked variables are stored one array per layer.
+FORMAT, VERSION = "dflash_jax.orbax_target", 3
+LAYER_MARK = "#"  # "<variable>#<position in its stack>"
 
 
 def leaf_name(path: tuple) -> str:
     """NNX variable path -> checkpoint array name, e.g. ('layers', 'mlp', 'up_proj', 'kernel')."""
     return ".".join(map(str, path))
+
+
+def stored_name(path: tuple, position: int | None) -> str:
+    """The array name of a variable, or of layer `position` of a stacked one."""
+    return leaf_name(path) if position is None else f"{leaf_name(path)}{LAYER_MARK}{position}"
 
 
 def is_orbax_target(directory: str | Path) -> bool:
@@ -59,10 +69,10 @@ def write_orbax_target(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfl
     """Convert the HF checkpoint `hf_dir` into an Orbax target directory `out_dir`; returns `out_dir`.
 
     Weights are stored in `dtype` (variables the model keeps in fp32, e.g. Qwen3.5's A_log, stay fp32).
-    Peak host memory is one NNX variable (for stacked layer weights: all layers of one weight, e.g. every
-    layer's up_proj) plus one HF tensor: the variable's buffer is filled layer by layer from memory-mapped
-    safetensors and saved before the next one is started. `out_dir` must be absent or empty, or with
-    `overwrite` an earlier Orbax target (weights/output_dir.py says what may be replaced).
+    Peak host memory is one HF layer's tensors (a layer's experts, for a mixture-of-experts target): the layers
+    are read one at a time from memory-mapped safetensors and saved (an Orbax partial save) before the next is
+    read. `out_dir` must be absent or empty, or with `overwrite` an earlier Orbax target
+    (weights/output_dir.py says what may be replaced).
     """
     hf_dir, out_dir = Path(local_dir(hf_dir, "target")), Path(out_dir)  # hf_dir may be a Hub repo id
     hf_config = read_config(hf_dir)
@@ -83,24 +93,13 @@ def write_orbax_target(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfl
 
     bar = tqdm(total=sum(len(rule.names()) for rule in rules), unit="tensor", desc=f"{hf_dir.name} -> Orbax",
                disable=not progress)
-    for rule in rules:
-        variable = variables[rule.path]
-        value = np.empty(variable.shape, np.dtype(variable.dtype))
-        stacked = (rule.layers is not None) + (rule.experts is not None)  # leading [layers] and/or [experts] axes
-        for layer, group in enumerate(rule.layer_names()):
-            for expert, name in enumerate(group):
-                index = ((layer,) if rule.layers is not None else ()) + ((expert,) if rule.experts is not None else ())
-                try:
-                    piece = rule.fixup(reader.read(name))
-                except ValueError as error:  # a fix-up that checks its input's shape itself
-                    raise CheckpointError(f"{hf_dir}: tensor {name} {error}") from None
-                if piece.shape != value.shape[stacked:]:
-                    raise CheckpointError(f"{hf_dir}: tensor {name} has shape {tuple(reader.shape(name))}, which "
-                                          f"does not fit {leaf_name(rule.path)} {value.shape} of this config")
-                value[index] = piece  # casts to the stored dtype
-                bar.update(1)
-        ocp.partial.save(out_dir / PARAMS_DIR, {leaf_name(rule.path): value})
-        del value
+    for group in layer_groups(rules):
+        arrays = {}
+        for rule, position, value in read_group(reader, group, variables):
+            arrays[stored_name(rule.path, position)] = value
+            bar.update(len(rule.layer_names()[position or 0]))
+        ocp.partial.save(out_dir / PARAMS_DIR, arrays)
+        del arrays
     bar.close()
     ocp.partial.finalize(out_dir / PARAMS_DIR)
 
@@ -140,26 +139,58 @@ def load_orbax_target(directory: str | Path, *, param_dtype=jnp.bfloat16, mesh: 
     abstract = family.abstract_model(config, param_dtype=param_dtype, attention_impl=attention_impl, mesh=mesh,
                                      delta_rule_dtype=delta_rule_dtype)
     graphdef, state = nnx.split(abstract)
-    if mesh is not None:
-        shardings = {path: s.get_value() for path, s in nnx.to_flat_state(state_shardings(state, mesh, target_layout))}
-    else:
-        shardings = {path: SingleDeviceSharding(jax.devices()[0]) for path, _ in nnx.to_flat_state(state)}
+    shardings = ({path: s.get_value() for path, s in nnx.to_flat_state(state_shardings(state, mesh, target_layout))}
+                 if mesh is not None else {})
     variables = dict(nnx.to_flat_state(state))
-    targets = {leaf_name(path): jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[path])
-               for path, v in variables.items()}
-
     stored = ocp.metadata(params_dir).metadata
-    missing, unexpected = sorted(set(targets) - set(stored)), sorted(set(stored) - set(targets))
-    wrong = [f"{name} {tuple(stored[name].shape)} (config.json needs {targets[name].shape})"
-             for name in sorted(set(targets) & set(stored)) if tuple(stored[name].shape) != targets[name].shape]
+    layers = _stored_layers(stored)
+    shapes = {**{name: tuple(array.shape) for name, array in stored.items() if LAYER_MARK not in name},
+              **{name: (len(shapes), *shapes[0]) for name, shapes in layers.items()}}
+    targets = {leaf_name(path): tuple(v.shape) for path, v in variables.items()}
+    missing, unexpected = sorted(set(targets) - set(shapes)), sorted(set(shapes) - set(targets))
+    wrong = [f"{name} {shapes[name]} (config.json needs {targets[name]})"
+             for name in sorted(set(targets) & set(shapes)) if shapes[name] != targets[name]]
     if missing or unexpected or wrong:
         raise CheckpointError(f"{params_dir}: does not match {directory / 'config.json'}: missing arrays {missing}, "
                               f"unexpected arrays {unexpected}, wrong shapes {wrong}")
+
+    # The whole variables in one read, then each position of the stacks in one read: a device's shard of one
+    # layer at a time travels, into its place in the stack (weights/mapping.py).
+    stacks = LayerStacks(variables, shardings)
+    by_position = [[(path, None) for path in variables if leaf_name(path) not in layers]]
+    for position in range(max(map(len, layers.values()), default=0)):
+        by_position.append([(path, position) for path in variables if len(layers.get(leaf_name(path), ())) > position])
     # TensorStore's own retries of an unanswered request take a quarter of an hour: a bucket's read is bounded
     # by the storage watchdog instead (design §7.2).
-    size = sum(np.dtype(t.dtype).itemsize * int(np.prod(t.shape)) for t in targets.values())
+    size = sum(np.dtype(v.dtype).itemsize * int(np.prod(v.shape)) for v in variables.values())
     with storage.deadline("target restore", str(params_dir), size) if is_url(params_dir) else contextlib.nullcontext():
-        restored = ocp.load(params_dir, targets)
+        for group in by_position:
+            wanted = {stored_name(path, position): _abstract(variables[path], shardings.get(path), position)
+                      for path, position in group}
+            restored = ocp.load(params_dir, {name: wanted.get(name, ocp.PLACEHOLDER) for name in stored})
+            for path, position in group:
+                stacks.put(path, position, restored[stored_name(path, position)])
     for path, variable in variables.items():
-        variable.set_value(restored[leaf_name(path)])
+        variable.set_value(stacks.values[path])
     return nnx.merge(graphdef, state), config
+
+
+def _stored_layers(stored) -> dict[str, list[tuple[int, ...]]]:
+    """Per stacked variable's name, the shape of each stored layer, in stack order."""
+    layers: dict[str, dict[int, tuple[int, ...]]] = {}
+    for name, metadata in stored.items():
+        if LAYER_MARK in name:
+            base, position = name.rsplit(LAYER_MARK, 1)
+            layers.setdefault(base, {})[int(position)] = tuple(metadata.shape)
+    return {name: [shapes[i] for i in sorted(shapes)] for name, shapes in layers.items()}
+
+
+def _abstract(variable, sharding, position: int | None) -> jax.ShapeDtypeStruct:
+    """What to restore a variable (or one layer of its stack) as: its dtype, on its sharding (the first device
+    without a mesh)."""
+    shape = variable.shape if position is None else variable.shape[1:]
+    if sharding is None:
+        sharding = SingleDeviceSharding(jax.devices()[0])
+    elif position is not None:
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+    return jax.ShapeDtypeStruct(shape, variable.dtype, sharding=sharding)

@@ -143,6 +143,47 @@ def test_a_missing_expert_tensor_is_named(checkpoints, tmp_path, layout, missing
     assert str(error.value) == f"{tmp_path / 'bad'}: missing tensors (1): {missing}"
 
 
+@pytest.mark.parametrize("layout, name, shape, message", [
+    ("causal_lm", "model.layers.2.mlp.experts.4.up_proj.weight", (17, 32), "has shape (17, 32), expected (16, 32)"),
+    ("fused", "model.layers.1.mlp.experts.gate_up_proj", (6, 30, 32),
+     "has shape (6, 30, 32), expected (6, 32, 32) for this config (fused experts)"),
+])
+def test_a_mis_shaped_expert_tensor_is_named(checkpoints, tmp_path, layout, name, shape, message):
+    source = checkpoints[layout][0]
+    tensors = load_file(source / "model.safetensors")
+    tensors[name] = np.zeros(shape, np.float32)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text((source / "config.json").read_text())
+    save_file(tensors, tmp_path / "bad" / "model.safetensors")
+    with pytest.raises(CheckpointError) as error:
+        load_target(tmp_path / "bad", param_dtype=jnp.float32)
+    assert str(error.value).startswith(f"{tmp_path / 'bad'}: tensor {name} {message}")
+
+
+def test_each_tensor_is_read_once_and_a_layer_at_a_time_goes_to_its_shards(tmp_path, monkeypatch):
+    """Fused experts of 8 layers (two repetitions of the period) loaded onto an (fsdp=4, tensor=2) mesh: every
+    tensor read once (gate and up come from one read of gate_up_proj), no host array larger than one layer's
+    experts handed to the devices, and each device holding its tensor half of the experts (design §8.4)."""
+    from dflash_jax.weights import mapping
+    from dflash_jax.weights.safetensors_dir import CheckpointReader
+    from tests.train_fixtures import make_qwen3_5_moe_target
+
+    directory = fuse_experts(make_qwen3_5_moe_target(tmp_path / "hf"), tmp_path / "fused")
+    reads, placed = [], []
+    read, device_put = CheckpointReader.read, jax.device_put
+    monkeypatch.setattr(CheckpointReader, "read", lambda self, name, index=None: reads.append(name) or
+                        read(self, name, index))
+    monkeypatch.setattr(mapping.jax, "device_put", lambda value, *args, **kwargs: (
+        placed.append(value.shape) if isinstance(value, np.ndarray) else None) or device_put(value, *args, **kwargs))
+    model, config = load_target(directory, param_dtype=jnp.float32, mesh=make_mesh(1, 4, 2))
+    assert sorted(reads) == sorted(CheckpointReader(directory).names())  # each once
+    one_layer = config.moe.num_experts * config.hidden_size * config.moe.expert_intermediate_size
+    assert max(np.prod(shape) for shape in placed) <= max(one_layer, config.vocab_size * config.hidden_size)
+    assert placed.count((8, 64, 32)) == 2 * 8 and placed.count((8, 32, 64)) == 8  # per layer: gate, up; down
+    gate = model.periods.layers[0].mlp.experts.gate_proj[...]  # [repetitions, E, H, I]
+    assert gate.shape == (2, 8, 64, 32) and {shard.data.shape for shard in gate.addressable_shards} == {(2, 4, 16, 32)}
+
+
 @pytest.mark.parametrize("change, field", [
     ({"num_experts": None}, "num_experts"),
     ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),

@@ -28,7 +28,8 @@ from dflash_jax.weights.targets import load_target
 from dflash_jax.regeneration.decode import BatchDecoder
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
 from tests.process_fixtures import cpu_env, outputs_of, start_two_processes
-from tests.train_fixtures import make_qwen3_5_target, make_target, tiny_config
+from tests.train_fixtures import (make_qwen3_5_moe_target, make_qwen3_5_target, make_qwen3_moe_target, make_target,
+                                  tiny_config)
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_NEW = 12
@@ -43,11 +44,18 @@ RECORDS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+# The mixture-of-experts targets (a Qwen3-MoE with a dense layer among its sparse ones, a Qwen3.5-MoE) in make
+# test-slow.
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5", pytest.param("qwen3_moe", marks=pytest.mark.slow),
+                                        pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
 def target_dir(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     if request.param == "qwen3":
         return make_target(directory, num_layers=3)
+    if request.param == "qwen3_moe":
+        return make_qwen3_moe_target(directory, num_hidden_layers=3, mlp_only_layers=[1])
+    if request.param == "qwen3_5_moe":
+        return make_qwen3_5_moe_target(directory)
     return make_qwen3_5_target(directory)
 
 

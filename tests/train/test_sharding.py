@@ -26,6 +26,8 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharding")
     return {"qwen3": make_target(root / "qwen3"), "qwen3_5": make_qwen3_5_target(root / "qwen3_5"),
             "qwen3_moe": make_qwen3_moe_target(root / "qwen3_moe"),
+            # dense MLP layers among sparse ones: two MLP stacks, one run per layer under lax.cond
+            "qwen3_moe_mixed": make_qwen3_moe_target(root / "qwen3_moe_mixed", decoder_sparse_step=2),
             "qwen3_5_moe": make_qwen3_5_moe_target(root / "qwen3_5_moe"), "corpus": write_corpus(root / "train.jsonl")}
 
 
@@ -33,7 +35,8 @@ def config_for(files, kind, data=1, fsdp=1, tensor=1, target_layout="fsdp"):
     # Qwen3.5-MoE has no dense MLP width for the drafter to copy.
     width = {"drafter.intermediate_size": 96} if kind == "qwen3_5_moe" else {}
     return tiny_config(files[kind], files["corpus"], target_layout=target_layout,
-                       **{"data.batch_size": ROWS, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor}, **width)
+                       **{"data.batch_size": ROWS, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
+                          **width})
 
 
 def one_step(files, kind, mesh_shape, target_layout="fsdp"):
@@ -105,7 +108,7 @@ def test_target_layouts_match_one_device(files, one_device, kind, target_layout,
         ("qwen3_moe", "fsdp", (8, 1, 1)), ("qwen3_moe", "fsdp", (1, 8, 1)), ("qwen3_moe", "fsdp", (2, 2, 2)),
         ("qwen3_moe", "fsdp", (1, 1, 8)), ("qwen3_moe", "tensor", (1, 4, 2)), ("qwen3_moe", "replicate", (2, 2, 2)),
         ("qwen3_5_moe", "fsdp", (1, 4, 2)), ("qwen3_5_moe", "fsdp", (1, 8, 1)), ("qwen3_5_moe", "tensor", (1, 1, 8)),
-        ("qwen3_5_moe", "replicate", (2, 2, 2))]]])
+        ("qwen3_5_moe", "replicate", (2, 2, 2)), ("qwen3_moe_mixed", "fsdp", (1, 4, 2))]]])
 def test_moe_step_on_a_mesh_matches_one_device(files, one_device, kind, target_layout, mesh_shape):
     metrics, params, target_state = one_step(files, kind, mesh_shape, target_layout)
     assert_same_step(one_device(kind), (metrics, params))

@@ -19,7 +19,8 @@ import pytest
 from dflash_jax.train.checkpoint import Checkpointer
 from dflash_jax.train.loop import train
 from tests.command import user_error
-from tests.train_fixtures import losses, make_target, restore_last, tiny_config, write_corpus
+from tests.train_fixtures import (losses, make_qwen3_5_moe_target, make_target, restore_last, tiny_config,
+                                  write_corpus)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,10 +31,17 @@ def files(tmp_path_factory):
     return make_target(root / "target"), write_corpus(root / "train.jsonl")
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.slow)])
-def test_stop_at_step_10_and_rerun_matches_a_straight_run(files, tmp_path, optimizer):
-    config = tiny_config(*files, total_steps=20, log_every=1, checkpoint_every=100, eval_every=10,
-                         **{"loss.noise_std": 0.1, "optim.name": optimizer})
+# The Qwen3.5-MoE target (experts, shared expert, Gated DeltaNet) in make test-slow.
+@pytest.mark.parametrize("optimizer, target", [
+    ("adamw", "qwen3"), pytest.param("muon", "qwen3", marks=pytest.mark.slow),
+    pytest.param("adamw", "qwen3_5_moe", marks=pytest.mark.slow)])
+def test_stop_at_step_10_and_rerun_matches_a_straight_run(files, tmp_path, optimizer, target):
+    target_dir, corpus = files
+    moe = {}
+    if target == "qwen3_5_moe":  # its drafter gives its own MLP width: the target has none to copy
+        target_dir, moe = make_qwen3_5_moe_target(tmp_path / "target"), {"drafter.intermediate_size": 96}
+    config = tiny_config(target_dir, corpus, total_steps=20, log_every=1, checkpoint_every=100, eval_every=10,
+                         **{"loss.noise_std": 0.1, "optim.name": optimizer, **moe})
 
     def preempt_once(step, drafter, target):
         """Stands in for the scheduler: SIGTERM to ourselves after step 10 (handled by the loop's flag)."""

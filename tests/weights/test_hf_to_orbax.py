@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from orbax.checkpoint import v1 as ocp
 from safetensors.numpy import load_file, save_file
 
 from dflash_jax.runtime.errors import CheckpointError
@@ -68,6 +69,15 @@ def test_orbax_target_equals_hf_target(qwen3_dirs, name):
     copied = sorted(p.name for p in (qwen3_dirs / f"{name}_float32").iterdir())
     assert copied == ["config.json", "dflash_output.json", MARKER_FILE, "generation_config.json", "params",
                       "tokenizer.json"]
+
+
+def test_a_stacked_variable_is_stored_one_array_per_layer(qwen3_dirs):
+    """The conversion writes a layer at a time (host memory: one layer's tensors), so each layer of a stacked
+    variable is an array of its own; the restore puts them back in their stack (the test above)."""
+    stored = ocp.metadata(qwen3_dirs / "untied_float32" / PARAMS_DIR).metadata
+    up_proj = {name: tuple(array.shape) for name, array in stored.items() if name.startswith("layers.mlp.up_proj")}
+    assert up_proj == {f"layers.mlp.up_proj.kernel#{layer}": (64, 96) for layer in range(3)}
+    assert tuple(stored["embed_tokens.embedding"].shape) == (96, 64)
 
 
 def test_bf16_storage_equals_hf_loaded_in_bf16(qwen3_dirs):
@@ -186,5 +196,5 @@ def test_restore_refuses_a_config_that_does_not_match_the_arrays(qwen3_dirs, tmp
                                               r"\(config.json needs \(3, 128, 64\)\)'"):
         load_target(copy)
     (copy / MARKER_FILE).write_text(json.dumps({"format": "dflash_jax.orbax_target", "version": 99}))
-    with pytest.raises(CheckpointError, match=r"version 99, expected 'dflash_jax.orbax_target' version 2"):
+    with pytest.raises(CheckpointError, match=r"version 99, expected 'dflash_jax.orbax_target' version 3"):
         load_target(copy)
