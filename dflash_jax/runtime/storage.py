@@ -206,8 +206,8 @@ async def bounded(operation: str, path: str, attempt: Callable, size: int = 0):
 def bounded_gcs_filesystem():
     """gcsfs's filesystem with every HTTP call bounded (`bounded`); None without gcsfs."""
     gcsfs_log = logging.getLogger("gcsfs")
-    if gcsfs_log.level == logging.NOTSET:  # its import announces features at INFO: not a line on a command's stderr
-        gcsfs_log.setLevel(logging.WARNING)
+    if gcsfs_log.level == logging.NOTSET:  # unless the user set it: what gcsfs logs (an announcement at its import,
+        gcsfs_log.setLevel(logging.CRITICAL)  # a trace when its own retries run out) is ours to say, in one line
     try:
         # The core class, not gcsfs.GCSFileSystem: that one (ExtendedGcsFileSystem) first asks a gRPC control
         # plane for each bucket's layout, a second client that takes neither the endpoint nor the bounds. The
