@@ -352,8 +352,9 @@ def newest_readable(checkpoints: epath.Path, steps: Sequence[int], restore: Call
                     ) -> tuple[int, Any, list[int]]:
     """Tries `restore(step)` from the newest of `steps` back: (step, what it returned, the newer steps that
     failed). Each failure's full trace (and what Orbax and TensorStore logged) goes to the workdir's errors.log
-    (in the parent of `checkpoints`), not the console; once a step is read, each newer failure is one warning line naming the step and why.
-    If none can be read: one CheckpointError."""
+    (in the parent of `checkpoints`), not the console; once a step is read, each newer failure is one warning line
+    naming the step and why. If none can be read: one CheckpointError. A store that does not answer is a
+    StorageOutage, never a failed step, and a restore from a bucket is bounded by the storage deadline."""
     workdir = checkpoints.parent
     failures: dict[int, str] = {}
     for step in sorted(steps, reverse=True):

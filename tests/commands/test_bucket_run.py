@@ -104,14 +104,15 @@ def test_a_bucket_that_is_gone_or_stalls_ends_every_command_within_the_deadline_
         fs.put(str(target), "dflash/target", recursive=True)
         fs.put_file(str(corpus), "dflash/train.jsonl")
         train("gs://dflash/run", "gs://dflash/target", "gs://dflash/train.jsonl", steps=1)
+        inputs = ("--config.target_dir=gs://dflash/target", "--config.data.train_files=gs://dflash/train.jsonl")
         commands = {
-            "train": ("train", "--config", TINY, "--workdir", "gs://dflash/fresh", "--config.target_dir=gs://dflash/target",
-                      "--config.data.train_files=gs://dflash/train.jsonl", *SMALL, "--config.total_steps=2"),
-            "rerun": ("train", "--config", TINY, "--workdir", "gs://dflash/run", "--config.target_dir=gs://dflash/target",
-                      "--config.data.train_files=gs://dflash/train.jsonl", *SMALL, "--config.total_steps=2"),
-            "evaluate": ("evaluate", "--config", TINY, "--workdir", "gs://dflash/run", "--json", "gs://dflash/eval.json",
-                         "--config.target_dir=gs://dflash/target", "--config.data.eval_files=gs://dflash/train.jsonl",
-                         *SMALL, *EVAL),
+            "train": ("train", "--config", TINY, "--workdir", "gs://dflash/fresh", *inputs, *SMALL,
+                      "--config.total_steps=2"),
+            "rerun": ("train", "--config", TINY, "--workdir", "gs://dflash/run", *inputs, *SMALL,
+                      "--config.total_steps=2"),
+            "evaluate": ("evaluate", "--config", TINY, "--workdir", "gs://dflash/run", "--json",
+                         "gs://dflash/eval.json", "--config.target_dir=gs://dflash/target",
+                         "--config.data.eval_files=gs://dflash/train.jsonl", *SMALL, *EVAL),
             "export": ("export", "--workdir", "gs://dflash/run", "--out", "gs://dflash/drafter"),
         }
         for fault in (stopped, unanswering):

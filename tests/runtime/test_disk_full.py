@@ -25,10 +25,10 @@ from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
 from dflash_jax.runtime.errors import DiskFullError
 from dflash_jax.runtime.paths import cached_path
 from tests.gcs_fixture import gcs_server
+from tests.process_fixtures import on_a_full_disk
 from tests.train_fixtures import make_target, write_corpus
 
 REPO = Path(__file__).resolve().parents[2]
-TMPFS_BYTES = 2**20
 
 
 def test_an_output_that_does_not_fit_leaves_the_bucket_as_it_was(tmp_path, monkeypatch):
@@ -60,14 +60,6 @@ def test_an_output_that_does_not_fit_leaves_the_bucket_as_it_was(tmp_path, monke
         resumed.append([{"n": 2}], records_consumed=1)
         resumed.close()
         assert fs.cat_file("regen/out.jsonl") == uploaded[0] + b'{"n": 2}\n'
-
-
-def on_a_full_disk(command: list[str], directory: Path, free: int) -> list[str]:
-    """`command`, run with a 1 MiB tmpfs over `directory` holding a file that leaves `free` bytes."""
-    script = 'mount -t tmpfs -o size="$2" tmpfs "$1" && head -c "$3" /dev/zero > "$1/filler" && shift 3 && exec "$@"'
-    directory.mkdir(parents=True, exist_ok=True)
-    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh", str(directory),
-            str(TMPFS_BYTES), str(TMPFS_BYTES - free), *command]
 
 
 @pytest.fixture(scope="module")
