@@ -98,27 +98,22 @@ def main() -> None:
             code, line, stderr = job.end()
             runs.append([name, code, line, None if began is None else time.monotonic() - began, job.logged(), stderr])
 
-        def stall() -> float:
-            job.wait_for(job.logged() + 3)
-            with unanswering():
-                began = time.monotonic()
-                job.process.wait()
-            return began
-
-        def gone() -> float:
-            job.wait_for(job.logged() + 3)
-            with stopped():
-                began = time.monotonic()
-                job.process.wait()
-            return began
+        def until_the_end(fault) -> Callable[[], float]:
+            """The bucket met by `fault` (stalled or gone) a few steps into the run, until the run ends."""
+            def inject() -> float:
+                job.wait_for(job.logged() + 3)
+                with fault():
+                    began = time.monotonic()
+                    job.process.wait()
+                return began
+            return inject
 
         def gone_briefly_then_stall() -> float:
             job.wait_for(job.logged() + 3)
             with stopped():
                 time.sleep(5.0)
-            before = job.logged()
-            job.wait_for(before + 2)  # it went on
-            return stall()
+            job.wait_for(job.logged() + 2)  # it went on
+            return until_the_end(unanswering)()
 
         def sigterm_in_a_stuck_save() -> float:
             job.wait_for(job.logged() + 3)
@@ -145,7 +140,7 @@ def main() -> None:
 
         faulted("the bucket gone for 5 s (connections refused), then stalled (no answer) for longer than the "
                 "deadline", gone_briefly_then_stall)
-        faulted("the bucket gone (connections refused) for longer than the deadline", gone)
+        faulted("the bucket gone (connections refused) for longer than the deadline", until_the_end(stopped))
         faulted("SIGTERM while a checkpoint save is stuck on a stalled bucket", sigterm_in_a_stuck_save)
         faulted("SIGKILL inside a checkpoint save (an upload on its way)", kill_in_a_save)
         room = (len(fs.cat_file("faults/run/metrics.jsonl")) // 4096 + 2) * 4096  # for the staged copy, and a page
