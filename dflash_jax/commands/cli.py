@@ -12,7 +12,8 @@ entry shim that calls `run_module`) are the same command. `run` gives every comm
 - an error the user can fix (a bad flag, config, file or checkpoint: `errors.UserError`) is one line
   `error: ...` on stderr and exit code 2, never a traceback;
 - every storage client takes the same endpoint, and remote storage that stops answering is one line
-  `error: storage outage: ...` and exit code 74, retryable (runtime/storage.py, design §7.2).
+  `error: storage outage: ...` and exit code 74, retryable, at most 10 s after the first outage the command
+  meets (runtime/storage.py, design §7.2).
 
 Adding a command is one line in COMMANDS.
 """

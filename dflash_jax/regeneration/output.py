@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_jax.runtime.errors import DataError
-from dflash_jax.runtime.paths import StagedFile, as_path, is_url
+from dflash_jax.runtime.paths import StagedFile, as_path, is_url, local_space
 
 PROGRESS_SUFFIX = ".progress.json"
 UPLOAD_EVERY_S = 30.0
@@ -77,22 +77,23 @@ class ResumableJsonl:
     def append_lines(self, lines: list[str], records_consumed: int) -> None:
         """`append` of lines already encoded, each ending in a newline."""
         data = "".join(lines).encode()
-        descriptor = os.open(self._file, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            view = memoryview(data)
-            while view:  # one write unless the OS takes less
-                view = view[os.pwrite(descriptor, view, self.bytes + len(data) - len(view)):]
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-        self.records_done += records_consumed
-        self.lines += len(lines)
-        self.bytes += len(data)
-        progress = {"settings": self.settings, "records_done": self.records_done, "lines": self.lines,
-                    "bytes": self.bytes}
-        partial = self._progress_file.with_name(self._progress_file.name + ".tmp")
-        partial.write_text(json.dumps(progress, indent=2) + "\n")
-        os.replace(partial, self._progress_file)
+        # Out of space part-way: the output stays as its progress file records it, locally and in the store.
+        space = self._staged[0].space() if self._staged else local_space(self._file.parent, self._file.name)
+        with space:
+            descriptor = os.open(self._file, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                view = memoryview(data)
+                while view:  # one write unless the OS takes less
+                    view = view[os.pwrite(descriptor, view, self.bytes + len(data) - len(view)):]
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+            progress = {"settings": self.settings, "records_done": self.records_done + records_consumed,
+                        "lines": self.lines + len(lines), "bytes": self.bytes + len(data)}
+            partial = self._progress_file.with_name(self._progress_file.name + ".tmp")
+            partial.write_text(json.dumps(progress, indent=2) + "\n")
+            os.replace(partial, self._progress_file)
+        self.records_done, self.lines, self.bytes = progress["records_done"], progress["lines"], progress["bytes"]
         self._unsent = bool(self._staged)
         if self._unsent and time.monotonic() >= self._next_upload:
             self._upload()

@@ -34,3 +34,7 @@ class OutputDirError(UserError):
 
 class WorkdirLockedError(UserError):
     """A training workdir that another live run holds; the message names its host and process id."""
+
+
+class DiskFullError(UserError):
+    """A local directory (a cache, a staging directory) that ran out of space; the message names it."""

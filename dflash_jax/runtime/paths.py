@@ -7,24 +7,25 @@ or evaluate) is read through `local_copy`: its top-level files are downloaded on
 from there, since the safetensors and tokenizer readers take local files only (an Orbax target's arrays, in a
 subdirectory, stay in the bucket: Orbax reads them there, each host its own shards). A file a command grows at a
 URL (metrics.jsonl, regenerate's output) is a `StagedFile`: written locally and uploaded whole, since object
-stores have no append; the files a library writes into a directory at a URL (TensorBoard's) are a
-`StagedDirectory`. Every remote path is reached through `as_path` or `filesystem`, which first point every
+stores have no append. Every remote path is reached through `as_path` or `filesystem`, which first point every
 storage client at the same endpoint and bound its operations (runtime/storage.py, design §7.2).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fnmatch
 import os
-import shutil
-import socket
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 from etils import epath
 
 from dflash_jax.runtime import storage
+from dflash_jax.runtime.errors import DiskFullError
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -74,6 +75,37 @@ def cached_path(url: str) -> Path:
     return cache_root() / "urls" / url.replace("://", "/", 1).rstrip("/")
 
 
+# A full disk, a full quota, a file-size limit: no room left where a local file was being written.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+@contextlib.contextmanager
+def local_space(directory: str | os.PathLike, what: str) -> Iterator[None]:
+    """While active, running out of space in the local `directory` is one DiskFullError naming it and `what`
+    was being written there, not an OSError from deep inside a writer. Whoever stages files for a store writes
+    them locally first and uploads only what is whole, so the store still holds everything uploaded before."""
+    try:
+        yield
+    except Exception as error:
+        reason = _no_space(error)
+        if reason is None:
+            raise
+        elsewhere = next((f" (or set {variable} to a directory with room)" for variable, root in (
+            ("DFLASH_JAX_CACHE", cache_root()), ("TMPDIR", Path(tempfile.gettempdir())))
+            if Path(directory).is_relative_to(root)), "")
+        raise DiskFullError(f"{directory}: no space left on its disk ({reason}) while writing {what}; free "
+                            f"space there{elsewhere} and rerun the same command: what was saved before is kept") \
+            from None
+
+
+def _no_space(error: BaseException) -> str | None:
+    """The OS's words if `error` says a disk had no room: an OSError, or a library's own error quoting the OS's
+    code (safetensors: "I/O error: No space left on device (os error 28)"); else None."""
+    if isinstance(error, OSError):
+        return error.strerror if error.errno in _NO_SPACE else None
+    return next((os.strerror(code) for code in _NO_SPACE if f"(os error {code})" in str(error)), None)
+
+
 class StagedFile:
     """A file at a URL that a command grows (design §7.1): an object store has no append (gcsfs's "a" mode
     starts a new, empty object) and an open object reaches the store only when closed, so the file is kept
@@ -85,33 +117,19 @@ class StagedFile:
     def __init__(self, url: str):
         self._fs, self._key = filesystem(url)
         self.local = cached_path(url)
-        self.local.parent.mkdir(parents=True, exist_ok=True)
-        if self._fs.exists(self._key):
-            self._fs.get_file(self._key, os.fspath(self.local))
-        else:
-            self.local.unlink(missing_ok=True)
+        with self.space():
+            self.local.parent.mkdir(parents=True, exist_ok=True)
+            if self._fs.exists(self._key):
+                self._fs.get_file(self._key, os.fspath(self.local))
+            else:
+                self.local.unlink(missing_ok=True)
+
+    def space(self):
+        """`local_space` of the local copy: wraps each write to it."""
+        return local_space(self.local.parent, f"the local copy of {self._fs.unstrip_protocol(self._key)}")
 
     def upload(self) -> None:
         self._fs.put_file(os.fspath(self.local), self._key)
-
-
-class StagedDirectory:
-    """A directory at a URL that a library fills with ordinary file calls (TensorBoard's event files): the files
-    are written in a local directory of this process's own (`local`, empty at the start) and `upload` puts each
-    of them at the URL whole. Files already at the URL (an earlier run's) stay as they are."""
-
-    def __init__(self, url: str):
-        self._fs, self._key = filesystem(url)
-        self.local = cached_path(url) / f"{socket.gethostname()}-{os.getpid()}"
-        shutil.rmtree(self.local, ignore_errors=True)  # left by a process of this id that is gone
-        self.local.mkdir(parents=True)
-
-    def upload(self) -> None:
-        for file in sorted(self.local.iterdir()):
-            self._fs.put_file(os.fspath(file), f"{self._key}/{file.name}")
-
-    def remove(self) -> None:
-        shutil.rmtree(self.local, ignore_errors=True)
 
 
 def local_copy(url: str, patterns: Sequence[str]) -> str:
@@ -131,7 +149,11 @@ def local_copy(url: str, patterns: Sequence[str]) -> str:
         if destination.is_file() and stamp.is_file() and stamp.read_text() == version:
             continue
         partial = local / f".{name}.{os.getpid()}.partial"
-        fs.get_file(entry["name"], os.fspath(partial))
-        os.replace(partial, destination)
-        stamp.write_text(version)
+        try:
+            with local_space(local, f"the copy of {fs.unstrip_protocol(entry['name'])}"):
+                fs.get_file(entry["name"], os.fspath(partial))
+                os.replace(partial, destination)
+                stamp.write_text(version)
+        finally:
+            partial.unlink(missing_ok=True)  # not left to fill the disk
     return os.fspath(local)

@@ -6,9 +6,10 @@
   them keeps retrying the real endpoint. `connect` maps the first onto the second (and DFLASH_JAX_GCS_ENDPOINT,
   a private endpoint reached with the usual credentials, onto both) before any client is made.
 - **Bounded operations.** Every HTTP call gcsfs makes (reads, writes, listings, uploads, downloads) goes
-  through `BoundedGCSFileSystem`: retried with exponential backoff at most `Settings.retries` times, and given
-  up after `Settings.deadline_seconds` (plus time for its bytes at `SLOWEST_BYTES_PER_SECOND`), raising
-  `StorageOutage`, which every command reports as one line and exit code `EXIT_STORAGE_OUTAGE`. What runs in
+  through `BoundedGCSFileSystem` (gcsfs's JSON API class, the only gs:// filesystem the commands use): retried
+  with exponential backoff at most `Settings.retries` times, and given up after `Settings.deadline_seconds` (plus
+  time for its bytes at `SLOWEST_BYTES_PER_SECOND`), raising `StorageOutage`, which every command reports as one
+  line and exit code `EXIT_STORAGE_OUTAGE`, at most `end_commands_after_outages`' seconds after it. What runs in
   TensorStore's own threads (checkpoint saves and restores) cannot be interrupted from Python: a `Deadline`
   watchdog ends the process with the same line and code instead, which is as safe as a kill (design §7).
 """
@@ -191,7 +192,8 @@ async def bounded(operation: str, path: str, attempt: Callable, size: int = 0):
         try:
             return await asyncio.wait_for(attempt(), max(remaining, 0.001))
         except asyncio.TimeoutError:
-            raise StorageOutage(operation, path, f"no answer within {SETTINGS.deadline_seconds:g} s") from None
+            raise StorageOutage(operation, path, f"not done within {SETTINGS.deadline_seconds:g} s, retries "
+                                                 f"included") from None
         except Exception as error:  # noqa: BLE001 - sorted by _retryable
             if not _retryable(error):
                 raise
@@ -206,8 +208,8 @@ async def bounded(operation: str, path: str, attempt: Callable, size: int = 0):
 def bounded_gcs_filesystem():
     """gcsfs's filesystem with every HTTP call bounded (`bounded`); None without gcsfs."""
     gcsfs_log = logging.getLogger("gcsfs")
-    if gcsfs_log.level == logging.NOTSET:  # its import announces features at INFO: not a line on a command's stderr
-        gcsfs_log.setLevel(logging.WARNING)
+    if gcsfs_log.level == logging.NOTSET:  # unless the user set it: what gcsfs logs (an announcement at its import,
+        gcsfs_log.setLevel(logging.CRITICAL)  # a trace when its own retries run out) is ours to say, in one line
     try:
         # The core class, not gcsfs.GCSFileSystem: that one (ExtendedGcsFileSystem) first asks a gRPC control
         # plane for each bucket's layout, a second client that takes neither the endpoint nor the bounds. The

@@ -32,7 +32,7 @@ from etils import epath
 from ml_collections import ConfigDict
 
 from dflash_jax.runtime.errors import CheckpointError, WorkdirLockedError
-from dflash_jax.runtime.paths import StagedFile, is_url
+from dflash_jax.runtime.paths import StagedFile, is_url, local_space
 from dflash_jax.runtime import storage
 from dflash_jax.runtime.storage import StorageOutage
 from dflash_jax.runtime import distributed
@@ -315,16 +315,20 @@ class MetricsLog:
     def __init__(self, workdir: epath.Path):
         self.path = workdir / METRICS_FILE
         self._staged = StagedFile(os.fspath(self.path)) if is_url(self.path) else None
-        self._file = (self._staged.local if self._staged else self.path).open("a")
+        self._space = self._staged.space if self._staged else lambda: local_space(workdir, METRICS_FILE)
+        with self._space():
+            self._file = (self._staged.local if self._staged else self.path).open("a")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with self._space():  # a record that does not fit is never uploaded: the store keeps the ones before
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         if self._staged:
             self._staged.upload()
 
     def close(self) -> None:
-        self._file.close()
+        with contextlib.suppress(OSError):  # a record that did not fit: reported by `write` already
+            self._file.close()
 
 
 def read_metrics(workdir: epath.Path) -> list[dict[str, Any]]:
@@ -348,8 +352,9 @@ def newest_readable(checkpoints: epath.Path, steps: Sequence[int], restore: Call
                     ) -> tuple[int, Any, list[int]]:
     """Tries `restore(step)` from the newest of `steps` back: (step, what it returned, the newer steps that
     failed). Each failure's full trace (and what Orbax and TensorStore logged) goes to the workdir's errors.log
-    (in the parent of `checkpoints`), not the console; once a step is read, each newer failure is one warning line naming the step and why.
-    If none can be read: one CheckpointError."""
+    (in the parent of `checkpoints`), not the console; once a step is read, each newer failure is one warning line
+    naming the step and why. If none can be read: one CheckpointError. A store that does not answer is a
+    StorageOutage, never a failed step, and a restore from a bucket is bounded by the storage deadline."""
     workdir = checkpoints.parent
     failures: dict[int, str] = {}
     for step in sorted(steps, reverse=True):

@@ -13,13 +13,15 @@ the first step to come): TensorBoard then drops every earlier-written point at o
 each step once. W&B continues the same run (its id is kept in the workdir) and ignores points at steps it
 already has; metrics.jsonl is the complete record.
 
-In a bucket workdir the event files are written locally and uploaded at each record through the bounded
-filesystem (`paths.StagedDirectory`, design §7.2): tensorboardX's own gs:// writer is another client
-(google-cloud-storage) that takes no private endpoint and has no deadline.
+In a bucket workdir the event files are kept in memory and uploaded whole at each record through the bounded
+filesystem (`_BucketEventFiles`, design §7.2): tensorboardX's own gs:// writer is another client
+(google-cloud-storage) that takes no private endpoint and has no deadline, and a local copy would be one more
+file that a full disk could stop.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import numbers
 import os
@@ -29,7 +31,7 @@ from etils import epath
 from ml_collections import ConfigDict
 
 from dflash_jax.runtime.errors import ConfigError
-from dflash_jax.runtime.paths import StagedDirectory, as_path, cache_root, is_url
+from dflash_jax.runtime.paths import as_path, cache_root, filesystem, is_url
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +56,13 @@ class Trackers:
 
     def __init__(self, workdir: str | os.PathLike, config: ConfigDict, start_step: int):
         workdir = as_path(workdir)
-        self._tensorboard = self._wandb = self._staged = None
+        self._tensorboard = self._wandb = self._in_bucket = None
         if config.tensorboard:
             from tensorboardX import SummaryWriter
             directory = os.fspath(workdir / TENSORBOARD_DIR)
-            if is_url(workdir):  # see StagedDirectory
-                self._staged = StagedDirectory(directory)
-                directory = os.fspath(self._staged.local)
+            if is_url(workdir):
+                self._in_bucket = _BucketEventFiles(directory)
+                directory = self._in_bucket.logdir
             # purge_step: hide what a previous run logged at steps >= start_step + 1 (see the module docstring).
             self._tensorboard = SummaryWriter(directory, purge_step=start_step + 1 if start_step else None)
         if config.wandb_project:
@@ -72,19 +74,64 @@ class Trackers:
             for tag, value in scalars.items():
                 self._tensorboard.add_scalar(tag, value, global_step=step)
             self._tensorboard.flush()
-            if self._staged is not None:
-                self._staged.upload()
+            if self._in_bucket is not None:
+                self._in_bucket.upload()
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self._tensorboard is not None:
             self._tensorboard.close()
-            if self._staged is not None:
-                self._staged.upload()
-                self._staged.remove()
+            if self._in_bucket is not None:
+                self._in_bucket.upload()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class _BucketEventFiles:
+    """The event files of one SummaryWriter in a bucket directory: tensorboardX writes them through this writer
+    factory (registered under a prefix of the writer's logdir, as tensorboardX's own gs:// writer is) into memory,
+    and `upload` puts each whole in the bucket."""
+
+    PREFIX = "dflash-jax-bucket"
+
+    def __init__(self, url: str):
+        from tensorboardX.record_writer import register_writer_factory
+
+        self._fs, self._key = filesystem(url)
+        self.logdir = f"{self.PREFIX}:{url}"
+        self._files: dict[str, _EventFile] = {}
+        register_writer_factory(self.PREFIX, self)  # the newest writer's: one SummaryWriter per process
+
+    def open(self, path: str) -> _EventFile:
+        self._files[path.rsplit("/", 1)[-1]] = file = _EventFile()
+        return file
+
+    def directory_check(self, path: str) -> None:
+        """Nothing to make: an object store has no directories."""
+
+    def upload(self) -> None:
+        for name, file in self._files.items():
+            self._fs.pipe_file(f"{self._key}/{name}", file.getvalue())
+
+
+class _EventFile:
+    """An event file in memory, as tensorboardX writes one (write, flush, close); readable after its close."""
+
+    def __init__(self):
+        self._bytes = io.BytesIO()
+
+    def write(self, data: bytes) -> None:
+        self._bytes.write(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def getvalue(self) -> bytes:
+        return self._bytes.getvalue()
 
 
 def _wandb_run(workdir: epath.Path, config: ConfigDict):

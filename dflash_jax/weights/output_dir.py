@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path, PurePath, PurePosixPath
 
 from dflash_jax.runtime.errors import OutputDirError
-from dflash_jax.runtime.paths import filesystem, is_url
+from dflash_jax.runtime.paths import filesystem, is_url, local_space
 
 OWNER_FILE = "dflash_output.json"
 # Outputs are read by other users (e.g. a vLLM server), whatever the umask: never the 0600 of a temporary file.
@@ -81,7 +81,8 @@ def staged_output(out_dir: str | os.PathLike) -> Iterator[Path]:
         return
     fs, inside = filesystem(os.fspath(out_dir))
     with tempfile.TemporaryDirectory(prefix="dflash_jax-output-") as staging:
-        yield Path(staging) / "out"
+        with local_space(staging, f"the output for {out_dir}"):  # nothing of it reaches the bucket then
+            yield Path(staging) / "out"
         if fs.exists(inside):
             fs.rm(inside, recursive=True)
         names = sorted(_entries(Path(staging) / "out"), key=lambda name: name != OWNER_FILE)

@@ -2,17 +2,21 @@
 commands a local run uses: data, target and workdir at gs:// URLs. The reference is the same run on local disk
 (design §7.1): the bucket run, stopped after its first step and rerun with more steps, resumes from its
 checkpoint in the bucket and logs the uninterrupted local run's losses; `evaluate` of the bucket workdir gives
-the local workdir's figures, and `export` of it to the bucket the local export's files."""
+the local workdir's figures, and `export` of it to the bucket the local export's files. A bucket that is gone or
+stalls ends each of those commands in time with one line (design §7.2)."""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import pytest
 
 from dflash_jax.commands.export import export
+from dflash_jax.runtime.storage import DEADLINE_ENV, EXIT_STORAGE_OUTAGE
 from tests.command import dflash_jax
-from tests.gcs_fixture import gcs_server
+from tests.gcs_fixture import gcs_server, stopped, unanswering
 from tests.train_fixtures import make_target, write_corpus
 
 TINY = "configs/tiny.py"
@@ -84,3 +88,44 @@ def test_training_resuming_evaluating_and_exporting_in_a_bucket_match_the_local_
             assert fs.cat_file(f"dflash/drafter/{name}") == (tmp_path / "drafter" / name).read_bytes(), name
         assert fs.exists("dflash/drafter/README.md")
     assert (tmp_path / "cache" / "urls" / "gs" / "dflash" / "target" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow  # nine commands, eight of them ending early: about three minutes on 2 shared cores (make test-slow)
+def test_a_bucket_that_is_gone_or_stalls_ends_every_command_within_the_deadline_with_one_line(tmp_path, monkeypatch):
+    """With the bucket gone (connections refused) or stalled (nothing answers), `train` (a fresh run and the rerun
+    of one in the bucket), `evaluate` and `export` each end with exit code 74 and one line naming the operation
+    and the gs:// path, within the storage deadline plus the time to close and to start the process."""
+    deadline, startup = 5.0, 40.0  # startup: importing JAX and the rest on a loaded machine
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(DEADLINE_ENV, f"{deadline:g}")
+    target, corpus = make_target(tmp_path / "target"), write_corpus(tmp_path / "train.jsonl", count=40)
+    with gcs_server() as fs:
+        fs.mkdir("dflash")
+        fs.put(str(target), "dflash/target", recursive=True)
+        fs.put_file(str(corpus), "dflash/train.jsonl")
+        train("gs://dflash/run", "gs://dflash/target", "gs://dflash/train.jsonl", steps=1)
+        inputs = ("--config.target_dir=gs://dflash/target", "--config.data.train_files=gs://dflash/train.jsonl")
+        commands = {
+            "train": ("train", "--config", TINY, "--workdir", "gs://dflash/fresh", *inputs, *SMALL,
+                      "--config.total_steps=2"),
+            "rerun": ("train", "--config", TINY, "--workdir", "gs://dflash/run", *inputs, *SMALL,
+                      "--config.total_steps=2"),
+            "evaluate": ("evaluate", "--config", TINY, "--workdir", "gs://dflash/run", "--json",
+                         "gs://dflash/eval.json", "--config.target_dir=gs://dflash/target",
+                         "--config.data.eval_files=gs://dflash/train.jsonl", *SMALL, *EVAL),
+            "export": ("export", "--workdir", "gs://dflash/run", "--out", "gs://dflash/drafter"),
+        }
+        for fault in (stopped, unanswering):
+            with fault():
+                for name, args in commands.items():
+                    began = time.monotonic()
+                    result = dflash_jax(*args, timeout=600)
+                    took = time.monotonic() - began
+                    where = f"{fault.__name__} bucket, {name}"
+                    assert result.returncode == EXIT_STORAGE_OUTAGE, (where, result.stderr[-3000:])
+                    assert "Traceback" not in result.stderr, (where, result.stderr[-3000:])
+                    assert re.fullmatch(r"error: storage outage: \S+ gs://dflash/\S* failed \(.*\); nothing is lost: "
+                                        r"rerun the same command when the storage answers again \(exit code 74\)",
+                                        result.stderr.strip().splitlines()[-1]), (where, result.stderr[-3000:])
+                    assert took < deadline + 10.0 + startup, (where, took)
+        assert fs.exists("dflash/run/checkpoints/1/commit_success.txt") and not fs.exists("dflash/drafter")

@@ -1,12 +1,14 @@
 """`regenerate --out gs://...` against a real GCS-protocol server on loopback (tests/gcs_fixture.py): the output
 and its progress file are staged locally and uploaded whole (object stores have no append, design §7.1), and a
-rerun resumes from what the store holds, to the local output byte for byte, every record once; several
+rerun resumes from what the store holds, to the local output byte for byte, every record once, also after kills
+inside its uploads; several
 processes' parts beside a bucket output merge there, and a stop asked of one process stops them all after the same
 window, every part consistent, for a rerun of as many processes to finish (a rerun of another number is refused)."""
 
 from __future__ import annotations
 
 import json
+import random
 import re
 import signal
 import subprocess
@@ -22,7 +24,7 @@ from dflash_jax.runtime.paths import cached_path
 from dflash_jax.regeneration import output, shares
 from dflash_jax.regeneration.job import WINDOW_BATCHES
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
-from tests.gcs_fixture import gcs_server
+from tests.gcs_fixture import gcs_server, trapped
 from tests.openai_server import OpenAIServer
 from tests.process_fixtures import DEVICES_PER_PROCESS, cpu_env, outputs_of, start_two_processes
 from tests.regeneration_fixtures import canned, run_server, write_jsonl
@@ -162,3 +164,39 @@ def test_a_stop_on_one_process_stops_every_process_after_the_same_window_and_a_r
         assert len(records) - len(indices) == sum(dropped(log) for log in (logs[0], finished[0]))
         assert json.loads(fs.cat_file(f"regen/out.jsonl{PROGRESS_SUFFIX}"))["records_done"] == len(records)
         assert sorted(fs.ls("regen")) == ["regen/out.jsonl", f"regen/out.jsonl{PROGRESS_SUFFIX}"]  # parts gone
+
+
+# `regenerate`, uploading the output at every append (as a long job's appends all are, each past UPLOAD_EVERY_S).
+EVERY_APPEND_UPLOADED = ("from dflash_jax.regeneration import output; output.UPLOAD_EVERY_S = 0.0; "
+                         "from dflash_jax.commands import cli; cli.run_module('regenerate')")
+# The uploads a kill lands in: the output's (its progress not yet sent), or its progress file's (the output sent).
+UPLOADS = {"output upload": '"name": "out.jsonl"', "progress upload": f'"name": "out.jsonl{PROGRESS_SUFFIX}"'}
+
+
+@pytest.mark.slow  # seven regenerate commands: about two minutes on 2 shared cores (make test-slow)
+def test_kills_inside_the_uploads_of_a_bucket_output_leave_every_record_once_in_order(tmp_path, tokenizer_dir):
+    """`regenerate --server ... --out gs://...` is SIGKILLed six times, each while an upload of the output or of its
+    progress file is on its way to the bucket (which of them: random, seeded), and rerun each time; the output
+    the last run leaves equals an uninterrupted local run's byte for byte."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    records = [{"prompt": f"Hello world number {i}", "i": i} for i in range(200)]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", records)
+    rng = random.Random(0)
+    with OpenAIServer(tokenizer, canned(tokenizer), delay_s=0.05) as server:
+        run_server([server], prompts, tmp_path / "local.jsonl", tokenizer_dir, concurrency=2)
+        command = [sys.executable, "-c", EVERY_APPEND_UPLOADED, f"--server={server.url}", f"--prompts={prompts}",
+                   f"--out={OUT}", f"--tokenizer={tokenizer_dir}", "--max_new_tokens=8", "--concurrency=2", "--quiet"]
+        with gcs_server() as fs:
+            env = dict(cpu_env(1), DFLASH_JAX_CACHE=str(tmp_path / "cache"))
+            fs.mkdir("regen")
+            for kind in ("output upload", "progress upload") * 3:
+                nth, seen = rng.randint(1, 6), []
+                process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.PIPE, text=True)
+                with trapped(lambda head: (seen.append(UPLOADS[kind] in head), sum(seen) == nth)[1],
+                             process.kill):
+                    stderr = process.communicate(timeout=600)[1]
+                assert process.returncode == -9, f"{kind} #{nth} was not reached: {stderr[-3000:]}"
+            final = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+            assert final.returncode == 0, final.stderr[-3000:]
+            assert fs.cat_file("regen/out.jsonl") == (tmp_path / "local.jsonl").read_bytes()

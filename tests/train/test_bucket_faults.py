@@ -53,8 +53,8 @@ def files(tmp_path_factory):
 
 def command(workdir: str, files) -> list[str]:
     target, corpus, _ = files
-    return [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"), "--workdir", workdir,
-            f"--config.target_dir={target}", f"--config.data.train_files={corpus}",
+    return [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"),
+            "--workdir", workdir, f"--config.target_dir={target}", f"--config.data.train_files={corpus}",
             *(f"--config.{key}={value}" for key, value in SETTINGS.items())]
 
 

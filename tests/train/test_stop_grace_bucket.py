@@ -1,9 +1,9 @@
 """SIGTERM always ends a run in time (design §7.3): `python -m dflash_jax.train` on a bucket workdir
-(fake-gcs-server, tests/gcs_fixture.py) is sent SIGTERM while the bucket stops answering, so the checkpoint save
-the signal triggers cannot finish. The process exits with code 76 within config.stop_grace_seconds (plus a
-margin) with one line naming the last complete checkpoint; once the bucket answers again, the rerun of the same
-command resumes from exactly that step. The step that line names is the Checkpointer's in-memory account of
-its saves."""
+(fake-gcs-server, tests/gcs_fixture.py) writes nothing there but its checkpoints (no metrics until the end); the
+bucket stops answering, and once a checkpoint save has sent a request into the silence (the save is stuck), the
+process gets SIGTERM. It exits with code 76 within config.stop_grace_seconds (plus a margin) with one line naming
+the last complete checkpoint; once the bucket answers again, the rerun of the same command resumes from exactly
+that step. The step that line names is the Checkpointer's in-memory account of its saves."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gcs_fixture import gcs_server, unanswering
+from tests.gcs_fixture import gcs_server, trapped, unanswering
 from tests.train_fixtures import make_target, write_corpus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ LINE = re.compile(r"error: stop grace expired: the stop by SIGTERM at \S+ did no
 
 
 @pytest.mark.slow  # two train commands: a minute or more on 2 shared cores (make test-slow)
-def test_sigterm_while_the_bucket_stalls_exits_76_in_time_and_the_rerun_resumes_from_the_named_step(tmp_path):
+def test_sigterm_during_a_stuck_bucket_save_exits_76_in_time_and_the_rerun_resumes_from_the_named_step(tmp_path):
     target, corpus = make_target(tmp_path / "target"), write_corpus(tmp_path / "train.jsonl")
     with gcs_server() as fs:
         fs.mkdir("dflash")
@@ -38,7 +38,7 @@ def test_sigterm_while_the_bucket_stalls_exits_76_in_time_and_the_rerun_resumes_
             return [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"),
                     "--workdir", WORKDIR, f"--config.target_dir={target}", f"--config.data.train_files={corpus}",
                     "--config.data.seq_len=64", "--config.drafter.block_size=8", "--config.drafter.sliding_window=24",
-                    "--config.mesh.fsdp=1", "--config.log_every=1", "--config.checkpoint_every=2",
+                    "--config.mesh.fsdp=1", "--config.log_every=1000", "--config.checkpoint_every=2",
                     f"--config.stop_grace_seconds={GRACE}", "--config.storage.deadline_seconds=300",
                     f"--config.total_steps={steps}"]
 
@@ -54,7 +54,12 @@ def test_sigterm_while_the_bucket_stalls_exits_76_in_time_and_the_rerun_resumes_
             time.sleep(0.5)
             fs.invalidate_cache()
 
-        with unanswering():
+        saving = []  # the checkpoint requests sent into the silence
+        with unanswering(), trapped(lambda head: saving.append("/checkpoints/" in head) and False, lambda: None):
+            while not any(saving):
+                assert process.poll() is None, process.communicate()[1][-3000:]
+                time.sleep(0.1)
+            time.sleep(1.0)
             process.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
             stderr = process.communicate(timeout=GRACE + 120)[1]

@@ -71,3 +71,22 @@ def test_tensorboard_off_writes_nothing_and_wandb_needs_its_package(tmp_path):
     config.wandb_project = "dflash"
     with pytest.raises(ConfigError, match=r"config.wandb_project is set but wandb is not installed"):
         Trackers(tmp_path, config, 0)
+
+
+def test_a_bucket_workdirs_event_files_go_through_the_bounded_filesystem_and_no_local_disk(tmp_path, monkeypatch):
+    from tests.gcs_fixture import gcs_server
+
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path / "cache"))
+    with gcs_server() as fs:
+        fs.mkdir("dflash")
+        trackers = Trackers("gs://dflash/run", tiny_config(tmp_path, tmp_path / "train.jsonl"), 0)
+        trackers.write(1, {"step": 1, "loss": 1.5})
+        trackers.write(2, {"step": 2, "loss": 1.25})
+        trackers.close()
+        names = fs.find(f"dflash/run/{TENSORBOARD_DIR}")
+        assert len(names) == 1 and "tfevents" in names[0]
+        fs.get(names[0], str(tmp_path / "copy" / names[0].rsplit("/", 1)[1]))
+    accumulator = EventAccumulator(str(tmp_path / "copy"))
+    accumulator.Reload()
+    assert [(event.step, event.value) for event in accumulator.Scalars("train/loss")] == [(1, 1.5), (2, 1.25)]
+    assert not (tmp_path / "cache").exists()
