@@ -148,7 +148,8 @@ def parse_flags(command: str) -> None:
     assert set(optional) <= set(flag_values), f"unknown flags {set(optional) - set(flag_values)}"
     if "--config" in words:
         i = words.index("--config") + 1
-        words[i] = str(REPO / words[i]) if not Path(words[i]).is_absolute() else words[i]
+        path = packaged_config_path(words[i])  # a packaged recipe's name, as the command resolves it
+        words[i] = path if Path(path).is_absolute() else str(REPO / path)
     argv = [f"dflash-jax {words[1]}", *words[2:]]
     with mock.patch.object(sys, "argv", argv):  # ml_collections finds the --config.* overrides in sys.argv
         rest = flag_values(argv)
