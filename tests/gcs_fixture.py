@@ -125,6 +125,21 @@ def stopped() -> Iterator[None]:
         _server.relay.restore()
 
 
+def nth_match(matches: Callable[[str], bool], nth: int) -> Callable[[str], bool]:
+    """A trap for `trapped` that springs on the `nth` request that `matches` and on no other: requests already on
+    their way from the killed process's other connections must not spring it a second time."""
+    count = 0
+
+    def trap(head: str) -> bool:
+        nonlocal count
+        if not matches(head):
+            return False
+        count += 1
+        return count == nth
+
+    return trap
+
+
 @contextlib.contextmanager
 def trapped(trap: Callable[[str], bool], action: Callable[[], None]) -> Iterator[None]:
     """Until exit, `action()` runs when `trap(head)` is true of a request on its way to the bucket (of

@@ -24,7 +24,7 @@ from dflash_jax.runtime.paths import cached_path
 from dflash_jax.regeneration import output, shares
 from dflash_jax.regeneration.job import WINDOW_BATCHES
 from dflash_jax.regeneration.output import PROGRESS_SUFFIX, ResumableJsonl
-from tests.gcs_fixture import gcs_server, trapped
+from tests.gcs_fixture import gcs_server, nth_match, trapped
 from tests.openai_server import OpenAIServer
 from tests.process_fixtures import DEVICES_PER_PROCESS, cpu_env, outputs_of, start_two_processes
 from tests.regeneration_fixtures import canned, run_server, write_jsonl
@@ -190,11 +190,10 @@ def test_kills_inside_the_uploads_of_a_bucket_output_leave_every_record_once_in_
             env = dict(cpu_env(1), DFLASH_JAX_CACHE=str(tmp_path / "cache"))
             fs.mkdir("regen")
             for kind in ("output upload", "progress upload") * 3:
-                nth, seen = rng.randint(1, 6), []
+                nth = rng.randint(1, 6)
                 process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                            stderr=subprocess.PIPE, text=True)
-                with trapped(lambda head: (seen.append(UPLOADS[kind] in head), sum(seen) == nth)[1],
-                             process.kill):
+                with trapped(nth_match(lambda head: UPLOADS[kind] in head, nth), process.kill):
                     stderr = process.communicate(timeout=600)[1]
                 assert process.returncode == -9, f"{kind} #{nth} was not reached: {stderr[-3000:]}"
             final = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

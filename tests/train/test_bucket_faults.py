@@ -27,7 +27,7 @@ import pytest
 
 from dflash_jax.commands.export import export
 from dflash_jax.runtime.storage import EXIT_STORAGE_OUTAGE
-from tests.gcs_fixture import gcs_server, stopped, trapped
+from tests.gcs_fixture import gcs_server, nth_match, stopped, trapped
 from tests.train_fixtures import make_target, restore_last, tiny_config, write_corpus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,15 +102,9 @@ def test_kills_inside_saves_uploads_and_the_metrics_rewrite_lose_nothing(files, 
         killed: list[str] = []
         for kind in ORDER:
             matches, nth = KINDS[kind][0], rng.randint(*KINDS[kind][1])
-            seen = []
-
-            def trap(head: str) -> bool:
-                seen.append(matches(head))
-                return sum(seen) == nth
-
             process = subprocess.Popen(command(WORKDIR, files), cwd=REPO, env=environment(root),
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            with trapped(trap, lambda: (process.kill(), killed.append(kind))):
+            with trapped(nth_match(matches, nth), lambda: (process.kill(), killed.append(kind))):
                 stderr = process.communicate(timeout=900)[1]
             assert process.returncode == -9, f"{kind} #{nth} was not reached: {stderr[-3000:]}"
         assert killed == list(ORDER)
