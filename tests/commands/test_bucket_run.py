@@ -90,7 +90,7 @@ def test_training_resuming_evaluating_and_exporting_in_a_bucket_match_the_local_
     assert (tmp_path / "cache" / "urls" / "gs" / "dflash" / "target" / "model.safetensors").is_file()
 
 
-@pytest.mark.slow  # nine commands, eight of them ending early: about three minutes on 2 shared cores (make test-slow)
+@pytest.mark.slow  # nine commands, eight of them ending early: about two minutes on 2 shared cores (make test-slow)
 def test_a_bucket_that_is_gone_or_stalls_ends_every_command_within_the_deadline_with_one_line(tmp_path, monkeypatch):
     """With the bucket gone (connections refused) or stalled (nothing answers), `train` (a fresh run and the rerun
     of one in the bucket), `evaluate` and `export` each end with exit code 74 and one line naming the operation

@@ -108,7 +108,7 @@ def dropped(log: str) -> int:
     return int(found[1]) + int(found[2])
 
 
-@pytest.mark.slow  # four regenerate starts, two of them two processes: about three minutes on 2 cores (make test-slow)
+@pytest.mark.slow  # four regenerate starts, two of them two processes: about two minutes on 2 cores (make test-slow)
 def test_a_stop_on_one_process_stops_every_process_after_the_same_window_and_a_rerun_of_as_many_finishes(
         tmp_path, monkeypatch):
     """Two processes (jax.distributed on CPU) regenerate into the bucket; SIGTERM reaches process 1 only, once it
@@ -173,7 +173,7 @@ EVERY_APPEND_UPLOADED = ("from dflash_jax.regeneration import output; output.UPL
 UPLOADS = {"output upload": '"name": "out.jsonl"', "progress upload": f'"name": "out.jsonl{PROGRESS_SUFFIX}"'}
 
 
-@pytest.mark.slow  # seven regenerate commands: about two minutes on 2 shared cores (make test-slow)
+@pytest.mark.slow  # seven regenerate commands: about a minute and a half on 2 shared cores (make test-slow)
 def test_kills_inside_the_uploads_of_a_bucket_output_leave_every_record_once_in_order(tmp_path, tokenizer_dir):
     """`regenerate --server ... --out gs://...` is SIGKILLed six times, each while an upload of the output or of its
     progress file is on its way to the bucket (which of them: random, seeded), and rerun each time; the output

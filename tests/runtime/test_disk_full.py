@@ -75,7 +75,7 @@ def one_line(result: subprocess.CompletedProcess) -> str:
     return result.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.slow  # four commands: about two minutes on 2 shared cores (make test-slow)
+@pytest.mark.slow  # four commands: about a minute on 2 shared cores (make test-slow)
 def test_a_full_cache_or_staging_disk_is_one_line_and_the_bucket_loses_nothing(tmp_path, monkeypatch, namespaces):
     target, corpus = make_target(tmp_path / "target"), write_corpus(tmp_path / "train.jsonl")
     cache, steps = tmp_path / "cache", 12

@@ -94,7 +94,7 @@ def assert_ends_like(workdir: str, straight: Path, files, export_to: Path) -> No
         assert (export_to / name).read_bytes() == (straight.parent / "straight_export" / name).read_bytes(), name
 
 
-@pytest.mark.slow  # eight train commands: about five minutes on 2 shared cores (make test-slow)
+@pytest.mark.slow  # eight train commands: about two minutes on 2 shared cores (make test-slow)
 def test_kills_inside_saves_uploads_and_the_metrics_rewrite_lose_nothing(files, straight):
     root, rng = files[2], random.Random(SEED)
     with gcs_server() as fs:
@@ -123,7 +123,7 @@ def logged_step(fs) -> int:
         return 0
 
 
-@pytest.mark.slow  # three train commands and two outages: about three minutes on 2 shared cores (make test-slow)
+@pytest.mark.slow  # two train commands and two outages: about a minute and a half on 2 cores (make test-slow)
 def test_an_outage_is_ridden_out_within_the_deadline_or_stops_the_run_with_74_and_loses_nothing(files, straight):
     root, deadline = files[2], 30.0
     with gcs_server() as fs:
