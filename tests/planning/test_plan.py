@@ -261,6 +261,13 @@ def test_hlo_cost_counts_loop_bodies_by_their_trip_count_and_links_by_host():
     # neither, the loop counts once and says so.
     unannotated = LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")
     assert hlo_cost(unannotated, {"data": 2, "fsdp": 4}, lambda device: device // 4) == cost
+    # A body that adds 2 to its index (libtpu unrolls its windowed einsum loops twice): `index < 10` is 5 trips.
+    stepped = hlo_cost(unannotated.replace("constant(5)", "constant(10)").replace(
+        "  ROOT %next = (s32[], f32[8]{0}, f32[4,8]{1,0}, f32[8,16]{1,0}) tuple(%i,",
+        "  %two = s32[] constant(2)\n  %step = s32[] add(%i, %two)\n"
+        "  ROOT %next = (s32[], f32[8]{0}, f32[4,8]{1,0}, f32[8,16]{1,0}) tuple(%step,"), {"data": 2, "fsdp": 4},
+        lambda device: device // 4)
+    assert (stepped.flops, stepped.collective_bytes) == (cost.flops, cost.collective_bytes)
     once = hlo_cost(unannotated.replace("compare(%i, %five)", "compare(%i, %i)"), {"data": 2, "fsdp": 4})
     assert once.flops == cost.flops / 5 and once.unknown_loops == 1
     assert all(not key.remote for key in once.collective_bytes)  # one host by default
@@ -370,6 +377,11 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the
     # Both layouts gather the FSDP-sharded drafter's weights; the fsdp layout gathers the target's on top
     # (measured: 15.6 GB against 5.8 GB per chip, the target 8.1 GB).
     assert gathered["fsdp"] - gathered["tensor"] >= 0.9 * whole * 31 / 32, (gathered, whole)
+    # Weight traffic near one gather: every collective of the fsdp layout's step within 1.25 x (the whole target
+    # in bf16 + twice the drafter in bf16: one gather and one reduction of its gradients). libtpu moves most of
+    # the target by permute loops (its windowed einsums), which hlo_cost counts by their real trip count.
+    drafter = large.params_bytes * 32 / 2  # fp32 masters split over fsdp = 32, moved in bf16
+    assert sum(large.cost.collective_bytes.values()) <= 1.25 * (whole + 2 * drafter), large.cost.collective_bytes
     for plan in plans.values():
         assert plan.roofline.link_bytes["dcn"] == 0 and plan.roofline.link_bytes["ici"] > 0
         # The compiler's count leaves out the splash kernels and adds padded and masked work (measured 1.33 here;
