@@ -5,14 +5,18 @@ Compile: configs/qwen27b.py's train step, the target reduced to its first 4 laye
 drafter reading each of them as a feature layer), compiled from abstract arrays for 2 simulated CPU devices (fsdp 2, the
 target's "tensor" layout), `lower` + `compile` timed. Run: the attention's forward and backward alone (the
 gradient of a weighted sum of its output with respect to q, k and v) on the 27B drafter's grid (T 4096, stride 8,
-B 16) for a sliding (W 2048) and the full layer, one row, fp32, the heads cut to 8/2 x 128 so that a CPU round
-stays short; the median of --iters runs after a warm-up.
+B 16) in the configs' 32 chunks of 16 blocks, for a sliding (W 2048) and the full layer, one row, fp32, the heads
+cut to 8/2 x 128 so that a CPU round stays short; every call timed after a warm-up.
 
-Every measurement is a fresh process, and rounds alternate the chunkings (and, with --baseline DIR, this checkout
-and another revision's checkout DIR, whose dflash_jax the child imports instead), so load that comes and goes
-touches every side alike. Each figure is the median over the rounds with its spread.
+Each compile is a fresh process, the rounds alternating the chunkings (and, with --baseline DIR, this checkout and
+another revision's checkout DIR, whose dflash_jax that process imports instead); the runs alternate call by call in
+one process between this checkout's attention and, with --baseline-attention FILE, another revision's
+ops/dflash_attention.py loaded beside it. Load that comes and goes so touches every side alike. Each figure is
+the median over the rounds with its spread.
 
-    .venv/bin/python bench/bench_attention_chunks.py [--rounds 3] [--what compile,run] [--baseline DIR]
+    .venv/bin/python bench/bench_attention_chunks.py [--rounds 3] [--run-rounds 6] [--what compile,run]
+        [--baseline DIR] [--baseline-attention FILE]
+    (git show REV:dflash_jax/ops/dflash_attention.py > FILE; git archive REV | tar -x -C DIR)
 """
 
 from __future__ import annotations
@@ -78,15 +82,26 @@ def compile_seconds(chunk_blocks: int, target_layers: int = 4) -> float:
     return time.perf_counter() - start
 
 
-def run_seconds(chunk_blocks: int, window: int | None, iters: int) -> float:
-    """Median seconds of the attention's forward + backward on the 27B drafter's grid (heads 8/2 x 128)."""
+def attention_times(chunk_blocks: int, window: int | None, rounds: int, baseline: Path | None
+                    ) -> dict[str, list[float]]:
+    """Seconds of the attention's forward + backward on the 27B drafter's grid (heads 8/2 x 128), per round,
+    for this checkout's dflash_attention and, given, a baseline file of it (another revision's
+    ops/dflash_attention.py, loaded beside it), alternating call by call in this one process."""
+    import importlib.util
+
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from dflash_jax.ops import dflash_attention as current
     from dflash_jax.ops.anchors import AnchorGrid
-    from dflash_jax.ops.dflash_attention import dflash_attention
 
+    implementations = {"this checkout": current.dflash_attention}
+    if baseline is not None:
+        spec = importlib.util.spec_from_file_location("baseline_dflash_attention", baseline)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        implementations["baseline"] = module.dflash_attention
     grid = AnchorGrid(4096, 8, 16)
     keys = jax.random.split(jax.random.key(0), 6)
     queries, context = (1, grid.num_queries), (1, grid.seq_len)
@@ -95,26 +110,30 @@ def run_seconds(chunk_blocks: int, window: int | None, iters: int) -> float:
     k_blk, v_blk = (jax.random.normal(key, (*queries, 2, 128)) for key in keys[3:5])
     cotangent = jax.random.normal(keys[5], q.shape)
     segments = jnp.asarray(np.repeat([[0, 1]], grid.seq_len // 2, axis=1))  # two documents
+    inputs = (q, k_ctx, v_ctx, k_blk, v_blk)
 
-    def loss(*arrays):
-        out = dflash_attention(*arrays, segments, segments[:, grid.anchors], grid, window, 128**-0.5,
-                               query_chunk_blocks=chunk_blocks)
-        return jnp.sum(out * cotangent)
+    def gradient(attention):
+        def loss(*arrays):
+            out = attention(*arrays, segments, segments[:, grid.anchors], grid, window, 128**-0.5,
+                            query_chunk_blocks=chunk_blocks)
+            return jnp.sum(out * cotangent)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    jax.block_until_ready(step(q, k_ctx, v_ctx, k_blk, v_blk))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(step(q, k_ctx, v_ctx, k_blk, v_blk))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    steps = {name: gradient(attention) for name, attention in implementations.items()}
+    for step in steps.values():
+        jax.block_until_ready(step(*inputs))  # compile and warm up
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step(*inputs))
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
-def measure(source: Path, what: str, chunk_blocks: int, window: int | None, iters: int) -> float:
-    """One measurement in a fresh process importing dflash_jax from `source`."""
-    args = [sys.executable, str(Path(__file__).resolve()), "--child", what, "--chunk-blocks", str(chunk_blocks),
-            "--iters", str(iters)] + ([] if window is None else ["--window", str(window)])
+def compile_in_process(source: Path, chunk_blocks: int) -> float:
+    """One compile of the step in a fresh process importing dflash_jax from `source`."""
+    args = [sys.executable, str(Path(__file__).resolve()), "--child", "--chunk-blocks", str(chunk_blocks)]
     env = {**os.environ, "PYTHONPATH": str(source), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     result = subprocess.run(args, capture_output=True, text=True, env=env, cwd=source)
@@ -130,47 +149,51 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="compiles of each chunking")
+    parser.add_argument("--run-rounds", type=int, default=6, help="timed runs of each attention and chunking")
     parser.add_argument("--what", default="compile,run", help="compile, run or both")
-    parser.add_argument("--iters", type=int, default=3, help="timed runs of the attention per measurement")
-    parser.add_argument("--baseline", type=Path, help="a checkout of another revision, measured alternately")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--baseline", type=Path, help="another revision's checkout, compiled alternately")
+    parser.add_argument("--baseline-attention", type=Path,
+                        help="another revision's ops/dflash_attention.py, run alternately in the same process")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--chunk-blocks", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--window", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        seconds = (compile_seconds(args.chunk_blocks) if args.child == "compile"
-                   else run_seconds(args.chunk_blocks, args.window, args.iters))
-        print(json.dumps({"seconds": seconds}))
+        print(json.dumps({"seconds": compile_seconds(args.chunk_blocks)}))
         return
 
-    sources = {"this checkout": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
-    cases = []  # (what, layer, chunking)
-    for what in args.what.split(","):
-        layers = {"": None} if what == "compile" else {"sliding W 2048": 2048, "full": None}
-        cases += [(what, layer, name) for layer in layers for name in CHUNKINGS]
-    windows = {"": None, "sliding W 2048": 2048, "full": None}
-    times: dict[tuple, list[float]] = {}
-    for _ in range(args.rounds):
-        for what, layer, name in cases:
-            for side, source in sources.items():
-                seconds = measure(source, what, CHUNKINGS[name], windows[layer], args.iters)
-                times.setdefault((what, layer, name, side), []).append(seconds)
-                print(f"{what} {layer} {name} {side}: {seconds:.2f} s", file=sys.stderr, flush=True)
-
+    lines = []
+    if "compile" in args.what:
+        sources = {"this checkout": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
+        times: dict[tuple[str, str], list[float]] = {}
+        for _ in range(args.rounds):
+            for name, blocks in CHUNKINGS.items():
+                for side, source in sources.items():
+                    seconds = compile_in_process(source, blocks)
+                    times.setdefault((name, side), []).append(seconds)
+                    print(f"compile, {name}, {side}: {seconds:.1f} s", file=sys.stderr, flush=True)
+        lines += ["| compile, 27B-shaped step (4 target layers) | chunks | " + " | ".join(sources) + " |",
+                  "| --- | --- | " + " | ".join("---:" for _ in sources) + " |"]
+        lines += [f"| | {name} | " + " | ".join(spread(times[name, side]) for side in sources) + " |"
+                  for name in CHUNKINGS]
+    if "run" in args.what:
+        sides = ["this checkout"] + (["baseline"] if args.baseline_attention else [])
+        lines += ["", "| attention forward + backward | chunks | " + " | ".join(sides) + " |",
+                  "| --- | --- | " + " | ".join("---:" for _ in sides) + " |"]
+        name = "32 chunks of 16 blocks"  # the configs' chunking (one chunk takes minutes a call on CPU)
+        for layer, window in (("sliding W 2048", 2048), ("full", None)):
+            times = attention_times(CHUNKINGS[name], window, args.run_rounds, args.baseline_attention)
+            print(f"run, {layer}, {name}: {times}", file=sys.stderr, flush=True)
+            lines.append(f"| {layer} layer | {name} | " + " | ".join(spread(times[side]) for side in sides) + " |")
     print(f"{datetime.date.today()}; {cpu_model()}, {os.cpu_count()} CPUs, load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end; {args.rounds} rounds")
-    print("| measurement | chunks | " + " | ".join(sources) + " |")
-    print("| --- | --- | " + " | ".join("---:" for _ in sources) + " |")
-    for what, layer, name in cases:
-        cells = []
-        for side in sources:
-            values = times[(what, layer, name, side)]
-            cells.append(f"{statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f})")
-        label = "compile, 27B-shaped step (4 target layers)" if what == "compile" else f"run, {layer} layer"
-        print(f"| {label} | {name} | " + " | ".join(cells) + " |")
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

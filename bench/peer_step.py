@@ -10,8 +10,9 @@ anchors, the dense mask, the frozen verifier head's targets, the drafter, logits
 clip, AdamW. The project's drafter step: the target's greedy labels (its LM head over the labelled rows), the
 drafter forward/backward with the fused LM-head cross-entropy, clip + AdamW, one jitted call. Rounds alternate
 the two sides (the order flips every round) and report medians, so machine load hits both alike (a shape whose
-two sides do not fit in the available memory together runs them one after the other, and says so); the load
-average is printed before and after. The project's whole step (an 8-layer target's forward inside) and a
+two sides do not fit in the available memory together runs them one after the other, and says so), 6 rounds by
+default, each figure with the spread of its per-round medians; the load average before and after, the CPU model,
+its cores and each side's thread settings are printed with every shape. The project's whole step (an 8-layer target's forward inside) and a
 breakdown of its parts follow, so a regression shows where it is. Last, for the --bf16-shapes, the project's
 drafter step with bf16 compute against fp32 and a square matmul's rate in each dtype (does bf16 pay on this
 CPU?).
@@ -24,6 +25,7 @@ import dataclasses
 import functools
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -270,6 +272,11 @@ class Timings(NamedTuple):
     def median(self) -> tuple[float, float]:
         return float(np.median(self.wall)), float(np.median(self.cpu))
 
+    def spread(self, steps: int) -> tuple[float, float]:
+        """(lowest, highest) of the per-round medians of the wall clock, rounds of `steps` steps."""
+        medians = [float(np.median(self.wall[i:i + steps])) for i in range(0, len(self.wall), steps)]
+        return min(medians), max(medians)
+
 
 def timed(call: Callable[[], object], count: int) -> Timings:
     wall, cpu = [], []
@@ -350,8 +357,10 @@ def compare(name: str, shape: Shape, args, together: bool = True) -> dict:
         times.update(rounds(name, sides, args))
         if theirs is not None and together:
             theirs.close()
+    result["machine"] = machine_line(args)
     for side, timings in times.items():
         result[f"{side}_s"], result[f"{side}_cpu_s"] = timings.median()
+        result[f"{side}_spread_s"] = timings.spread(args.steps)
     if "speculators_s" in result:
         result["ratio"] = result["speculators_s"] / result["dflash_jax_s"]
         result["cpu_ratio"] = result["speculators_cpu_s"] / result["dflash_jax_cpu_s"]
@@ -419,7 +428,11 @@ def report(name: str, result: dict) -> str:
              + f" | {seconds('whole_step_s')} |", "",
              f"Sides: {result['sides']}. Attention: speculators {result.get('speculators_attention', 'n/a')}; "
              f"dflash_jax {result['dflash_jax_attention']}. Load average (1/5/15 min) before "
-             f"{fmt_load(result['load_before'])}, after {fmt_load(result['load_after'])}."]
+             f"{fmt_load(result['load_before'])}, after {fmt_load(result['load_after'])}.",
+             "", "Spread of the per-round medians (wall): " + ", ".join(
+                 f"{side} {low:.3f}-{high:.3f} s" for side in ("speculators", "dflash_jax")
+                 if (spread := result.get(f"{side}_spread_s")) for low, high in [spread]) + ".",
+             "", f"Machine: {result['machine']}."]
     if "parts" in result:
         lines += ["", "| dflash_jax part (jitted alone; forward + backward where trained) | wall | CPU |",
                   "|---|---:|---:|"]
@@ -439,6 +452,26 @@ def available_memory() -> int:
     return 2**62
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what platform reports."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line(args) -> str:
+    """What every figure depends on besides the code: the CPU, its cores, and each side's thread settings."""
+    threads = {name: os.environ[name] for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "XLA_FLAGS")
+               if name in os.environ}
+    return (f"CPU {cpu_model()}, {os.cpu_count()} cores; speculators: torch threads {args.threads}; dflash_jax: "
+            f"XLA:CPU's own pool over all cores; environment {threads or 'no thread variables'}")
+
+
 def fmt_load(load) -> str:
     return " / ".join(f"{x:.1f}" for x in load)
 
@@ -446,7 +479,7 @@ def fmt_load(load) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="A,B,qwen3_8b", help=f"comma-separated, of {sorted(SHAPES)}")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side per round")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (XLA uses all cores)")
     parser.add_argument("--query-chunk-blocks", type=int, default=base_config().query_chunk_blocks)
@@ -461,8 +494,8 @@ def main() -> None:
     unknown = sorted(set(names + bf16_names) - set(SHAPES))
     if unknown:
         sys.exit(f"error: unknown shapes {unknown}; choose from {sorted(SHAPES)}")
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores; "
-          f"{args.rounds} rounds x {args.steps} steps per side", flush=True)
+    print(f"jax {jax.__version__}; {machine_line(args)}; {args.rounds} rounds x {args.steps} steps per side",
+          flush=True)
     results = {}
     for name in names:
         needed, available = SHAPES[name].memory_estimate(), available_memory()

@@ -13,13 +13,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.models.target import TargetOutput
-from dflash_jax.ops.anchors import AnchorGrid, block_token_ids
+from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.lm_head import greedy_labels
-from dflash_jax.sharding import ROWS_EMBED, constrain
+from dflash_jax.sharding import LM_HEAD, ROWS_EMBED, constrain
 
 LABEL_SOURCES = ("target", "data")
 
@@ -63,6 +64,17 @@ def drafter_features(out: TargetOutput) -> jax.Array:
     return out.features.reshape(*out.features.shape[:2], -1)
 
 
+def block_embeddings(target, input_ids: jax.Array, grid: AnchorGrid, mask_token_id: int) -> jax.Array:
+    """[b, N*B, H] the target's embedding of the block ids (slot 0 the anchor's token, slots 1..B-1 the mask
+    token) from N + 1 looked-up rows, the anchors' and the mask token's, instead of N*B: the mask token's row
+    stands in every block's B - 1 mask slots."""
+    anchors = target.embed(input_ids[:, grid.anchors])  # [b, N, H]
+    mask = target.embed(jnp.full((1, 1), mask_token_id, input_ids.dtype))[0, 0]  # [H]
+    anchor_slot = (jnp.arange(grid.block_size) == 0)[None, None, :, None]
+    blocks = jnp.where(anchor_slot, anchors[:, :, None, :], mask.astype(anchors.dtype))  # [b, N, B, H]
+    return blocks.reshape(input_ids.shape[0], grid.num_queries, -1)
+
+
 def target_context(target, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, grid: AnchorGrid,
                    config: DrafterConfig, *, labels: str = "target", vocab_chunk: int = 8192,
                    with_distribution: bool = False) -> TargetContext:
@@ -70,14 +82,14 @@ def target_context(target, input_ids: jax.Array, positions: jax.Array, segment_i
     with_distribution: also the hidden states behind its distribution at the drafted slots (`label_hidden`).
     The drafted slots are those of config.method: k = 1..B-1, or every slot for "dspark" (design §18)."""
     out = target(input_ids, positions, segment_ids, config.target_layer_ids)
-    lm_head = target.lm_head_kernel()
+    lm_head = constrain(target.lm_head_kernel(), LM_HEAD)  # gathered once for the labels and the loss
     from_anchor = config.method == "dspark"
     if labels == "data":
         slot_labels = input_ids[:, drafted_slots(grid, from_anchor)]
     else:
         slot_labels = target_labels(out.hidden, lm_head, grid, vocab_chunk, from_anchor)
-    block_ids = block_token_ids(input_ids, grid.anchors, grid.block_size, config.mask_token_id)
     label_hidden = out.hidden[:, drafted_slots(grid, from_anchor) - 1] if with_distribution else None
     return jax.lax.stop_gradient(TargetContext(
         constrain(drafter_features(out), ROWS_EMBED), constrain(slot_labels, ("activation_batch", None, None)),
-        constrain(target.embed(block_ids), ROWS_EMBED), lm_head, label_hidden))
+        constrain(block_embeddings(target, input_ids, grid, config.mask_token_id), ROWS_EMBED), lm_head,
+        label_hidden))

@@ -10,10 +10,10 @@ The context part walks query chunks of C blocks, each scored against a fixed num
 positions (its reach) that covers every position its static anchors can see: scores [batch, Hq, C*B, reach] in
 fp32 instead of [batch, Hq, N*B, T + N*B] for the dense form. The chunks are a `lax.scan` (one body, so the
 compiled program and its compile time do not grow with the number of chunks), grouped into runs of one reach
-(`chunk_runs`): on a sliding layer every chunk sees a window of the same width, (C-1)*S + W - 1 positions
-from its first anchor's window start, so one run covers all; on a full layer the reach is the prefix before
-the chunk's last anchor, which grows along the row, so the chunks fall into FULL_REACH_RUNS runs of equal count,
-each scanned over its last chunk's prefix. Each chunk is rematerialised in the backward pass (`jax.checkpoint`
+(`chunk_runs`): on a sliding layer every chunk whose window lies in the row sees the same width, (C-1)*S + W - 1
+positions from its first anchor's window start, so one run covers them; before them (and on a full layer
+throughout) the reach is the prefix before the chunk's last anchor, which grows along the row, so those chunks
+fall into a few runs of equal count, each scanned over its last chunk's prefix. Each chunk is rematerialised in the backward pass (`jax.checkpoint`
 of the scan's body): the backward keeps only the inputs, not any chunk's probabilities (flash-attention's trade
 of compute for memory), and one chunk's scores are alive at a time.
 
@@ -35,10 +35,13 @@ from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.attention import MASKED_SCORE, grouped_attention, to_head_major
 from dflash_jax.ops.mask import block_rule, context_rule, validate_window
 
-# Runs of equal reach on a full-attention layer. Each run scores all its chunks against the prefix its last chunk
-# reaches, so with k runs of equal count a layer computes (k + 1) / k of the context scores the growing prefixes
-# need (1.25 for 4), for k scan bodies of compiled code.
-FULL_REACH_RUNS = 4
+# The chunks whose reach is a prefix of the row (every chunk of a full layer; on a sliding layer those whose window
+# the row's start cuts short) fall into runs of equal count, each scored against the prefix its last chunk reaches:
+# with k runs a full layer scores (k + 1) / k of the positions the growing prefixes need. k is the smallest that
+# keeps the layer's scored positions within PREFIX_WASTE of what each chunk's own reach holds, at most PREFIX_RUNS
+# (one scan body each).
+PREFIX_RUNS = 4
+PREFIX_WASTE = 1.25
 
 
 def context_reach(grid: AnchorGrid, window: int | None, first_block: int, end_block: int) -> tuple[int, int]:
@@ -56,12 +59,14 @@ def context_reach(grid: AnchorGrid, window: int | None, first_block: int, end_bl
 @dataclasses.dataclass(frozen=True)
 class ChunkRun:
     """`chunks` consecutive query chunks of `blocks` blocks each, from block `first_block`, computed by one scan
-    body: each chunk scores its queries against `reach` consecutive context positions from `reach_start`."""
+    body: each chunk scores its queries against `reach` consecutive context positions, from 0 (a prefix run) or
+    from its first anchor's window start (`windowed`; `reach_start`)."""
 
     first_block: int
     chunks: int
     blocks: int
     reach: int
+    windowed: bool
 
     @property
     def end_block(self) -> int:
@@ -71,33 +76,41 @@ class ChunkRun:
 def chunk_runs(grid: AnchorGrid, window: int | None, query_chunk_blocks: int) -> list[ChunkRun]:
     """The runs covering the N blocks in chunks of query_chunk_blocks (a shorter last chunk is a run of its own).
 
-    Sliding layers: one run of reach min(T, (C-1)*S + W - 1), the widest window any C consecutive anchors see.
-    Full layers: FULL_REACH_RUNS runs of equal chunk count, each of reach a_last (the prefix before its last
-    anchor, which holds every earlier chunk's prefix).
+    A chunk whose window starts inside the row (sliding layers, past the first W positions) sees (C-1)*S + W - 1
+    positions from its first anchor's window start, as every such chunk does: one windowed run. The chunks
+    before them, and every chunk of a full layer, see the prefix before their last anchor: prefix runs of equal
+    count (PREFIX_RUNS, PREFIX_WASTE), each of its last chunk's reach.
     """
     full_chunks, rest = divmod(grid.num_anchors, query_chunk_blocks)
-    groups = []  # (first block, chunks, blocks per chunk)
-    if full_chunks:
-        parts = 1 if window is not None else min(FULL_REACH_RUNS, full_chunks)
-        bounds = [round(i * full_chunks / parts) for i in range(parts + 1)]
-        groups += [(low * query_chunk_blocks, high - low, query_chunk_blocks) for low, high in zip(bounds, bounds[1:])]
+    spans = [context_reach(grid, window, c * query_chunk_blocks, (c + 1) * query_chunk_blocks)
+             for c in range(full_chunks)]
+    prefix = sum(start == 0 for start, _ in spans)  # chunk c's start grows with c
+    windowed = []
+    if prefix < full_chunks:
+        width = min(grid.seq_len, (query_chunk_blocks - 1) * grid.stride + window - 1)
+        windowed = [ChunkRun(prefix * query_chunk_blocks, full_chunks - prefix, query_chunk_blocks, width, True)]
+    needed = sum(stop - start for start, stop in spans)
+    runs = windowed
+    for parts in range(1, min(PREFIX_RUNS, prefix) + 1):
+        bounds = [round(i * prefix / parts) for i in range(parts + 1)]
+        runs = [ChunkRun(low * query_chunk_blocks, high - low, query_chunk_blocks, spans[high - 1][1], False)
+                for low, high in zip(bounds, bounds[1:])] + windowed
+        if sum(run.chunks * run.reach for run in runs) <= PREFIX_WASTE * needed:
+            break
     if rest:
-        groups.append((full_chunks * query_chunk_blocks, 1, rest))
-    runs = []
-    for first, chunks, blocks in groups:
+        first = full_chunks * query_chunk_blocks
         if window is None:
-            reach = int(grid.anchors[first + chunks * blocks - 1])
+            runs.append(ChunkRun(first, 1, rest, int(grid.anchors[-1]), False))
         else:
-            reach = min(grid.seq_len, (blocks - 1) * grid.stride + window - 1)
-        runs.append(ChunkRun(first, chunks, blocks, reach))
+            runs.append(ChunkRun(first, 1, rest, min(grid.seq_len, (rest - 1) * grid.stride + window - 1), True))
     return runs
 
 
 def reach_start(grid: AnchorGrid, window: int | None, run: ChunkRun, first_anchor):
     """The first context position a chunk of `run` whose first anchor is first_anchor (an int or a traced
-    scalar) scores: 0 on full layers; on sliding layers that anchor's window start a - W + 1, moved into the row
-    so that the reach fits (a shifted window still holds every position the chunk sees: `context_reach`)."""
-    if window is None:
+    scalar) scores: 0 for a prefix run; for a windowed one that anchor's window start a - W + 1, moved into the
+    row so that the reach fits (a shifted window still holds every position the chunk sees: `context_reach`)."""
+    if not run.windowed:
         return 0
     return jnp.clip(first_anchor - window + 1, 0, grid.seq_len - run.reach)
 

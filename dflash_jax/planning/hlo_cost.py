@@ -157,19 +157,40 @@ def _constant(instruction: _Instruction | None) -> int | None:
 def _trip_count(loop: _Instruction, computations: dict[str, list[_Instruction]],
                 defined: dict[str, _Instruction]) -> int | None:
     """XLA's known_trip_count; else, for a loop whose condition is `index < N` (TPU prints no annotation),
-    N minus the index's start in the loop's initial tuple (0 when that is not a constant)."""
+    N minus the index's start in the loop's initial tuple (0 when that is not a constant), over the index's
+    step: a constant the body adds to it (libtpu's windowed einsum loops, unrolled twice, step by 2), else 1."""
     if (known := _TRIP_COUNT.search(loop.attributes)) is not None:
         return int(known.group(1))
-    condition = dict(_callees(loop)).get("condition")
-    for instruction in computations.get(condition, []):
+    callees = dict(_callees(loop))
+    condition = computations.get(callees.get("condition"), [])
+    for instruction in condition:
         if instruction.opcode == "compare" and "direction=LT" in instruction.attributes:
-            bound = _constant(next((i for i in computations[condition] if i.name == instruction.operands[1]), None))
+            bound = _constant(next((i for i in condition if i.name == instruction.operands[1]), None))
             if bound is None:
                 return None
+            index = next((i for i in condition if i.name == instruction.operands[0]), None)
+            position = re.search(r"\bindex=(\d+)", index.attributes) if index and index.opcode == "get-tuple-element" \
+                else None
             initial = defined.get(loop.operands[0])
-            start = _constant(defined.get(initial.operands[0])) if initial and initial.opcode == "tuple" else None
-            return bound - (start or 0)
+            start = None
+            if initial and initial.opcode == "tuple":
+                start = _constant(defined.get(initial.operands[int(position.group(1)) if position else 0]))
+            step = _index_step(computations.get(callees.get("body"), []), int(position.group(1))) if position else 1
+            return -(-(bound - (start or 0)) // step)
     return None
+
+
+def _index_step(body: list[_Instruction], position: int) -> int:
+    """What a loop body adds to the loop index at tuple `position` each iteration: the constant of the add that
+    makes that element of the body's result, else 1."""
+    if not body or body[-1].opcode != "tuple" or position >= len(body[-1].operands):
+        return 1
+    named = {i.name: i for i in body}
+    update = named.get(body[-1].operands[position])
+    if update is None or update.opcode != "add":
+        return 1
+    steps = [_constant(named.get(operand)) for operand in update.operands]
+    return next((step for step in steps if step and step > 0), 1)
 
 
 def _multiplicities(computations: dict[str, list[_Instruction]], entry: str) -> tuple[dict[str, float], set[str], int]:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.ops.attention import grouped_attention
-from dflash_jax.ops.dflash_attention import (FULL_REACH_RUNS, chunk_runs, context_reach, dflash_attention,
-                                            reach_start)
+from dflash_jax.ops.dflash_attention import (PREFIX_RUNS, PREFIX_WASTE, chunk_runs, context_reach,
+                                            dflash_attention, reach_start)
 from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.mask import dense_mask, position_mask, tile_fraction
 from tests.torch_reference import reference_mask
@@ -261,10 +261,10 @@ def test_scores_cover_each_runs_reach_and_own_blocks_only(window):
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 100])
 def test_chunk_runs_cover_every_chunks_reach(grid, window, chunk):
     """The runs tile the blocks in chunks of `chunk` (a shorter last one), and each chunk's scored positions
-    [start, start + reach) hold every context position its anchors see; at most FULL_REACH_RUNS runs (one on a
-    sliding layer) plus the shorter last chunk's, whatever the number of chunks."""
+    [start, start + reach) hold every context position its anchors see; at most PREFIX_RUNS prefix runs, one
+    windowed run and the shorter last chunk's, whatever the number of chunks."""
     runs = chunk_runs(grid, window, chunk)
-    assert len(runs) <= (FULL_REACH_RUNS if window is None else 1) + 1
+    assert len(runs) <= PREFIX_RUNS + 2 and sum(run.windowed for run in runs) <= 2
     first = 0
     for run in runs:
         assert run.first_block == first and 0 <= run.reach <= grid.seq_len
@@ -278,16 +278,18 @@ def test_chunk_runs_cover_every_chunks_reach(grid, window, chunk):
     assert [run.blocks for run in runs[:-1]] == [min(chunk, grid.num_anchors)] * (len(runs) - 1)
 
 
-def test_full_runs_compute_a_quarter_more_than_the_growing_prefixes():
-    """The 27B recipe's grid (T 4096, stride 8, B 16) in chunks of 16 blocks: the full layer's runs score at most
-    (k + 1) / k of the context positions each chunk's own prefix holds (k = FULL_REACH_RUNS), and a sliding
-    layer's (W 2048) one run at most the window of C anchors."""
+@pytest.mark.parametrize("window", [None, 2048])
+def test_runs_score_at_most_a_quarter_more_than_each_chunks_reach(window):
+    """The 27B recipe's grid (T 4096, stride 8, B 16) in chunks of 16 blocks: a layer's runs score at most
+    PREFIX_WASTE times the context positions each chunk's own reach holds; a sliding layer (W 2048) scans the
+    chunks whose window lies in the row in one run of the window's width."""
     grid, chunk = AnchorGrid(4096, 8, 16), 16
-    needed = sum(context_reach(grid, None, first, first + chunk)[1] for first in range(0, grid.num_anchors, chunk))
-    scored = sum(run.chunks * run.reach for run in chunk_runs(grid, None, chunk))
-    assert needed < scored <= needed * (FULL_REACH_RUNS + 1) / FULL_REACH_RUNS
-    (sliding,) = chunk_runs(grid, 2048, chunk)
-    assert sliding.chunks == 32 and sliding.reach == 15 * 8 + 2047
+    needed = sum(np.subtract(*context_reach(grid, window, first, first + chunk)[::-1])
+                 for first in range(0, grid.num_anchors, chunk))
+    runs = chunk_runs(grid, window, chunk)
+    assert needed < sum(run.chunks * run.reach for run in runs) <= needed * PREFIX_WASTE
+    if window is not None:
+        assert runs[-1].windowed and runs[-1].chunks == 16 and runs[-1].reach == 15 * 8 + 2047
 
 
 def _equations(jaxpr) -> int:
@@ -297,8 +299,8 @@ def _equations(jaxpr) -> int:
 
 @pytest.mark.parametrize("window", [None, 9])
 def test_program_does_not_grow_with_the_chunk_count(window):
-    """Forward and backward of 4, 8 and 16 chunks (no shorter last chunk) are programs of the same size: one scan
-    body per run, not code per chunk."""
+    """Forward and backward of 16 and 32 chunks are programs of the same size, and no chunking's program is
+    larger than PREFIX_RUNS + 2 one-chunk programs: one scan body per run, not code per chunk."""
     grid = AnchorGrid(64, 2, 4)  # 32 blocks
     inputs = _attention_inputs(grid, seed=3)
     segments = jnp.asarray(_segments(grid.seq_len))
@@ -308,4 +310,6 @@ def test_program_does_not_grow_with_the_chunk_count(window):
         backward = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(attend(*a, segments)), argnums=(0, 1, 2, 3, 4)))
         return _equations(backward(*inputs).jaxpr)
 
-    assert size(8) == size(4) == size(2)
+    sizes = {chunk: size(chunk) for chunk in (32, 8, 2, 1)}
+    assert sizes[2] == sizes[1]
+    assert max(sizes.values()) <= (PREFIX_RUNS + 2) * sizes[32], sizes
