@@ -20,7 +20,7 @@ from configs import toy as toy_recipe
 from dflash_jax.commands import evaluate
 
 from dflash_jax.eval.ddtree_decode import DDTreeGenerator
-from dflash_jax.eval.exact_tau import DraftScorer, Example, evaluate_drafter, score_responses, summarize
+from dflash_jax.eval.exact_tau import DraftScorer, evaluate_drafter, score_responses, summarize
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
 from dflash_jax.eval.report import format_result
 from dflash_jax.models.drafter import Drafter
@@ -29,20 +29,14 @@ from dflash_jax.weights.drafter_files import export_drafter
 from dflash_jax.weights.targets import load_target
 from tests.eval.test_benchmarks import hub_cache, sources  # noqa: F401 (fixtures)
 from tests.eval.test_exact_tau import NEW_TOKENS, train_briefly
-from tests.eval_fixtures import BLOCK, VOCAB, drafter_config
-from tests.hf_fixtures import qwen3_config, save_qwen3
+from tests.eval_fixtures import BLOCK, drafter_config, target_and_greedy_examples
 
 DFLASH2 = dict(method="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
 
 
 @pytest.mark.slow  # a brief training run and three decoders' compiles (about 45 s on one core)
 def test_exact_tau_equals_the_selector_walks_tau(tmp_path):
-    save_qwen3(tmp_path, qwen3_config(vocab_size=VOCAB), seed=5)
-    target = load_target(tmp_path, param_dtype=jnp.float32)[0]
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in rng.integers(3, 13, 8)]
-    plain = SpeculativeGenerator(target, None, prefill_len=16, capacity=64)
-    examples = [Example(p, plain.generate(p, NEW_TOKENS).tokens) for p in prompts]
+    target, plain, prompts, examples = target_and_greedy_examples(tmp_path, NEW_TOKENS)
     drafter = Drafter(dataclasses.replace(drafter_config(), **DFLASH2), rngs=nnx.Rngs(0))
     # Convolutions away from the identity and transitions on the logits' scale, then the unary drafts trained.
     keys = iter(jax.random.split(jax.random.key(1), 8))
