@@ -7,6 +7,7 @@ drafts (so the equality is not the unary argmax's); DDTree is refused, and its f
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +28,12 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.train import validate
 from dflash_jax.weights.drafter_files import export_drafter
 from dflash_jax.weights.targets import load_target
-from tests.eval.test_benchmarks import hub_cache, sources  # noqa: F401 (fixtures)
-from tests.eval.test_exact_tau import NEW_TOKENS, train_briefly
-from tests.eval_fixtures import BLOCK, drafter_config, target_and_greedy_examples
+from tests.eval_fixtures import BLOCK, drafter_config, target_and_greedy_examples, train_briefly
 
+NEW_TOKENS = 28
 DFLASH2 = dict(method="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
 
 
-@pytest.mark.slow  # a brief training run and three decoders' compiles (about 45 s on one core)
 def test_exact_tau_equals_the_selector_walks_tau(tmp_path):
     target, plain, prompts, examples = target_and_greedy_examples(tmp_path, NEW_TOKENS)
     drafter = Drafter(dataclasses.replace(drafter_config(), **DFLASH2), rngs=nnx.Rngs(0))
@@ -47,7 +46,7 @@ def test_exact_tau_equals_the_selector_walks_tau(tmp_path):
     selector = drafter.candidate_selector
     for codebook in (selector.predecessor_codebook, selector.successor_codebook):
         codebook.set_value(codebook[...] * 60)
-    drafter = train_briefly(target, drafter, examples, steps=30)
+    drafter = train_briefly(target, drafter, examples, 30, NEW_TOKENS)
     speculative = SpeculativeGenerator(target, drafter, prefill_len=16, capacity=64)
 
     report, plain_runs, speculative_runs = benchmark(plain, speculative, prompts, NEW_TOKENS)
@@ -79,7 +78,7 @@ def test_exact_tau_equals_the_selector_walks_tau(tmp_path):
 
 
 @pytest.mark.slow  # the toy target's generators, twice (about two minutes on one core)
-def test_evaluate_measures_a_dflash2_export_with_speed_and_benchmarks(sources, hub_cache, tmp_path):
+def test_evaluate_measures_a_dflash2_export_with_speed_and_benchmarks(tmp_path):
     """`evaluate` on a DFlash2 export: exact τ equal to the speculative decoder's, lossless, no DDTree decoder
     or figures; `--benchmark` with `--speed` gives the table without DDTree columns."""
     config = toy_recipe.get_config()
@@ -105,9 +104,11 @@ def test_evaluate_measures_a_dflash2_export_with_speed_and_benchmarks(sources, h
     assert results["trained"]["ddtree_tau"] == {} and results["untrained"]["ddtree_tau"] == {}
     assert sum("DDTree τ: not defined for this drafter" in line for line in lines) == 2
 
-    results = evaluate.run(config, workdir=None, drafter_dir=str(export), benchmarks=[
-        f"humaneval={sources['humaneval']}"], num_prompts=2, max_new_tokens=6, budgets=(4,), speed=True,
-        log=lines.append)
+    humaneval = tmp_path / "humaneval.jsonl"  # the column HumanEval's prompts are made of
+    humaneval.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    \"\"\"Return x + {i}.\"\"\"\n"}) + "\n"
+                                 for i in range(2)))
+    results = evaluate.run(config, workdir=None, drafter_dir=str(export), benchmarks=[f"humaneval={humaneval}"],
+                           num_prompts=2, max_new_tokens=6, budgets=(4,), speed=True, log=lines.append)
     score = results["benchmarks"]["humaneval"]
     assert score["speed"]["outputs_differing_from_plain"] == 0
     assert score["speed"]["tau"] == pytest.approx(score["tau"])

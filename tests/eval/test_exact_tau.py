@@ -6,7 +6,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -16,10 +15,9 @@ from dflash_jax.eval.exact_tau import (DraftScorer, Example, _score, evaluate_dr
 from dflash_jax.commands.evaluate import placed
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
 from dflash_jax.models.drafter import Drafter
-from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, block_token_ids
 from dflash_jax.sharding import make_mesh, replicated
 from dflash_jax.weights.targets import load_target
-from tests.eval_fixtures import BLOCK, VOCAB, drafter_config
+from tests.eval_fixtures import BLOCK, VOCAB, drafter_config, target_and_greedy_examples, train_briefly
 from tests.hf_fixtures import qwen3_config, save_qwen3
 
 NEW_TOKENS = 28
@@ -88,55 +86,11 @@ def test_examples_need_a_prompt_and_a_continuation():
     assert walk(lambda p: 5, start=4, end=5) == []  # a one-token continuation needs no verification
 
 
-def train_briefly(target, drafter: Drafter, examples: list[Example], steps: int) -> Drafter:
-    """A few Adam steps of block cross-entropy on the examples' continuations (stride-1 anchors), enough
-    for partly right drafts. Deliberately independent of the train package."""
-    config = drafter.config
-    length = 48
-    grid = AnchorGrid(length, 1, BLOCK)
-    texts = np.stack([np.pad(np.concatenate([e.prompt_ids, e.continuation_ids]), (0, length))[:length]
-                      for e in examples]).astype(np.int32)
-    starts = np.asarray([len(e.prompt_ids) for e in examples])[:, None, None]
-    ends = starts + NEW_TOKENS
-    positions = jnp.broadcast_to(jnp.arange(length), texts.shape)
-    segments = jnp.ones(texts.shape, jnp.int32)
-    features = target(jnp.asarray(texts), positions, segments, config.target_layer_ids).features
-    features = features.reshape(len(texts), length, -1)
-    embeds = target.embed(block_token_ids(texts, grid.anchors, BLOCK, config.mask_token_id))
-    inputs = DrafterInputs.from_rows(grid, positions, segments)
-    slot_index = grid.anchors[:, None] + np.arange(BLOCK)[None, :]
-    labels = jnp.asarray(texts[:, np.minimum(slot_index, length - 1)])
-    weights = ((grid.anchors[None, :, None] >= starts) & (slot_index[None] < ends) & (slot_index[None] > grid.anchors[
-        None, :, None])).astype(np.float32)
-    lm_head = target.lm_head_kernel()
-    optimizer = nnx.Optimizer(drafter, optax.adam(3e-3), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(drafter, optimizer):
-        def loss_fn(model):
-            hidden, _ = model(features, embeds, inputs)
-            logits = hidden.reshape(len(texts), length, BLOCK, -1) @ lm_head
-            return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, labels) * weights) / weights.sum()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(drafter)
-        optimizer.update(drafter, grads)
-        return loss
-
-    for _ in range(steps):
-        step(drafter, optimizer)
-    return drafter
-
-
 def test_exact_tau_equals_the_generators_tau(tmp_path):
     """One test (one training run, whichever xdist worker gets it): a briefly trained drafter whose drafts
     are partly accepted, the KV-cached generators, and the exact-τ forward over the same greedy texts."""
-    save_qwen3(tmp_path, qwen3_config(vocab_size=VOCAB), seed=5)
-    target = load_target(tmp_path, param_dtype=jnp.float32)[0]
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in rng.integers(3, 13, 8)]
-    plain = SpeculativeGenerator(target, None, prefill_len=16, capacity=64)
-    examples = [Example(p, plain.generate(p, NEW_TOKENS).tokens) for p in prompts]
-    drafter = train_briefly(target, Drafter(drafter_config(), rngs=nnx.Rngs(0)), examples, steps=30)
+    target, plain, prompts, examples = target_and_greedy_examples(tmp_path, NEW_TOKENS)
+    drafter = train_briefly(target, Drafter(drafter_config(), rngs=nnx.Rngs(0)), examples, 30, NEW_TOKENS)
     speculative = SpeculativeGenerator(target, drafter, prefill_len=16, capacity=64)
     scorer = DraftScorer(target, drafter, top_k=8)
 
