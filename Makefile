@@ -53,7 +53,8 @@ clean:
 # `vllm serve` command). A rerun starts a fresh run. One CPU device (no simulated mesh): what a laptop has.
 # About eight and a half minutes on 2 CPU cores, enough for the τ target (README; asserted by `make test-slow`).
 # METHOD=dspark|dflash2 (design §18) trains that member of the drafter family instead, in out/toy_run_METHOD
-# with its export in out/toy_drafter_METHOD (bench/RESULTS.md, "Drafter methods side by side").
+# with its export in out/toy_drafter_METHOD (bench/RESULTS.md, "DSpark on the toy target" and "DFlash2 on the
+# toy target").
 DEMO_SUFFIX := $(if $(filter dflash,$(METHOD)),,_$(METHOD))
 DEMO_RUN := out/toy_run$(DEMO_SUFFIX)
 demo: $(VENV)/.base-installed

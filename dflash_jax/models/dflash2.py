@@ -161,12 +161,13 @@ class CandidateSelector(nnx.Module):
         """Greedy decoding of one block per row: hidden [b, D, H] and unary log-probs [b, D, V] of the drafted
         slots, anchor_ids [b] -> drafts [b, D] int32, slot k the best of its top-K candidates after the token
         slot k − 1 took (the anchor's for the first), as vLLM's DFlash2 speculator walks at temperature 0."""
+        candidate_log_probs, candidate_ids = jax.lax.top_k(unary_log_probs, self.top_k)  # every slot's at once
+
         def step(previous, slot):
-            hidden_k, log_probs_k = slot
-            candidate_log_probs, candidate_ids = jax.lax.top_k(log_probs_k, self.top_k)
-            token = self.best(hidden_k, previous, candidate_ids, candidate_log_probs)
+            hidden_k, ids_k, log_probs_k = slot
+            token = self.best(hidden_k, previous, ids_k, log_probs_k)
             return token, token
 
-        slots = (jnp.swapaxes(hidden, 0, 1), jnp.swapaxes(unary_log_probs, 0, 1))
+        slots = tuple(jnp.swapaxes(x, 0, 1) for x in (hidden, candidate_ids, candidate_log_probs))
         _, drafts = jax.lax.scan(step, anchor_ids.astype(jnp.int32), slots)
         return jnp.swapaxes(drafts, 0, 1)

@@ -150,11 +150,13 @@ class DrafterConfig:
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weights every block token is multiplied by in the decoder layers (q/k/v/o and the MLP; not fc),
-        for FLOP counts."""
-        return self.num_hidden_layers * decoder_layer_params(self.hidden_size, self.num_attention_heads,
-                                                             self.num_key_value_heads, self.head_dim,
-                                                             self.intermediate_size)
+        """Weights every block token is multiplied by in the decoder layers (q/k/v/o, the MLP and DFlash2's two
+        kernel projections [H, 2·K·G]; not fc), for FLOP counts."""
+        projections = 2 * self.hidden_size * 2 * self.conv_kernel_size * (
+            self.hidden_size // self.conv_group_size if self.conv_group_size else 0)
+        return self.num_hidden_layers * (projections + decoder_layer_params(
+            self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim,
+            self.intermediate_size))
 
     @property
     def draft_length(self) -> int:

@@ -14,8 +14,8 @@ from flax import nnx
 
 from dflash_jax.models.dflash2 import block_convolution, training_candidates
 from dflash_jax.models.drafter import DecodeStep, Drafter
-from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs
-from tests.drafter_fixtures import BLOCK, FULL, HIDDEN, SEQ_LEN, SLIDING, VOCAB, make_config, packed_rows
+from dflash_jax.ops.anchors import AnchorGrid
+from tests.drafter_fixtures import BLOCK, FULL, HIDDEN, SEQ_LEN, SLIDING, VOCAB, forward, make_config, packed_rows
 
 DFLASH2 = dict(method="dflash2", conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=5)
 
@@ -68,13 +68,14 @@ def test_dflash2_drafter_equals_dflash_at_initialisation():
     features, _, positions, segments = packed_rows(0, len(dflash_config.target_layer_ids))
     grid = AnchorGrid(SEQ_LEN, 2, BLOCK)
     embeds = jnp.asarray(np.random.default_rng(1).standard_normal((2, grid.num_queries, HIDDEN)), jnp.float32)
-    inputs = DrafterInputs.from_rows(grid, positions, segments)
-    hidden = [d(jnp.asarray(features), embeds, inputs)[0] for d in (dflash, dflash2)]
+    hidden = [forward(d, jnp.asarray(features), embeds, positions, segments, grid) for d in (dflash, dflash2)]
     np.testing.assert_array_equal(hidden[1], hidden[0])
 
-    step = DecodeStep(jnp.int32(0), jnp.int32(10))
-    decoded = [d(jnp.asarray(features[:1, :12]), embeds[:1, :BLOCK], step, d.init_cache(1, 16))[0]
-               for d in (dflash, dflash2)]
+    @nnx.jit
+    def decode(drafter, features, embeds):
+        return drafter(features, embeds, DecodeStep(jnp.int32(0), jnp.int32(10)), drafter.init_cache(1, 16))[0]
+
+    decoded = [decode(d, jnp.asarray(features[:1, :12]), embeds[:1, :BLOCK]) for d in (dflash, dflash2)]
     np.testing.assert_array_equal(decoded[1], decoded[0])
 
 

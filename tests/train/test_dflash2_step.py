@@ -21,6 +21,7 @@ from dflash_jax.train.loss import lm_head_cross_entropy
 from dflash_jax.train.selector import selector_cross_entropy
 from dflash_jax.weights.drafter_files import restore_drafter
 from tests.command import dflash_jax
+from tests.train_fixtures import make_target, mesh_of, one_step, tiny_config, write_corpus
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS, HIDDEN, VOCAB, RANK, TOP_K = 11, 16, 60, 4, 5
@@ -76,6 +77,27 @@ def test_selector_loss_through_the_fused_pass_matches_a_dense_reference(distribu
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
         assert np.abs(want).max() > 0
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+# slow: six steps compiled, two on an 8-device mesh (about 40 s on one core)
+@pytest.mark.slow
+def test_dflash2_step_on_a_mesh_and_in_micro_batches_matches_one_device(tmp_path):
+    """The convolutions' and the selector's weights laid out by the rule table (codebooks over the vocabulary on
+    `tensor`) and the selector's loss in micro-batches: the same losses and gradient norms as one device."""
+    files = make_target(tmp_path / "target"), write_corpus(tmp_path / "train.jsonl")
+    dflash2 = {"drafter.method": "dflash2", "drafter.conv_group_size": 8, "drafter.selector_rank": 16,
+               "drafter.selector_top_k": 8}
+    single = one_step(tiny_config(*files, **dflash2), mesh_of())
+    sharded = one_step(tiny_config(*files, **dflash2, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),
+                       mesh_of(data=2, fsdp=2, tensor=2))
+    accumulated = one_step(tiny_config(*files, **dflash2, grad_accum_steps=2), mesh_of())
+    for one, *others in zip(single, sharded, accumulated):
+        assert one["selector_loss"] > 0
+        for other in others:
+            np.testing.assert_array_equal(other["slot_correct"], one["slot_correct"])
+            np.testing.assert_allclose(other["loss"], one["loss"], rtol=1e-5)
+            np.testing.assert_allclose(other["selector_loss"], one["selector_loss"], rtol=1e-5)
+            np.testing.assert_allclose(other["grad_norm"], one["grad_norm"], rtol=1e-4)
 
 
 TOY_ARGS = ["--config", str(REPO / "configs" / "toy.py"), "--config.data.batch_size=2", "--config.log_every=1",

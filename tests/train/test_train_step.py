@@ -14,7 +14,8 @@ from dflash_jax.ops.mask import position_mask
 from dflash_jax.train import flops
 from dflash_jax.train.optimizer import learning_rate_schedule
 from dflash_jax.train.step import put_batch
-from tests.train_fixtures import build, loop_dpace, make_qwen3_5_target, make_target, mesh_of, tiny_config, write_corpus
+from tests.train_fixtures import (build, loop_dpace, make_qwen3_5_target, make_target, mesh_of, one_step, tiny_config,
+                                  write_corpus)
 
 
 @pytest.fixture(scope="module")
@@ -133,15 +134,6 @@ def test_noise_never_touches_labels_and_only_the_drafter_trains(files):
     unchanged = [jax.tree_util.keystr(path) for (path, old), new in zip(before, after) if np.array_equal(old, new)]
     assert not unchanged, f"drafter parameters that never moved: {unchanged}"
     assert int(state.step) == 4
-
-
-def one_step(config, mesh, steps: int = 2):
-    setup = build(config, mesh)
-    state, history = setup.state, []
-    for _ in range(steps):
-        state, metrics = setup.step.train_step(state, setup.target_state, put_batch(next(setup.loader), mesh))
-        history.append(to_numpy(metrics))
-    return history
 
 
 # Muon orthogonalises in fp32 here: in bfloat16 the sharded products round differently from the unsharded ones.
