@@ -124,7 +124,9 @@ def expert_parallel_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array,
     `expert_axes`. Rows are replicated over an expert axis that does not split them (the tensor axis: the
     dispatch then costs one all-reduce of the output, as a tensor-parallel MLP's); rows split over an expert
     axis are first gathered over it and their sums scattered back. Exact: every assignment is computed once,
-    by the device holding its expert, with no capacity limit. `tiled` as in `grouped_swiglu`."""
+    by the device holding its expert, with no capacity limit. With no expert axes (the experts whole on every
+    device) each device dispatches its own rows to all experts: left to the partitioner, the sort of the whole
+    batch's assignments would gather every device's rows. `tiled` as in `grouped_swiglu`."""
     row_spec = logical_spec(x.shape, ROWS_EMBED, dict(mesh.shape))
     row_axes = row_spec[0] if isinstance(row_spec[0], tuple) else (row_spec[0],)
     gathered = tuple(axis for axis in expert_axes if axis in row_axes)
@@ -134,7 +136,7 @@ def expert_parallel_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array,
     def local(x, experts, weights, gate, up, down):
         if gathered:
             x, experts, weights = (jax.lax.all_gather(a, gathered, axis=0, tiled=True) for a in (x, experts, weights))
-        first = jax.lax.axis_index(expert_axes) * gate.shape[0]  # this device's first expert
+        first = jax.lax.axis_index(expert_axes) * gate.shape[0] if expert_axes else 0  # this device's first expert
         out = grouped_swiglu(x.reshape(-1, hidden_size), (experts - first).reshape(-1, top_k),
                              weights.reshape(-1, top_k), gate, up, down, tiled=tiled).reshape(x.shape)
         if summed:
@@ -143,7 +145,7 @@ def expert_parallel_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array,
             out = jax.lax.psum_scatter(out, gathered, scatter_dimension=0, tiled=True)
         return out
 
-    expert_spec = PartitionSpec(expert_axes)
+    expert_spec = PartitionSpec(expert_axes or None)
     # check_vma off: the CPU dispatch's loop carries a buffer created inside, which the varying-axes check
     # would otherwise require to be cast to every mesh axis.
     return jax.shard_map(local, mesh=mesh, in_specs=(row_spec, row_spec, row_spec, expert_spec, expert_spec,
@@ -193,10 +195,10 @@ class Experts(nnx.Module):
         """x [b, T, H]; experts, weights [b, T, k] (`route`)."""
         gate, up, down = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
         mesh = jax.sharding.get_abstract_mesh()
-        split = None if mesh.empty else logical_spec(gate.shape, EXPERT_IN, dict(mesh.shape))[0]
-        if split is not None:
+        if not mesh.empty:  # each device dispatches its own rows (a global sort would gather the whole batch)
+            split = logical_spec(gate.shape, EXPERT_IN, dict(mesh.shape))[0]
             return expert_parallel_swiglu(x, experts, weights, gate, up, down, mesh,
-                                          (split,) if isinstance(split, str) else split)
+                                          () if split is None else (split,) if isinstance(split, str) else split)
         rows = grouped_swiglu(x.reshape(-1, x.shape[-1]), experts.reshape(-1, experts.shape[-1]),
                               weights.reshape(-1, weights.shape[-1]), gate, up, down)
         return rows.reshape(x.shape)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.sharding import ROWS, ROWS_EMBED, ROWS_VOCAB, constrain
+from dflash_jax.sharding import LM_HEAD, ROWS, ROWS_EMBED, ROWS_VOCAB, constrain
 
 
 def fp32_logits(hidden: jax.Array, lm_head_kernel: jax.Array) -> jax.Array:
@@ -42,18 +42,21 @@ def greedy_labels(hidden: jax.Array, lm_head_kernel: jax.Array, vocab_chunk: int
         return (jnp.where(better, local_value, best_value),
                 jnp.where(better, local_index.astype(jnp.int32) + offset, best_index))
 
-    def logits_of(start, size):
-        block = jax.lax.dynamic_slice_in_dim(kernel, start, size, axis=1)
+    def logits_of(block):
         return constrain(jnp.dot(hidden, block.astype(hidden.dtype), preferred_element_type=jnp.float32), ROWS_VOCAB)
 
-    def body(carry, i):
-        offset = i * chunk
-        return best_in(logits_of(offset, chunk), offset, *carry), None
+    def body(carry, block_and_offset):
+        block, offset = block_and_offset
+        return best_in(logits_of(block), offset, *carry), None
 
+    # The chunks as [n, H, chunk], each split over `tensor` as the whole head is: the loop takes its n-th chunk
+    # where it lies. Slicing the vocabulary axis at a traced offset would gather the whole head on every trip.
+    blocks = kernel[:, :num_full * chunk].reshape(kernel.shape[0], num_full, chunk).transpose(1, 0, 2)
+    blocks = constrain(blocks, (None, *LM_HEAD))
     init = (jnp.full(hidden.shape[:-1], -jnp.inf, jnp.float32), jnp.zeros(hidden.shape[:-1], jnp.int32))
-    (best_value, best_index), _ = jax.lax.scan(body, init, jnp.arange(num_full, dtype=jnp.int32))
-    remainder = vocab - num_full * chunk
-    if remainder:
-        offset = num_full * chunk
-        best_value, best_index = best_in(logits_of(offset, remainder), offset, best_value, best_index)
+    offsets = jnp.arange(num_full, dtype=jnp.int32) * chunk
+    (best_value, best_index), _ = jax.lax.scan(body, init, (blocks, offsets))
+    if vocab > num_full * chunk:  # the last, shorter chunk
+        best_value, best_index = best_in(logits_of(kernel[:, num_full * chunk:]), num_full * chunk, best_value,
+                                         best_index)
     return constrain(best_index, ROWS)
