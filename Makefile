@@ -48,7 +48,7 @@ test-tpu-plan: $(VENV)/.installed $(LIBTPU_DIR)/.installed
 # Deviceless GPU compiles of a 27B-shaped train step (tests marked gpu_plan; about a minute), and what
 # `dflash-jax plan --topology gpu:...` compiles with when it is on PYTHONPATH (JAX_PLATFORMS=cpu: no driver is
 # needed): the CUDA plugin, its PJRT runtime and cuDNN (which cuDNN attention is traced with), pinned by
-# launch/constraints.txt, in a directory of their own (1.3 GB) that the CPU suite never loads.
+# launch/constraints.txt, in a directory of their own (1.6 GB) that the CPU suite never loads.
 CUDAPLAN_DIR := .cudaplan
 $(CUDAPLAN_DIR)/.installed: launch/constraints.txt
 	$(PY) -m pip install -q --no-deps --target $(CUDAPLAN_DIR) -c launch/constraints.txt \

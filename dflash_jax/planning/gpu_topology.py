@@ -23,9 +23,11 @@ INSTALL = "make .cudaplan/.installed, then run with PYTHONPATH=.cudaplan JAX_PLA
 
 def target_description(chip: Chip) -> str:
     """`chip` as XLA's GPU compiler reads a GPU it does not have: a stream_executor.GpuTargetConfigProto in text
-    form. The tensor cores' clock is the one at which `chip.bf16_flops` is reached (the compiler's cost model
-    weighs a fusion's FLOPs and bytes by it); the per-block limits below are CUDA's for every architecture
-    since compute capability 3.0."""
+    form. A compile fails without the warp size, the grid's x limit, the shared memory a block may opt in to or
+    the compute capability; the other fields steer its heuristics (tiling and fusion by SMs, clock and bandwidth,
+    the scheduler's memory limit), so they are given too. The tensor cores' clock is the one at which
+    `chip.bf16_flops` is reached; the per-block limits are CUDA's for every architecture since compute
+    capability 3.0."""
     gpu = chip.gpu
     major, minor = gpu.compute_capability
     # Dense bf16 multiply-adds an SM's tensor cores do a clock: 1024 on Ampere, twice that on Hopper.
