@@ -9,7 +9,7 @@ SPEC_VENV := .venv-speculators
 SPEC_PY := $(SPEC_VENV)/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: venv test test-slow test-tpu-plan demo clean
+.PHONY: venv test test-slow test-tpu-plan test-gpu-plan demo clean
 
 # The package alone (what `make demo` needs), then the test extras (torch for the PyTorch references, pytest).
 $(VENV)/.base-installed: pyproject.toml
@@ -25,7 +25,7 @@ $(VENV)/.installed: $(VENV)/.base-installed
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 -m "not slow and not tpu_plan" --durations=25 tests
+	$(PY) -m pytest -q -n 2 -m "not slow and not tpu_plan and not gpu_plan" --durations=25 tests
 
 # Two workers, each taking whole files (a file's fixtures, the demo's run among them, are built once). The demo's
 # run is kept in out/demo_test for `make test-vllm TOY_RUN=out/demo_test/run` (.ci/run), which serves its drafter.
@@ -45,8 +45,21 @@ $(LIBTPU_DIR)/.installed: launch/constraints.txt
 test-tpu-plan: $(VENV)/.installed $(LIBTPU_DIR)/.installed
 	JAX_PLATFORMS=cpu PYTHONPATH=$(LIBTPU_DIR) $(PY) -m pytest -q -m tpu_plan tests
 
+# Deviceless GPU compiles of a 27B-shaped train step (tests marked gpu_plan; about a minute), and what
+# `dflash-jax plan --topology gpu:...` compiles with when it is on PYTHONPATH (JAX_PLATFORMS=cpu: no driver is
+# needed): the CUDA plugin, its PJRT runtime and cuDNN (which cuDNN attention is traced with), pinned by
+# launch/constraints.txt, in a directory of their own (1.6 GB) that the CPU suite never loads.
+CUDAPLAN_DIR := .cudaplan
+$(CUDAPLAN_DIR)/.installed: launch/constraints.txt
+	$(PY) -m pip install -q --no-deps --target $(CUDAPLAN_DIR) -c launch/constraints.txt \
+		jax-cuda12-plugin jax-cuda12-pjrt nvidia-cudnn-cu12
+	touch $@
+
+test-gpu-plan: $(VENV)/.installed $(CUDAPLAN_DIR)/.installed
+	JAX_PLATFORMS=cpu PYTHONPATH=$(CUDAPLAN_DIR) $(PY) -m pytest -q -m gpu_plan tests
+
 clean:
-	rm -rf $(VENV) $(LIBTPU_DIR) out
+	rm -rf $(VENV) $(LIBTPU_DIR) $(CUDAPLAN_DIR) out
 
 # The whole job on the bundled toy target: train a drafter (progress bar), print exact and DDTree τ of the
 # trained and the untrained drafter on the held-out prompts, export it for vLLM (the export prints the

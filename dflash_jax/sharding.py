@@ -134,14 +134,16 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, dcn_
     if int(np.prod(sizes)) != per_slice:
         raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
                          f"{int(np.prod(sizes))} devices per slice, found {per_slice}")
-    simulated = not hasattr(devices[0], "slice_index") and len({d.process_index for d in devices}) == 1
+    # TPU granules are slices; GPU devices may carry a slice index too (all 0), but their granules are hosts.
+    by_slice = devices[0].platform == "tpu"
+    simulated = not by_slice and len({d.process_index for d in devices}) == 1
     if dcn_data == 1:
         placed = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
     elif simulated:
         placed = np.array(devices).reshape(dcn_data * sizes[0], *sizes[1:])
     else:
         placed = mesh_utils.create_hybrid_device_mesh(
-            sizes, (dcn_data, 1, 1), devices, process_is_granule=not hasattr(devices[0], "slice_index"),
+            sizes, (dcn_data, 1, 1), devices, process_is_granule=not by_slice,
             allow_split_physical_axes=True)
     return Mesh(placed, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 

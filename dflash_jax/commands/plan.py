@@ -23,8 +23,9 @@ from dflash_jax.train import validate
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _CONFIG = cli.define_config_flag(FLAGS)
 _TOPOLOGY = flags.DEFINE_string("topology", None, "A TPU slice (v5p-64, v6e-64, v5p:2x4x4; needs libtpu), a GPU "
-                                "cluster gpu:H200x8x4 (chip x GPUs per host x hosts; simulated devices) or cpu:N "
-                                "(N simulated CPU devices); default: this host's devices.", flag_values=FLAGS)
+                                "cluster gpu:H200x8x4 (chip x GPUs per host x hosts; XLA's GPU compiler where the "
+                                "CUDA plugin is installed, else simulated CPU devices) or cpu:N (N simulated CPU "
+                                "devices); default: this host's devices.", flag_values=FLAGS)
 _MESH = flags.DEFINE_string("mesh", None, "Mesh sizes, e.g. data=1,fsdp=32,tensor=1 (default: config.mesh).",
                             flag_values=FLAGS)
 _HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Memory budget per device in GiB (default: config.hbm_gib, else "
@@ -67,7 +68,8 @@ def main() -> None:
     target_config = target_architecture(config, config_flags.get_config_filename(FLAGS["config"]))
     devices = topology_devices(_TOPOLOGY.value)
     cluster = gpu_cluster(_TOPOLOGY.value)
-    chip, per_host = (cluster.chip, cluster.per_host) if cluster else (None, None)
+    chip = cluster.chip if cluster else None
+    per_host = cluster.per_host if cluster and devices[0].platform == "cpu" else None  # simulated hosts
     epoch_tokens = None if _EPOCH_TOKENS.value is None else int(_EPOCH_TOKENS.value)
     if _COMPARE.value:
         granules = cluster.hosts if cluster else len({granule_of(d) for d in devices})

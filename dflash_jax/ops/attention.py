@@ -16,7 +16,8 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.ops.backends import compile_platform
+from dflash_jax.ops.backends import compile_device, compile_platform
+from dflash_jax.planning.chips import chip_of_kind
 
 log = logging.getLogger(__name__)
 
@@ -99,18 +100,24 @@ def cudnn_unsupported(q: jax.Array, k: jax.Array) -> str | None:
     """Why cuDNN's flash attention cannot take these operands ([B, T, H, D]), or None: it needs a GPU, bf16/fp16,
     a head dim that is a multiple of 8 and at most 256 from Hopper on (128 before), and an even length when a
     mask rides along (jax/_src/cudnn/fused_attention_stablehlo.py `check_is_flash_attention`)."""
-    device = jax.devices()[0]
+    device = compile_device()
     if device.platform != "gpu":
         return f"no GPU ({device.platform})"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {q.dtype} (cuDNN takes bfloat16 or float16)"
-    capability = float(getattr(device, "compute_capability", "0"))
+    capability = float(getattr(device, "compute_capability", None) or _planned_capability(device.device_kind))
     head_limit = 256 if capability >= 9.0 else 128
     if q.shape[-1] % 8 or q.shape[-1] > head_limit:
         return f"head dim {q.shape[-1]} (a multiple of 8, at most {head_limit} on compute capability {capability})"
     if q.shape[1] % 2:
         return f"odd length {q.shape[1]}"
     return None
+
+
+def _planned_capability(device_kind: str) -> str:
+    """The compute capability of a GPU planned for without one (its abstract device carries only its kind)."""
+    chip = chip_of_kind(device_kind)
+    return "0" if chip is None or chip.gpu is None else "%d.%d" % chip.gpu.compute_capability
 
 
 def causal_attention_fused(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, scale: float,

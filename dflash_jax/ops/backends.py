@@ -27,9 +27,15 @@ def resolve_attention_impl(name: str, platform: str | None = None) -> str:
     return name
 
 
-def compile_platform() -> str:
-    """The platform of the computation being traced: the mesh's in the trace context (the ahead-of-time plan
-    compiles for TPUs from a CPU host), else JAX's default backend."""
+def compile_device():
+    """The device the computation being traced is compiled for: one of this process's devices, unless the mesh
+    in the trace context is another platform's (the ahead-of-time plan compiles for TPUs or GPUs from a CPU
+    host), whose abstract device (platform, device_kind) then stands for it."""
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else mesh.abstract_device
-    return jax.default_backend() if device is None else device.platform
+    return jax.devices()[0] if device is None or device.platform == jax.default_backend() else device
+
+
+def compile_platform() -> str:
+    """The platform of the computation being traced (`compile_device`): "cpu", "gpu" or "tpu"."""
+    return compile_device().platform

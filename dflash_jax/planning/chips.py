@@ -7,6 +7,10 @@ Link bandwidths are what one device can send at once in a collective, derived fr
 - TPU DCN: the host's NICs shared by its chips.
 - NVLink: half the bidirectional per-GPU figure (NVSwitch connects every pair of GPUs of a host at it).
 - GPU network: one NIC per GPU (400 Gb/s ConnectX-7 in DGX/HGX H100 and H200 systems, 200 Gb/s in DGX A100).
+
+A GPU's `GpuSpec` is what XLA's GPU compiler is told of it to compile for it without one (planning/gpu_topology.py):
+its streaming multiprocessors (SMs) and their limits, from NVIDIA's architecture whitepapers and the CUDA
+programming guide's table of compute capabilities.
 """
 
 from __future__ import annotations
@@ -14,6 +18,26 @@ from __future__ import annotations
 from typing import NamedTuple
 
 GB = 1e9
+KIB, MIB = 2**10, 2**20
+
+
+class GpuSpec(NamedTuple):
+    compute_capability: tuple[int, int]
+    sms: int
+    l2_bytes: int
+    shared_memory_per_sm: int  # bytes
+    shared_memory_per_block: int  # bytes, the most one block may opt in to
+    registers_per_sm: int  # 32-bit registers, which one block may also use all of
+    threads_per_sm: int
+    fp32_units_per_sm: int
+
+
+# Hopper (H100 and H200, compute capability 9.0): 132 SMs in the SXM parts, each with 228 KB of shared memory
+# (227 KB for one block), 64 K registers, 2048 threads and 128 FP32 units; 50 MB of L2.
+HOPPER_SXM = GpuSpec((9, 0), 132, 50 * MIB, 228 * KIB, 227 * KIB, 65536, 2048, 128)
+# A100 SXM (compute capability 8.0): 108 SMs, each with 164 KB of shared memory (163 KB for one block), 64 K
+# registers, 2048 threads and 64 FP32 units; 40 MB of L2.
+AMPERE_A100 = GpuSpec((8, 0), 108, 40 * MIB, 164 * KIB, 163 * KIB, 65536, 2048, 64)
 
 
 class Chip(NamedTuple):
@@ -27,6 +51,7 @@ class Chip(NamedTuple):
     remote_link: str  # the link between slices or hosts
     remote_bandwidth: float
     source: str
+    gpu: GpuSpec | None = None  # a GPU's description for its compiler
 
 
 CHIPS = (
@@ -45,14 +70,14 @@ CHIPS = (
     # H200 SXM: 989 TFLOP/s dense bf16 (1979 with sparsity), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s
     # bidirectional.
     Chip("H200", ("h200",), 989e12, 141e9, 4800 * GB, "nvlink", 900 * GB / 2, "network", 400e9 / 8,
-         "https://www.nvidia.com/en-us/data-center/h200/"),
+         "https://www.nvidia.com/en-us/data-center/h200/", HOPPER_SXM),
     # H100 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional.
     Chip("H100", ("h100",), 989e12, 80e9, 3350 * GB, "nvlink", 900 * GB / 2, "network", 400e9 / 8,
-         "https://www.nvidia.com/en-us/data-center/h100/"),
+         "https://www.nvidia.com/en-us/data-center/h100/", HOPPER_SXM),
     # A100 SXM 80GB: 312 TFLOP/s dense bf16, 80 GB HBM2e at 2039 GB/s, NVLink 600 GB/s bidirectional; one
     # 200 Gb/s HDR NIC per GPU (DGX A100).
     Chip("A100", ("a100",), 312e12, 80e9, 2039 * GB, "nvlink", 600 * GB / 2, "network", 200e9 / 8,
-         "https://www.nvidia.com/en-us/data-center/a100/"),
+         "https://www.nvidia.com/en-us/data-center/a100/", AMPERE_A100),
 )
 
 

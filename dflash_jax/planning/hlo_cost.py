@@ -7,17 +7,19 @@ and does not split communication by kind or by the mesh axes it crosses; both de
 - Loops: a computation runs (sum over its callers) caller's count x the while loop's trip count: XLA's
   `known_trip_count` annotation, else the `index < N` of its condition (TPU programs carry no annotation); a
   loop with neither counts once and is reported in `unknown_loops`.
-- FLOPs: 2 x output elements x contracted size for each `dot`; for a `convolution` (TPU lowers many dots to
+- FLOPs: 2 x output elements x contracted size for each `dot` (on GPU inside Triton gemm fusions, or a cuBLAS
+  gemm custom call where the compiler chose one); for a `convolution` (TPU lowers many dots to
   one), 2 x output elements x the kernel's input features x the window positions that meet a real input
   element (padding and dilation holes excluded, as HloCostAnalysis counts them). Elementwise
-  work and custom calls (Pallas kernels such as splash attention) are not counted; `custom_calls` says how many
-  ran.
+  work and other custom calls (Pallas kernels such as splash attention, cuDNN attention) are not counted;
+  `custom_calls` says how many ran.
 - HBM bytes: operands plus outputs of every instruction outside fusion bodies (what a fusion reads and writes
   reaches memory; its insides do not), dynamic slices and in-place updates counting only the slice, the same
   approximation as XLA's "bytes accessed".
 - Collectives, per device, for a group of n devices (ring algorithms, the bytes each device sends): all-gather
   (n-1) x its operand; reduce-scatter and all-to-all (n-1)/n of the operand; all-reduce 2 (n-1)/n (a
-  reduce-scatter then an all-gather); collective-permute its operand. Each is keyed by the mesh axes its groups
+  reduce-scatter then an all-gather); collective-permute its operand. GPU's asynchronous collectives are counted
+  at their `-start`. Each is keyed by the mesh axes its groups
   span and by whether a group leaves a granule (a TPU slice, a GPU host): the link it crosses.
 """
 
@@ -37,12 +39,15 @@ _ITEM_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1,
 # Instructions that move no data of their own (aliases, control flow whose bodies are counted, markers).
 _NO_TRAFFIC = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional",
                "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "async-start", "async-update",
-               "async-done", "all-gather-done", "all-reduce-done", "collective-permute-done", "copy-done",
+               "async-done", "all-gather-done", "all-reduce-done", "collective-permute-done", "reduce-scatter-done",
+               "all-to-all-done", "copy-done",
                "send-done", "recv-done", "add-dependency", "domain"}
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|c64|c128)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY )?%(\S+) ")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CUBLAS_GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)"')
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 
 
 class Collective(NamedTuple):
@@ -227,13 +232,21 @@ def _multiplicities(computations: dict[str, list[_Instruction]], entry: str) -> 
                                       if i.opcode == "while" and _trip_count(i, computations, defined) is None)
 
 
+def _is_matmul(instruction: _Instruction) -> bool:
+    return instruction.opcode in ("dot", "convolution") or (
+        instruction.opcode == "custom-call" and _CUBLAS_GEMM.search(instruction.attributes) is not None)
+
+
 def _dot_flops(instruction: _Instruction, shapes: dict[str, str]) -> float:
-    outputs = math.prod(_dims(instruction.shape))
-    if instruction.opcode == "dot":
+    outputs = math.prod(_dims(instruction.shape))  # a cuBLAS gemm's first array: its result, then its workspace
+    if instruction.opcode != "convolution":
         lhs = _dims(shapes[instruction.operands[0]])
-        contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", instruction.attributes)
-        contracted = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
-        return 2.0 * outputs * contracted
+        if instruction.opcode == "dot":
+            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", instruction.attributes)
+        else:
+            contracting = _GEMM_CONTRACTING.search(instruction.attributes)
+        dims = re.findall(r"\d+", contracting.group(1)) if contracting else []
+        return 2.0 * outputs * math.prod(lhs[int(d)] for d in dims)
     return 2.0 * outputs * _convolution_products(instruction, shapes)
 
 
@@ -300,6 +313,9 @@ def _traffic(instruction: _Instruction, shapes: dict[str, str], computations: di
     """HBM bytes an instruction outside fusion bodies reads and writes: its operands and output, except that a
     dynamic slice reads only the slice, and a dynamic update (alone or as a fusion's root: the scans' stacked
     outputs) writes its update into the buffer in place, as XLA's cost analysis counts them."""
+    if instruction.opcode.endswith("-start") and instruction.shape.startswith("("):
+        # An asynchronous start (GPU's collectives): its tuple holds the operands it reads and the results it writes.
+        return _array_bytes(instruction.shape)
     root = instruction
     operands = [_array_bytes(shapes.get(operand, "")) for operand in instruction.operands]
     if instruction.opcode == "fusion":
@@ -391,9 +407,10 @@ def hlo_cost(hlo: str, mesh_axes: dict[str, int], granule_of: Callable[[int], in
             continue
         for instruction in instructions:
             opcode = instruction.opcode
-            if opcode in ("dot", "convolution"):
+            matmul = _is_matmul(instruction)
+            if matmul:
                 flops += count * _dot_flops(instruction, shapes)
-            calls += int(count) * (opcode == "custom-call")
+            calls += int(count) * (opcode == "custom-call" and not matmul)
             if name not in fused and opcode not in _NO_TRAFFIC:
                 hbm += count * _traffic(instruction, shapes, computations)
             kind = opcode.removesuffix("-start")

@@ -7,8 +7,9 @@ asks of each resource (design §13):
 
 The command is commands/plan.py; `python -m dflash_jax.plan` is the same command. --topology names a Cloud TPU slice (v5p-64, v6e-64, or
 libtpu's own v5p:2x4x4), compiled by libtpu without any TPU attached (`pip install 'dflash-jax[tpu]'`), a GPU
-cluster gpu:<chip>x<GPUs per host>x<hosts> (gpu:H200x8x4; compiled for that many simulated CPU devices, hosts
-being consecutive blocks of them), or cpu:N for N simulated CPU devices; without it, the devices this host has.
+cluster gpu:<chip>x<GPUs per host>x<hosts> (gpu:H200x8x4; compiled by XLA's GPU compiler without any GPU attached
+where the CUDA plugin is installed, gpu_topology.py, else for that many simulated CPU devices, hosts being
+consecutive blocks of them), or cpu:N for N simulated CPU devices; without it, the devices this host has.
 The roofline (roofline.py) divides the step's FLOPs, HBM bytes and collective bytes on each link (read from the
 compiled HLO with loop bodies times their trip counts: hlo_cost.py) by the chip's published peaks (chips.py).
 The target's architecture is read from config.target_dir's config.json (no weights), or, without a
@@ -31,6 +32,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from dflash_jax.planning.chips import Chip, chip_named, chip_of_kind
+from dflash_jax.planning.gpu_topology import gpu_topology_devices
 from dflash_jax.runtime.errors import ConfigError, UserError
 from dflash_jax.planning.hlo_cost import HloCost, hlo_cost
 from dflash_jax.ops.backends import resolve_attention_impl
@@ -130,6 +132,9 @@ def topology_devices(topology: str | None) -> list:
     if topology is None:
         return jax.devices()
     if (cluster := gpu_cluster(topology)) is not None:
+        devices = gpu_topology_devices(cluster.chip, cluster.per_host, cluster.hosts)
+        if devices is not None:
+            return devices
         topology = f"cpu:{cluster.per_host * cluster.hosts}"
     if topology.startswith("cpu:"):
         count = int(topology.removeprefix("cpu:"))
@@ -215,7 +220,8 @@ def abstract_config(config: ConfigDict) -> ConfigDict:
 def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | None = None, chip: Chip | None = None,
                     devices_per_host: int | None = None, epoch_tokens: int | None = None) -> Plan:
     """Compile the train step of `config` for `mesh` from abstract arrays and measure it (see `Plan`). chip: the
-    accelerator the roofline uses (default: the devices' kind); devices_per_host: for simulated GPU clusters;
+    accelerator the roofline uses (default: the devices' kind); devices_per_host: for GPU clusters simulated on
+    CPU devices (a deviceless GPU topology's devices carry their host);
     epoch_tokens: the corpus's tokens an epoch, which give config.epochs its steps (train/epochs.py)."""
     platform = mesh.devices.flat[0].platform
     attention_impl = resolve_attention_impl(config.attention_impl, platform)
@@ -258,8 +264,12 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
         steps = epochs.steps_for_epochs(config.epochs, epoch_tokens, epochs.tokens_per_step(config))
     line = None if chip is None else roofline(cost, model_flops / mesh.size, chip, tokens, steps)
     deviceless = " deviceless" if platform != jax.default_backend() else ""
-    backend = f"{platform}{deviceless} compiler, {mesh.size} x {kind}" + (
-        f" for {chip.name} ({len(set(granules))} hosts of {devices_per_host})" if devices_per_host else "")
+    hosts = len(set(granules))
+    backend = f"{platform}{deviceless} compiler, {mesh.size} x {kind}"
+    if devices_per_host:
+        backend += f" for {chip.name} ({hosts} hosts of {devices_per_host})"
+    elif platform == "gpu" and hosts > 1:
+        backend += f" ({hosts} hosts of {mesh.size // hosts})"
     return Plan(
         backend=backend, device_kind=kind, mesh=dict(mesh.shape),
         rows_per_device=config.data.batch_size / (mesh.shape["data"] * mesh.shape["fsdp"]),
@@ -273,23 +283,28 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
 
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[([0-9,]*)\]\{[^}]*\} ([\w-]+)\(")
+_FUSION_BODY = re.compile(r" fusion\(.*\bcalls=%([^\s,]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
           "f64": 8, "s64": 8, "u64": 8}
+# Instructions whose result is another's buffer, not an array of its own.
+_ALIASES = ("parameter", "constant", "bitcast", "get-tuple-element")
 
 
 def largest_arrays(hlo: str, count: int = 6) -> list[LargeArray]:
     """The biggest arrays the optimized program materialises (instructions outside fusion bodies, whose
-    insides never reach memory), largest first, each with its op and the JAX operation it came from: the
-    candidates for the compiler's temporaries."""
+    insides never reach memory; GPU's gemm fusions are not named fused_*, so bodies are found by their
+    callers), largest first, each with its op and the JAX operation it came from: the candidates for the
+    compiler's temporaries."""
+    fusion_bodies = set(_FUSION_BODY.findall(hlo))
     found: Counter = Counter()
     in_fusion = False
     for line in hlo.splitlines():
-        if line and not line[0].isspace():  # a computation header; fusion bodies are named fused_*
-            in_fusion = line.lstrip("ENTRY ").startswith("%fused") or "fused_computation" in line.split("(")[0]
+        if line and not line[0].isspace():  # a computation header
+            in_fusion = line.removeprefix("ENTRY ").split(" ")[0].lstrip("%") in fusion_bodies
             continue
         match = None if in_fusion else _INSTRUCTION.match(line)
-        if match is None or match.group(1) not in _BYTES or match.group(3) in ("parameter", "constant"):
+        if match is None or match.group(1) not in _BYTES or match.group(3) in _ALIASES:
             continue
         dtype, shape = match.group(1), tuple(int(d) for d in match.group(2).split(",") if d)
         op_name = _OP_NAME.search(line)
