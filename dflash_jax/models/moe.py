@@ -56,9 +56,10 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
     """sum over k of weights[n, k] * expert_{experts[n, k]}(x[n]), for x [N, H]; gate/up [E, H, I], down [E, I, H].
 
     The N*k assignments are sorted by expert (stable), so each expert's rows are contiguous; then either one
-    `ragged_dot` per projection multiplies every row by its own expert's weights, or (tiled, the default on
-    CPU, where XLA lowers ragged_dot to E dense products over all rows: measured 20x one dense product at
-    E = 16, 90x at E = 64, design §8.5) `_tiled_swiglu` does the same products in expert-pure row tiles. The
+    `ragged_dot` per projection multiplies every row by its own expert's weights (on TPU), or (tiled, the
+    default elsewhere: XLA's CPU and GPU compilers lower ragged_dot to E dense products over all rows, measured
+    20x one dense product at E = 16 and 90x at E = 64 on CPU, 6x the model's FLOPs in a planned 35B-A3B GPU
+    step; design §8.5) `_tiled_swiglu` does the same products in expert-pure row tiles. The
     products return to their tokens by a scatter-add. Both are exact (the same per-row products).
 
     An assignment to an expert id outside [0, E) (an expert held by another device, `expert_parallel_swiglu`)
@@ -71,7 +72,7 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
     token_of_row = order // top_k  # assignment n*k + j belongs to token n
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # others' experts not counted
     rows = x[token_of_row].astype(gate.dtype)
-    if tiled if tiled is not None else compile_platform() == "cpu":
+    if tiled if tiled is not None else compile_platform() != "tpu":
         out = _tiled_swiglu(rows, group_sizes, gate, up, down)
     else:
         hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
