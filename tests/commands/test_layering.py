@@ -30,6 +30,7 @@ FLOORS = {
 EXCEPTIONS = {
     "dflash_jax.train.startup": {"planning"},  # a run plans its step, and may choose its mesh, before it starts
     "dflash_jax.train.flops": {"planning"},  # the chip table's peaks, for MFU
+    "dflash_jax.ops.attention": {"planning"},  # a GPU planned without one: cuDNN's limits from the chip table
 }
 # `python -m dflash_jax.<command>`: shims that only start a command.
 ENTRY_SHIMS = {f"dflash_jax.{name}" for name in ("cli", "evaluate", "regenerate", "export", "convert")} | {

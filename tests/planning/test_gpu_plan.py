@@ -16,7 +16,7 @@ from dflash_jax.planning.gpu_topology import target_description
 from dflash_jax.planning.hlo_cost import Collective, hlo_cost
 from dflash_jax.planning.plan import plan_train_step, topology_devices
 from dflash_jax.train import validate
-from tests.planning.test_plan import _qwen27b
+from tests.planning_fixtures import qwen27b_layers
 
 
 def test_the_compiler_is_told_the_chip_of_the_table():
@@ -93,7 +93,7 @@ def test_deviceless_gpu_plan_of_a_27b_shaped_step_is_the_gpu_program(monkeypatch
     monkeypatch.setattr(layers, "_dot_transposing_narrow_side", cpu_only_backward)
     texts = []
     monkeypatch.setattr(plan_module, "hlo_cost", lambda hlo, *args: texts.append(hlo) or hlo_cost(hlo, *args))
-    config, target_config = _qwen27b(4)
+    config, target_config = qwen27b_layers(4)
     config.drafter.target_layer_ids, config.drafter.num_feature_layers = (0, 1, 2), 3
     config.data.seq_len, config.target_layout = 1024, "fsdp"
     config.mesh.update(data=1, fsdp=8, tensor=1, dcn_data=2)

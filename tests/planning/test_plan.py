@@ -29,7 +29,8 @@ from dflash_jax.planning.roofline import Roofline, format_run
 from dflash_jax.sharding import auto_target_layout, make_mesh
 from dflash_jax.train import epochs, validate
 from dflash_jax.weights.targets import load_target
-from tests.command import REPO, dflash_jax, user_error
+from tests.command import dflash_jax, user_error
+from tests.planning_fixtures import qwen27b_layers
 from tests.train_fixtures import make_target, mesh_of, tiny_config, write_corpus
 
 
@@ -320,15 +321,6 @@ def test_slice_names_map_to_libtpu_topologies():
         slice_topology("v6e-48")
 
 
-def _qwen27b(num_layers: int):
-    spec = importlib.util.spec_from_file_location("qwen27b", REPO / "configs" / "qwen27b.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    full = module.target_config()
-    return module.get_config(), dataclasses.replace(full, num_hidden_layers=num_layers,
-                                                    layer_types=full.layer_types[:num_layers])
-
-
 def _libtpu_or_skip():
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install '.[tpu]'); deviceless TPU compiles need it")
@@ -343,7 +335,7 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the
     all-gathers the target's weights over ICI every step on top of the drafter's, the tensor layout (a whole copy
     per chip at tensor = 1) only the drafter's; nothing crosses DCN on one slice."""
     _libtpu_or_skip()
-    config, target_config = _qwen27b(4)
+    config, target_config = qwen27b_layers(4)
     config.drafter.target_layer_ids = (0, 1, 2)
     config.drafter.num_feature_layers = 3
     config.data.seq_len = 1024
