@@ -31,6 +31,7 @@ def evaluation_greedy(config, drafter: Drafter, texts: np.ndarray) -> np.ndarray
     return np.stack([greedy for greedy, _, _ in scores])
 
 
+@pytest.mark.slow  # the train step's teacher and two scorers of a hybrid target: about 30 s of one core
 def test_evaluation_greedy_labels_equal_the_training_teachers(files):
     target_dir, corpus = files
     # Anchor stride 4 with blocks of 8: every position but the last is some drafted slot's label source.
