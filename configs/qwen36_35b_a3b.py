@@ -14,6 +14,10 @@ no dense MLP width to copy). γ=7 and the schedule are those of `qwen27b.py` (ro
 512 anchors on a stride-8 grid, one row per device, 6 epochs, AdamW 6e-4 with 4% warmup then cosine, b2 0.999,
 D-PACE position weights).
 
+How long (planned, docs/scaling_and_launching.md "MoE targets"): 6 epochs of 1.6 billion tokens take 6.3-9.5 hours
+on v5p-64 (a copy of the target per chip), 10-12 hours on v6e-64 (experts over tensor = 4) and 4.1-5.6 hours on
+4 x 8 H200, if the hardware reaches the roofline's range.
+
     dflash-jax train --config qwen36_35b_a3b --workdir /ckpt/dflash-qwen36-35b-a3b \
         --config.target_dir=/ckpt/Qwen3.6-35B-A3B --config.data.train_files=/data/train.jsonl
 """

@@ -7,10 +7,12 @@ so they agree on near-ties in bf16.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.sharding import LM_HEAD, ROWS, ROWS_EMBED, ROWS_VOCAB, constrain
+from dflash_jax.sharding import LM_HEAD, ROWS, ROWS_EMBED, ROWS_VOCAB, constrain, logical_spec
 
 
 def fp32_logits(hidden: jax.Array, lm_head_kernel: jax.Array) -> jax.Array:
@@ -45,17 +47,27 @@ def greedy_labels(hidden: jax.Array, lm_head_kernel: jax.Array, vocab_chunk: int
     def logits_of(block):
         return constrain(jnp.dot(hidden, block.astype(hidden.dtype), preferred_element_type=jnp.float32), ROWS_VOCAB)
 
-    def body(carry, block_and_offset):
-        block, offset = block_and_offset
-        return best_in(logits_of(block), offset, *carry), None
+    def body(carry, i):
+        return best_in(logits_of(chunk_of(i)), i * chunk, *carry), None
 
-    # The chunks as [n, H, chunk], each split over `tensor` as the whole head is: the loop takes its n-th chunk
-    # where it lies. Slicing the vocabulary axis at a traced offset would gather the whole head on every trip.
-    blocks = kernel[:, :num_full * chunk].reshape(kernel.shape[0], num_full, chunk).transpose(1, 0, 2)
-    blocks = constrain(blocks, (None, *LM_HEAD))
+    mesh = jax.sharding.get_abstract_mesh()
+    vocab_axes = None if mesh.empty else logical_spec(kernel.shape, LM_HEAD, dict(mesh.shape))[1]
+    vocab_axes = (vocab_axes,) if isinstance(vocab_axes, str) else vocab_axes or ()
+    if math.prod(mesh.shape[axis] for axis in vocab_axes) > 1:
+        # The vocabulary is split over `tensor`: slicing it at the loop's traced offset would gather the whole head
+        # on every trip. The chunks as [n, H, chunk], each split as the head is, are taken where they lie.
+        blocks = kernel[:, :num_full * chunk].reshape(kernel.shape[0], num_full, chunk).transpose(1, 0, 2)
+        blocks = constrain(blocks, (None, *LM_HEAD))
+
+        def chunk_of(i):
+            return blocks[i]
+    else:  # each device holds whole columns: a slice is local, and no rearranged copy of the head is made
+
+        def chunk_of(i):
+            return jax.lax.dynamic_slice_in_dim(kernel, i * chunk, chunk, axis=1)
+
     init = (jnp.full(hidden.shape[:-1], -jnp.inf, jnp.float32), jnp.zeros(hidden.shape[:-1], jnp.int32))
-    offsets = jnp.arange(num_full, dtype=jnp.int32) * chunk
-    (best_value, best_index), _ = jax.lax.scan(body, init, (blocks, offsets))
+    (best_value, best_index), _ = jax.lax.scan(body, init, jnp.arange(num_full, dtype=jnp.int32))
     if vocab > num_full * chunk:  # the last, shorter chunk
         best_value, best_index = best_in(logits_of(kernel[:, num_full * chunk:]), num_full * chunk, best_value,
                                          best_index)
