@@ -121,7 +121,8 @@ $(SPEC_VENV)/.installed: bench/speculators/requirements.txt pyproject.toml
 venv-speculators: $(SPEC_VENV)/.installed
 
 # Both trainers on the demo's rows and recipe, AdamW and Muon: exact τ at 160/320/480 steps (bench/RESULTS.md);
-# POSITION_WEIGHTS=dpace weights block positions by D-PACE on both sides; METHOD=dspark trains DSpark drafters.
+# POSITION_WEIGHTS=dpace weights block positions by D-PACE on both sides; METHOD=dspark or METHOD=dflash2 trains
+# DSpark or DFlash2 drafters (on speculators' default forward KL for them).
 POSITION_WEIGHTS ?= decay
 learning-parity: $(VENV)/.installed $(SPEC_VENV)/.installed
 	env -u XLA_FLAGS $(PY) -m bench.learning_parity --position_weights $(POSITION_WEIGHTS) --method $(METHOD)

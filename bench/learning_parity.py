@@ -3,13 +3,15 @@
     make learning-parity        # = .venv/bin/python -m bench.learning_parity [--optimizers adamw,muon]
     make learning-parity POSITION_WEIGHTS=dpace    # both trainers with D-PACE
     make learning-parity METHOD=dspark    # DSpark drafters (design §18), with DSpark's default loss (forward KL)
+    make learning-parity METHOD=dflash2   # DFlash2 drafters (design §18.4), with DFlash2's default loss (forward KL)
 
 For each optimizer: train the demo's drafter (configs/toy.py, the optimizer's recipe below) with this project's
 trainer, then speculators' drafter of the same method on exactly the same rows, features, labels, anchors,
 initial weights and recipe (bench/speculators/train_reference.py, in `.venv-speculators`), and measure exact
 greedy τ of both with this project's evaluator on the demo's 64 held-out prompts at a few step counts. Prints a
 markdown table (bench/RESULTS.md, "Learning parity") and writes every figure to OUT/parity.json
-(OUT/parity-dpace.json with `--position_weights dpace`, OUT/parity-dspark.json with `--method dspark`).
+(OUT/parity-dpace.json with `--position_weights dpace`, OUT/parity-<method>.json with `--method dspark` or
+`dflash2`).
 
 Each training of 480 steps takes about four minutes (project) and about as long (speculators) on 2 idle CPU
 cores.
@@ -45,13 +47,14 @@ MAX_NEW_TOKENS = 128  # as `make demo` evaluates
 
 def recipe(optimizer: str, steps: int, position_weights: str, method: str = "dflash"):
     """configs/toy.py with `optimizer`, `position_weights` and the drafter `method`; AdamW's weight decay stays 0
-    (speculators would decay norm weights). DSpark trains on its published default loss, the forward KL to the
-    target's distribution plus the confidence BCE (speculators' `--loss-fn kl_div`)."""
+    (speculators would decay norm weights). DSpark and DFlash2 train on speculators' default loss for them, the
+    forward KL to the target's distribution (`--loss-fn kl_div`), plus DSpark's confidence BCE or DFlash2's
+    selector CE."""
     config = toy.get_config()
     config.optim.name = optimizer
     config.loss.position_weights = position_weights
     config.drafter.method = method
-    if method == "dspark":
+    if method in ("dspark", "dflash2"):
         config.loss.terms = {"kl": 1.0}
     config.optim.weight_decay = 0.0
     config.total_steps = steps
@@ -94,7 +97,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=480)
     parser.add_argument("--eval_steps", default="160,320,480")
     parser.add_argument("--position_weights", default="decay", choices=("decay", "dpace"))
-    parser.add_argument("--method", default="dflash", choices=("dflash", "dspark"))
+    parser.add_argument("--method", default="dflash", choices=("dflash", "dspark", "dflash2"))
     parser.add_argument("--out", default=str(REPO / "out" / "learning_parity"))
     args = parser.parse_args()
     if not REFERENCE_PYTHON.exists():

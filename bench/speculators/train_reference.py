@@ -1,4 +1,4 @@
-"""Train vLLM speculators' DFlash or DSpark drafter on exactly the rows, features, labels and anchors a dflash_jax
+"""Train vLLM speculators' DFlash, DSpark or DFlash2 drafter on exactly the rows, features, labels and anchors a dflash_jax
 run saw.
 
 Runs in `.venv-speculators` (speculators and torch pinned by bench/speculators/requirements.txt, plus this
@@ -15,9 +15,10 @@ What comes from each side:
 - this project: the packed rows (its BatchLoader, same seed, same order), the frozen target's forward (feature
   layers and final hidden states, fp32), the static anchor grid and which anchors and slots are trained, and
   the drafter's initial weights (the run's seed);
-- speculators: the drafter (DFlashDraftModel, or DSparkDraftModel with its Markov and confidence heads; sdpa
-  attention), its LM head and greedy labels (the target's lm_head over the target's final hidden states), its
-  loss terms with position weights (eager implementation; DSpark's confidence BCE), its optimizers
+- speculators: the drafter (DFlashDraftModel, DSparkDraftModel with its Markov and confidence heads, or
+  DFlash2DraftModel with its block convolutions and candidate selector; sdpa attention), its LM head and greedy
+  labels (the target's lm_head over the target's final hidden states), its loss terms with position weights
+  (eager implementation; DSpark's confidence BCE, DFlash2's selector CE), its optimizers
   (`build_optimizers`: AdamW, or torch.optim.Muon on the 2-D weights and AdamW on the rest), transformers'
   warmup + cosine schedule and its trainer's step order (backward, clip the global norm to 1.0, step every
   optimizer, step every scheduler).
@@ -47,6 +48,7 @@ from safetensors.torch import save_file
 from speculators.losses import resolve_loss_config
 from speculators.models.dflash import core as dflash_core
 from speculators.models.dflash.core import DFlashDraftModel
+from speculators.models.dflash2 import DFlash2DraftModel
 from speculators.models.dspark.core import DSparkDraftModel
 from speculators.train.optimizers import build_optimizers
 from transformers import AutoTokenizer, Qwen3Config, get_cosine_schedule_with_warmup
@@ -67,7 +69,7 @@ SPECULATORS_TERMS = {"ce": "ce", "kl": "kl_div", "rkl": "rkl", "jsd": "jsd", "tv
 
 
 def speculators_drafter(config: ConfigDict, drafter: DrafterConfig, initial: dict[str, np.ndarray]) -> DFlashDraftModel:
-    """speculators' DFlash (or DSpark) drafter with the project drafter's shape and initial weights."""
+    """speculators' drafter of the project drafter's method, with its shape and initial weights."""
     layers = Qwen3Config(
         vocab_size=drafter.vocab_size, hidden_size=drafter.hidden_size, intermediate_size=drafter.intermediate_size,
         num_hidden_layers=drafter.num_hidden_layers, num_attention_heads=drafter.num_attention_heads,
@@ -80,6 +82,10 @@ def speculators_drafter(config: ConfigDict, drafter: DrafterConfig, initial: dic
     if drafter.method == "dspark":  # the vanilla Markov head and the confidence head on [h; W1[prev]]
         model_class, extra = DSparkDraftModel, dict(markov_rank=drafter.markov_rank, markov_head_type="vanilla",
                                                    enable_confidence_head=True, confidence_head_with_markov=True)
+    elif drafter.method == "dflash2":  # the block convolutions of every layer and the candidate selector
+        model_class, extra = DFlash2DraftModel, dict(
+            conv_kernel_size=drafter.conv_kernel_size, conv_group_size=drafter.conv_group_size,
+            selector_rank=drafter.selector_rank, selector_top_k=drafter.selector_top_k)
     model = model_class.from_training_args(
         verifier_config=layers, verifier_name_or_path=config.target_dir, draft_vocab_size=drafter.vocab_size,
         block_size=drafter.block_size, target_layer_ids=list(drafter.target_layer_ids),
@@ -181,8 +187,12 @@ def main() -> None:
     terms = config.loss.get("terms") or {"ce": 1.0}
     loss_config = resolve_loss_config(json.dumps({SPECULATORS_TERMS[t]: w for t, w in terms.items()}), "eager")
     dspark = drafter_config.method == "dspark"
-    method_kwargs = ({"confidence_head_alpha": config.drafter.confidence_alpha,
-                      "tv_loss_fn": resolve_loss_config("tv", "eager")["tv"][0]} if dspark else {})
+    # Each method's own loss part: DSpark's confidence BCE (against the detached 1 - TV), DFlash2's selector CE.
+    tv_loss_fn = resolve_loss_config("tv", "eager")["tv"][0]
+    method_kwargs = {"dflash": {},
+                     "dspark": {"confidence_head_alpha": config.drafter.confidence_alpha, "tv_loss_fn": tv_loss_fn},
+                     "dflash2": {"selector_loss_alpha": config.drafter.selector_alpha, "tv_loss_fn": tv_loss_fn},
+                     }[drafter_config.method]
     # The run's position weights under speculators' names (a run from before D-PACE used the decay).
     position_weighting = ({"per_position_loss_weight": "dpace", "dpace_alpha": config.loss.dpace_alpha}
                           if config.loss.get("position_weights") == "dpace"
