@@ -11,6 +11,9 @@ SpecForge DFlash recipe of `qwen3_8b.py` (rows of 3072 tokens, 512 anchors on a 
 AdamW 6e-4 with 4% warmup then cosine, b2 0.999, D-PACE position weights), with one row per device as the 27B's
 recipe: the target's 30B weights, not its activations, fill the device.
 
+How long (planned, docs/scaling_and_launching.md "MoE targets"): 6 epochs of 1.6 billion tokens take 4.3-7.5 hours
+on v5p-64 with a copy of the target per chip, if the hardware reaches the roofline's range.
+
     dflash-jax train --config qwen3_30b_a3b --workdir /ckpt/dflash-qwen3-30b-a3b \
         --config.target_dir=/ckpt/Qwen3-30B-A3B --config.data.train_files=/data/train.jsonl
 """
