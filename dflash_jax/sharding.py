@@ -174,6 +174,11 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 
 
+def spec_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes one entry of a PartitionSpec (or a rule of the table) names: none, one, or several."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def logical_spec(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shape: dict[str, int]) -> PartitionSpec:
     """The PartitionSpec of an array of `shape` whose dimensions carry the logical `axes` (`active_rules`).
 
@@ -185,7 +190,7 @@ def logical_spec(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shap
     rules, used, spec = dict(active_rules()), set(), []
     for size, name in zip(shape, axes):
         mapped = rules[name] if name is not None else None
-        mapped = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
+        mapped = spec_axes(mapped)
         kept = tuple(axis for axis in mapped if axis in mesh_shape and axis not in used)
         if kept and size % int(np.prod([mesh_shape[axis] for axis in kept])) == 0:
             used.update(kept)

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 
 from dflash_jax.models.layers import INIT_STD, MLP, Linear, param
 from dflash_jax.ops.backends import compile_platform
-from dflash_jax.sharding import ROWS, ROWS_EMBED, logical_spec
+from dflash_jax.sharding import ROWS, ROWS_EMBED, logical_spec, spec_axes
 
 
 def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -129,7 +129,7 @@ def expert_parallel_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array,
     device) each device dispatches its own rows to all experts: left to the partitioner, the sort of the whole
     batch's assignments would gather every device's rows. `tiled` as in `grouped_swiglu`."""
     row_spec = logical_spec(x.shape, ROWS_EMBED, dict(mesh.shape))
-    row_axes = row_spec[0] if isinstance(row_spec[0], tuple) else (row_spec[0],)
+    row_axes = spec_axes(row_spec[0])
     gathered = tuple(axis for axis in expert_axes if axis in row_axes)
     summed = tuple(axis for axis in expert_axes if axis not in gathered)
     hidden_size, top_k = x.shape[-1], experts.shape[-1]
@@ -197,9 +197,8 @@ class Experts(nnx.Module):
         gate, up, down = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty:  # each device dispatches its own rows (a global sort would gather the whole batch)
-            split = logical_spec(gate.shape, EXPERT_IN, dict(mesh.shape))[0]
-            return expert_parallel_swiglu(x, experts, weights, gate, up, down, mesh,
-                                          () if split is None else (split,) if isinstance(split, str) else split)
+            split = spec_axes(logical_spec(gate.shape, EXPERT_IN, dict(mesh.shape))[0])
+            return expert_parallel_swiglu(x, experts, weights, gate, up, down, mesh, split)
         rows = grouped_swiglu(x.reshape(-1, x.shape[-1]), experts.reshape(-1, experts.shape[-1]),
                               weights.reshape(-1, weights.shape[-1]), gate, up, down)
         return rows.reshape(x.shape)

@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.sharding import LM_HEAD, ROWS, ROWS_EMBED, ROWS_VOCAB, constrain, logical_spec
+from dflash_jax.sharding import LM_HEAD, ROWS, ROWS_EMBED, ROWS_VOCAB, constrain, logical_spec, spec_axes
 
 
 def fp32_logits(hidden: jax.Array, lm_head_kernel: jax.Array) -> jax.Array:
@@ -51,8 +51,7 @@ def greedy_labels(hidden: jax.Array, lm_head_kernel: jax.Array, vocab_chunk: int
         return best_in(logits_of(chunk_of(i)), i * chunk, *carry), None
 
     mesh = jax.sharding.get_abstract_mesh()
-    vocab_axes = None if mesh.empty else logical_spec(kernel.shape, LM_HEAD, dict(mesh.shape))[1]
-    vocab_axes = (vocab_axes,) if isinstance(vocab_axes, str) else vocab_axes or ()
+    vocab_axes = () if mesh.empty else spec_axes(logical_spec(kernel.shape, LM_HEAD, dict(mesh.shape))[1])
     if math.prod(mesh.shape[axis] for axis in vocab_axes) > 1:
         # The vocabulary is split over `tensor`: slicing it at the loop's traced offset would gather the whole head
         # on every trip. The chunks as [n, H, chunk], each split as the head is, are taken where they lie.

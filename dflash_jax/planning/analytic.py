@@ -28,7 +28,7 @@ from dflash_jax.planning.hlo_cost import Collective, HloCost
 from dflash_jax.planning.plan import abstract_config, per_device_bytes, target_bytes_by_layout
 from dflash_jax.planning.roofline import Roofline, roofline
 from dflash_jax.models.moe import EXPERT_IN
-from dflash_jax.sharding import AUTO_LAYOUT_ORDER, layout_rules, logical_spec, make_mesh
+from dflash_jax.sharding import AUTO_LAYOUT_ORDER, layout_rules, logical_spec, make_mesh, spec_axes
 from dflash_jax.train import flops, validate
 from dflash_jax.train.state import state_spec
 from dflash_jax.weights.families import family_of
@@ -120,8 +120,8 @@ def expert_placement(target_config, layout: str, sizes: dict[str, int]) -> str:
     with nnx.logical_axis_rules(layout_rules(layout)):
         spec = logical_spec((moe.num_experts, target_config.hidden_size, moe.expert_intermediate_size), EXPERT_IN,
                             mesh_shape)
-    expert_axes, hidden_axes = (tuple(axis for axis in ((entry,) if isinstance(entry, str) else entry or ())
-                                      if mesh_shape[axis] > 1) for entry in spec[:2])  # axes that split
+    expert_axes, hidden_axes = (tuple(axis for axis in spec_axes(entry) if mesh_shape[axis] > 1)
+                                for entry in spec[:2])  # axes that split
     if expert_axes:
         shards = math.prod(mesh_shape[axis] for axis in expert_axes)
         text = (f"{moe.num_experts} over {'x'.join(f'{axis}={mesh_shape[axis]}' for axis in expert_axes)} "
