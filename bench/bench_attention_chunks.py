@@ -100,6 +100,7 @@ def attention_times(chunk_blocks: int, window: int | None, rounds: int, baseline
     if baseline is not None:
         spec = importlib.util.spec_from_file_location("baseline_dflash_attention", baseline)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up while they are made
         spec.loader.exec_module(module)
         implementations["baseline"] = module.dflash_attention
     grid = AnchorGrid(4096, 8, 16)

@@ -16,6 +16,8 @@ and does not split communication by kind or by the mesh axes it crosses; both de
 - HBM bytes: operands plus outputs of every instruction outside fusion bodies (what a fusion reads and writes
   reaches memory; its insides do not), dynamic slices and in-place updates counting only the slice, the same
   approximation as XLA's "bytes accessed".
+- Largest arrays: the biggest single arrays of instructions outside fusion bodies (aliases excluded), with the
+  JAX operation each came from: what the compiler's temporaries are made of.
 - Collectives, per device, for a group of n devices (ring algorithms, the bytes each device sends): all-gather
   (n-1) x its operand; reduce-scatter and all-to-all (n-1)/n of the operand; all-reduce 2 (n-1)/n (a
   reduce-scatter then an all-gather); collective-permute its operand. GPU's asynchronous collectives are counted
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -48,6 +50,11 @@ _COMMENT = re.compile(r"/\*.*?\*/")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CUBLAS_GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)"')
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_JIT_PREFIX = re.compile(r"^jit\([^)]*\)/")
+# Instructions whose result is another's buffer, not an array of its own.
+_ALIASES = {"parameter", "constant", "bitcast", "get-tuple-element"}
+LARGEST_COUNT = 6
 
 
 class Collective(NamedTuple):
@@ -56,12 +63,29 @@ class Collective(NamedTuple):
     remote: bool  # a group spans granules (TPU slices, GPU hosts): the slow link
 
 
+class LargeArray(NamedTuple):
+    """An array the compiled program materialises, `count` times: what the temporaries are made of."""
+
+    bytes: int
+    dtype: str  # HLO's names: bf16, f32, s32, ...
+    shape: tuple[int, ...]
+    op: str  # the HLO instruction (all-gather, fusion, dot, ...)
+    origin: str  # the JAX operation it came from
+    count: int
+
+    @property
+    def text(self) -> str:
+        text = f"{self.dtype}[{','.join(map(str, self.shape))}] {self.op} {self.origin}".strip()
+        return f"{text} (x{self.count})" if self.count > 1 else text
+
+
 class HloCost(NamedTuple):
     flops: float  # matmul FLOPs of one device, loop bodies times their trip counts
     hbm_bytes: float
     collective_bytes: dict[Collective, float]  # bytes one device sends, by kind, axes and link
     custom_calls: int  # kernel calls run (their FLOPs are not in `flops`)
     unknown_loops: int  # while loops without a known trip count (counted once)
+    largest: list[LargeArray]  # the LARGEST_COUNT biggest arrays outside fusion bodies, largest first
 
 
 class _Instruction(NamedTuple):
@@ -401,6 +425,7 @@ def hlo_cost(hlo: str, mesh_axes: dict[str, int], granule_of: Callable[[int], in
     flops = hbm = 0.0
     calls = 0
     moved: dict[Collective, float] = defaultdict(float)
+    arrays: Counter = Counter()
     for name, instructions in computations.items():
         count = runs.get(name, 0.0)
         if count == 0:
@@ -413,6 +438,12 @@ def hlo_cost(hlo: str, mesh_axes: dict[str, int], granule_of: Callable[[int], in
             calls += int(count) * (opcode == "custom-call" and not matmul)
             if name not in fused and opcode not in _NO_TRAFFIC:
                 hbm += count * _traffic(instruction, shapes, computations)
+            if name not in fused and opcode not in _ALIASES and (array := _ARRAY.fullmatch(
+                    instruction.shape.split("{")[0])) is not None:
+                origin = _OP_NAME.search(instruction.attributes)
+                dims = tuple(int(d) for d in array.group(2).split(",") if d)
+                arrays[(int(math.prod(dims) * _ITEM_BYTES[array.group(1)]), array.group(1), dims, opcode,
+                        _JIT_PREFIX.sub("", origin.group(1)) if origin else "")] += 1
             kind = opcode.removesuffix("-start")
             if kind not in COLLECTIVE_KINDS:
                 continue
@@ -423,4 +454,5 @@ def hlo_cost(hlo: str, mesh_axes: dict[str, int], granule_of: Callable[[int], in
             operand_bytes = sum(_array_bytes(shapes[operand]) for operand in instruction.operands)
             group_size = 2 if kind == "collective-permute" else max(len(group) for group in groups)
             moved[Collective(kind, axes, remote)] += count * _collective_bytes(kind, operand_bytes, group_size)
-    return HloCost(flops, hbm, dict(moved), calls, unknown)
+    largest = sorted(arrays.items(), key=lambda item: -item[0][0])[:LARGEST_COUNT]
+    return HloCost(flops, hbm, dict(moved), calls, unknown, [LargeArray(*key, count=n) for key, n in largest])

@@ -23,7 +23,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
-from collections import Counter
 from typing import NamedTuple
 
 import jax
@@ -34,7 +33,7 @@ from ml_collections import ConfigDict
 from dflash_jax.planning.chips import Chip, chip_named, chip_of_kind
 from dflash_jax.planning.gpu_topology import gpu_topology_devices
 from dflash_jax.runtime.errors import ConfigError, UserError
-from dflash_jax.planning.hlo_cost import HloCost, hlo_cost
+from dflash_jax.planning.hlo_cost import HloCost, LargeArray, hlo_cost
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.planning.roofline import Roofline, format_roofline, roofline
 from dflash_jax.sharding import TARGET_LAYOUTS, auto_target_layout, batch_sharding, state_shardings
@@ -46,22 +45,6 @@ from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.safetensors_dir import read_config
 
 GIB = 2**30
-
-class LargeArray(NamedTuple):
-    """An array the compiled program materialises, `count` times: what the temporaries are made of."""
-
-    bytes: int
-    dtype: str  # HLO's names: bf16, f32, s32, ...
-    shape: tuple[int, ...]
-    op: str  # the HLO instruction (all-gather, fusion, dot, ...)
-    origin: str  # the JAX operation it came from
-    count: int
-
-    @property
-    def text(self) -> str:
-        text = f"{self.dtype}[{','.join(map(str, self.shape))}] {self.op} {self.origin}".strip()
-        return f"{text} (x{self.count})" if self.count > 1 else text
-
 
 class Plan(NamedTuple):
     """One compiled train step: bytes and FLOPs are per device unless named otherwise."""
@@ -278,40 +261,8 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
         opt_state_bytes=per_device_bytes(spec.abstract.opt_state), batch_bytes=per_device_bytes(batch),
         argument_bytes=memory.argument_size_in_bytes, temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes, total_bytes=total,
         xla_flops=float(analysis.get("flops", 0.0)) if analysis else 0.0, model_flops=model_flops, cost=cost,
-        roofline=line, largest=largest_arrays(hlo),
+        roofline=line, largest=cost.largest,
         hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB))
-
-
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[([0-9,]*)\]\{[^}]*\} ([\w-]+)\(")
-_FUSION_BODY = re.compile(r" fusion\(.*\bcalls=%([^\s,]+)")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-          "f64": 8, "s64": 8, "u64": 8}
-# Instructions whose result is another's buffer, not an array of its own.
-_ALIASES = ("parameter", "constant", "bitcast", "get-tuple-element")
-
-
-def largest_arrays(hlo: str, count: int = 6) -> list[LargeArray]:
-    """The biggest arrays the optimized program materialises (instructions outside fusion bodies, whose
-    insides never reach memory; GPU's gemm fusions are not named fused_*, so bodies are found by their
-    callers), largest first, each with its op and the JAX operation it came from: the candidates for the
-    compiler's temporaries."""
-    fusion_bodies = set(_FUSION_BODY.findall(hlo))
-    found: Counter = Counter()
-    in_fusion = False
-    for line in hlo.splitlines():
-        if line and not line[0].isspace():  # a computation header
-            in_fusion = line.removeprefix("ENTRY ").split(" ")[0].lstrip("%") in fusion_bodies
-            continue
-        match = None if in_fusion else _INSTRUCTION.match(line)
-        if match is None or match.group(1) not in _BYTES or match.group(3) in _ALIASES:
-            continue
-        dtype, shape = match.group(1), tuple(int(d) for d in match.group(2).split(",") if d)
-        op_name = _OP_NAME.search(line)
-        origin = op_name.group(1).removeprefix("jit(train_step)/") if op_name else ""
-        found[(math.prod(shape) * _BYTES[dtype], dtype, shape, match.group(3), origin)] += 1
-    ranked = sorted(found.items(), key=lambda item: -item[0][0])[:count]
-    return [LargeArray(*key, count=times) for key, times in ranked]
 
 
 def _size(n: float) -> str:

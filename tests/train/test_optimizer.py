@@ -12,6 +12,7 @@ import torch
 from flax import nnx
 
 from dflash_jax.models.layers import param
+from dflash_jax.planning.hlo_cost import hlo_cost
 from dflash_jax.sharding import make_mesh, state_shardings
 from dflash_jax.train.optimizer import matrix_axes, muon
 
@@ -121,3 +122,41 @@ def test_muon_state_is_sharded_like_the_parameters():
     assert set(nnx.to_pure_dict(state.momentum)) == {"proj", "stacked"}
     placed = jax.device_put(state, shardings)  # every buffer lands on its parameter's layout
     assert placed.momentum["proj"][...].sharding.spec == param_specs["proj"].get_value().spec
+
+
+class WideWeights(nnx.Module):
+    """Two matrices whose long side is the hidden axis (embed) that an fsdp mesh splits, one alone and a stack of
+    two layers: the products of Newton-Schulz contract over that side (X X^T) or run on its short one."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.proj = param(jax.random.normal(rngs.params(), (1536, 512)), ("embed", "mlp"))
+        self.stacked = param(jax.random.normal(rngs.params(), (2, 512, 1536)), ("layers", "mlp", "embed"))
+
+
+def muon_update_on(mesh, params, grads):
+    """One Muon update (fp32 Newton-Schulz) compiled for `mesh` with the parameters' layout: its result and the
+    matmul FLOPs one device runs."""
+    tx = muon(optax.constant_schedule(LR), optax.sgd(LR), ns_dtype=jnp.float32)
+    shardings = state_shardings(params, mesh)
+    state = jax.device_put(tx.init(params), state_shardings(tx.init(params), mesh))
+
+    def update(grad, state, params):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return tx.update(grad, state, params)[0]
+
+    step = jax.jit(update, in_shardings=(shardings, state_shardings(state, mesh), shardings))
+    placed = jax.device_put(params, shardings), jax.device_put(grads, shardings)
+    flops = hlo_cost(step.lower(placed[1], state, placed[0]).compile().as_text(), dict(mesh.shape)).flops
+    return nnx.to_pure_dict(jax.device_get(step(placed[1], state, placed[0]))), flops
+
+
+def test_newton_schulz_splits_its_products_over_an_fsdp_mesh():
+    """On 8 devices each computes an eighth of the products (left to itself the partitioner computed X X^T's
+    square on every device: a quarter each here), with the update one device computes."""
+    params = nnx.state(WideWeights(nnx.Rngs(0)), nnx.Param)
+    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape), params)
+    alone, flops_alone = muon_update_on(make_mesh(1, 1, 1, devices=jax.devices()[:1]), params, grads)
+    split, flops_split = muon_update_on(make_mesh(1, 8, 1), params, grads)
+    for name in alone:
+        np.testing.assert_allclose(split[name], alone[name], rtol=1e-4, atol=1e-6)
+    assert flops_split == pytest.approx(flops_alone / 8, rel=0.01), (flops_split, flops_alone)
