@@ -42,9 +42,11 @@ _ITEM_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1,
 _NO_TRAFFIC = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional",
                "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "async-start", "async-update",
                "async-done", "all-gather-done", "all-reduce-done", "collective-permute-done", "reduce-scatter-done",
-               "all-to-all-done", "copy-done",
+               "all-to-all-done", "copy-done", "slice-done",
                "send-done", "recv-done", "add-dependency", "domain"}
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|c64|c128)\[([0-9,]*)\]")
+_ARRAY_LAYOUT = re.compile(_ARRAY.pattern + r"(\{[^}]*\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _HEADER = re.compile(r"^(?:ENTRY )?%(\S+) ")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -85,7 +87,7 @@ class HloCost(NamedTuple):
     collective_bytes: dict[Collective, float]  # bytes one device sends, by kind, axes and link
     custom_calls: int  # kernel calls run (their FLOPs are not in `flops`)
     unknown_loops: int  # while loops without a known trip count (counted once)
-    largest: list[LargeArray]  # the LARGEST_COUNT biggest arrays outside fusion bodies, largest first
+    largest: tuple[LargeArray, ...] = ()  # the LARGEST_COUNT biggest arrays outside fusion bodies, largest first
 
 
 class _Instruction(NamedTuple):
@@ -96,10 +98,12 @@ class _Instruction(NamedTuple):
     attributes: str
 
 
-def _array_bytes(shape: str) -> float:
-    """Bytes of an array or tuple shape text (every array inside it)."""
+def _array_bytes(shape: str, hbm_only: bool = False) -> float:
+    """Bytes of an array or tuple shape text (every array inside it). hbm_only: only the arrays in the default
+    memory space (TPU layouts mark those that memory-space assignment placed on the chip, S(1) and up)."""
     return sum(math.prod(int(d) for d in dims.split(",") if d) * _ITEM_BYTES[dtype]
-               for dtype, dims in _ARRAY.findall(shape))
+               for dtype, dims, layout in _ARRAY_LAYOUT.findall(shape)
+               if not (hbm_only and any(space != "0" for space in _MEMORY_SPACE.findall(layout))))
 
 
 def _dims(shape: str) -> list[int]:
@@ -335,28 +339,49 @@ def _sliced_parameters(body: list[_Instruction], computations: dict[str, list[_I
 
 def _traffic(instruction: _Instruction, shapes: dict[str, str], computations: dict[str, list[_Instruction]]) -> float:
     """HBM bytes an instruction outside fusion bodies reads and writes: its operands and output, except that a
-    dynamic slice reads only the slice, and a dynamic update (alone or as a fusion's root: the scans' stacked
-    outputs) writes its update into the buffer in place, as XLA's cost analysis counts them."""
+    dynamic slice reads only the slice, and a dynamic update (alone or among a fusion's results: the scans'
+    stacked outputs) writes its update into the buffer in place, as XLA's cost analysis counts them. Arrays placed
+    on the chip (TPU's S(n) layouts: what memory-space assignment prefetched) move no HBM bytes; an asynchronous
+    slice (TPU's prefetch of a piece of a weight) reads only its piece."""
+    def hbm(shape: str) -> float:
+        return _array_bytes(shape, hbm_only=True)
+
+    if instruction.opcode == "slice-start":  # ((source), piece, context)
+        piece = _ARRAY_LAYOUT.findall(instruction.shape)[1]
+        piece_text = f"{piece[0]}[{piece[1]}]{piece[2]}"
+        return (_array_bytes(piece_text) if hbm(shapes.get(instruction.operands[0], "")) else 0.0) + hbm(piece_text)
     if instruction.opcode.endswith("-start") and instruction.shape.startswith("("):
-        # An asynchronous start (GPU's collectives): its tuple holds the operands it reads and the results it writes.
-        return _array_bytes(instruction.shape)
+        # An asynchronous start (GPU's collectives, copies): its tuple holds what it reads and what it writes.
+        return hbm(instruction.shape)
     root = instruction
-    operands = [_array_bytes(shapes.get(operand, "")) for operand in instruction.operands]
+    operands = [hbm(shapes.get(operand, "")) for operand in instruction.operands]
+    body = []
     if instruction.opcode == "fusion":
         body = computations.get(dict(_callees(instruction)).get("fused"), [])
         root = body[-1] if body else instruction  # the ROOT instruction is printed last
         for i, read in _sliced_parameters(body, computations).items():  # a fusion reading only a slice of an operand
             if i < len(operands):
                 operands[i] = min(operands[i], read)
-    output = _array_bytes(instruction.shape)
     if root.opcode == "dynamic-slice" and root is instruction:
-        return 2 * output + sum(operands[1:])
-    if root.opcode == "dynamic-update-slice":
-        update = _array_bytes(shapes.get(root.operands[1], ""))
-        buffer = next((i for i, o in enumerate(instruction.operands) if shapes.get(o) == instruction.shape), None)
-        kept = sum(size for i, size in enumerate(operands) if i != buffer)
-        return kept + 2 * update if root is not instruction else 2 * update + sum(operands[2:])
-    return output + sum(operands)
+        return 2 * hbm(instruction.shape) + sum(operands[1:])
+    if root.opcode == "dynamic-update-slice" and root is instruction:
+        return 2 * hbm(shapes.get(root.operands[1], "")) + sum(operands[2:])
+    # Each array it writes; an update in place (a dynamic-update-slice among a fusion's results, under bitcasts)
+    # writes its update and does not read the buffer it updates (the operand of its shape).
+    outputs = _split_top_level(instruction.shape[1:-1]) if instruction.shape.startswith("(") else [instruction.shape]
+    named = {i.name: i for i in body}
+    results = [named.get(name) for name in root.operands] if root.opcode == "tuple" and body else [root]
+    written, buffers = 0.0, set()
+    for text, result in zip(outputs, results if len(results) == len(outputs) else [None] * len(outputs)):
+        while result is not None and result.opcode == "bitcast":
+            result = named.get(result.operands[0])
+        if result is None or result is instruction or result.opcode != "dynamic-update-slice":
+            written += hbm(text)
+            continue
+        written += 2 * hbm(shapes.get(result.operands[1], ""))
+        buffers.update(next(([i] for i, operand in enumerate(instruction.operands)
+                             if i not in buffers and _dims(shapes.get(operand, "")) == _dims(result.shape)), []))
+    return written + sum(size for i, size in enumerate(operands) if i not in buffers)
 
 
 def _iota(text: str) -> np.ndarray:
@@ -455,4 +480,4 @@ def hlo_cost(hlo: str, mesh_axes: dict[str, int], granule_of: Callable[[int], in
             group_size = 2 if kind == "collective-permute" else max(len(group) for group in groups)
             moved[Collective(kind, axes, remote)] += count * _collective_bytes(kind, operand_bytes, group_size)
     largest = sorted(arrays.items(), key=lambda item: -item[0][0])[:LARGEST_COUNT]
-    return HloCost(flops, hbm, dict(moved), calls, unknown, [LargeArray(*key, count=n) for key, n in largest])
+    return HloCost(flops, hbm, dict(moved), calls, unknown, tuple(LargeArray(*key, count=n) for key, n in largest))

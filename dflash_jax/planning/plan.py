@@ -67,7 +67,7 @@ class Plan(NamedTuple):
     model_flops: float  # train/flops.py's count for the whole step, all devices
     cost: HloCost  # read from the compiled HLO for one device, loop bodies times their trip counts
     roofline: Roofline | None  # the predicted step time, where the chip's peaks are known (chips.py)
-    largest: list[LargeArray]  # the biggest arrays the program holds, largest first
+    largest: tuple[LargeArray, ...]  # the biggest arrays the program holds, largest first
     hbm_bytes: int | None  # the budget, if known
 
 

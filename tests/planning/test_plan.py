@@ -292,6 +292,49 @@ def test_hlo_cost_counts_loop_bodies_by_their_trip_count_and_links_by_host():
     assert all(not key.remote for key in once.collective_bytes)  # one host by default
 
 
+# HBM traffic as libtpu's programs move it: a scan's in-place update among a fusion's results (the stacked output
+# written one slice a step), a weight's piece prefetched on the chip by an asynchronous slice (S(1): memory-space
+# assignment's alternate memory) and a fusion reading that piece there.
+TPU_MEMORY_HLO = """HloModule memory, num_partitions=1
+
+%fused_update (p0: bf16[64,128], p1: bf16[1,128], p2: s32[]) -> (bf16[64,128], f32[1,128]) {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[1,128]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %updated = bf16[64,128]{1,0} dynamic-update-slice(%p0, %p1, %p2, %zero)
+  %widened = f32[1,128]{1,0} convert(%p1)
+  ROOT %out = (bf16[64,128]{1,0}, f32[1,128]{1,0}) tuple(%updated, %widened)
+}
+
+%fused_double (q0: f32[256]) -> f32[256] {
+  %q0 = f32[256]{0} parameter(0)
+  ROOT %twice = f32[256]{0} add(%q0, %q0)
+}
+
+ENTRY %main (buffer: bf16[64,128], row: bf16[1,128], index: s32[], weight: s8[4096]) -> ((bf16[64,128], f32[1,128]), f32[256]) {
+  %buffer = bf16[64,128]{1,0} parameter(0)
+  %row = bf16[1,128]{1,0} parameter(1)
+  %index = s32[] parameter(2)
+  %weight = s8[4096]{0} parameter(3)
+  %update = (bf16[64,128]{1,0}, f32[1,128]{1,0}) fusion(%buffer, %row, %index), kind=kLoop, calls=%fused_update
+  %piece-start = ((s8[4096]{0}), s8[1024]{0:S(1)}, s32[]{:S(2)}) slice-start(%weight), slice={[0:1024]}
+  %piece = s8[1024]{0:S(1)} slice-done(%piece-start)
+  %on-chip = f32[256]{0:S(1)} bitcast(%piece)
+  %doubled = f32[256]{0} fusion(%on-chip), kind=kLoop, calls=%fused_double
+  ROOT %result = ((bf16[64,128]{1,0}, f32[1,128]{1,0}), f32[256]{0}) tuple(%update, %doubled)
+}
+"""
+
+
+def test_hbm_bytes_leave_out_in_place_buffers_and_what_lies_on_the_chip():
+    """The update fusion writes its 256-byte row (counted twice, as XLA counts an update) and its f32 row and reads
+    the row and the index, not the 16 KiB buffer it updates in place; the asynchronous slice reads its 1 KiB
+    piece from HBM into the chip's memory; the second fusion reads that piece there and writes 1 KiB to HBM."""
+    cost = hlo_cost(TPU_MEMORY_HLO, {"data": 1})
+    assert cost.hbm_bytes == (2 * 256 + 512 + 256 + 4) + 1024 + 1024
+
+
 # Two dots as libtpu's deviceless compile of the 27B step writes them (shapes and attributes from its HLO): the
 # Gated DeltaNet's per-chunk QK^T (einsum bhnid,bhnjd->bhnij over 48 heads x 64 chunks) with its batch dimensions
 # as a dilated window, and a projection [4096, 5120] x [5120, 48 x 128] whose head dimension is a padded window.
