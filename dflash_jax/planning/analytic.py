@@ -24,7 +24,8 @@ from ml_collections import ConfigDict
 from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.planning.chips import Chip
-from dflash_jax.planning.hlo_cost import Collective, HloCost
+from dflash_jax.planning.collectives import Collective
+from dflash_jax.planning.hlo_cost import HloCost
 from dflash_jax.planning.plan import abstract_config, per_device_bytes, target_bytes_by_layout
 from dflash_jax.planning.roofline import Roofline, roofline
 from dflash_jax.models.moe import EXPERT_IN

@@ -14,8 +14,10 @@ and does not split communication by kind or by the mesh axes it crosses; both de
   work and other custom calls (Pallas kernels such as splash attention, cuDNN attention) are not counted;
   `custom_calls` says how many ran.
 - HBM bytes: operands plus outputs of every instruction outside fusion bodies (what a fusion reads and writes
-  reaches memory; its insides do not), dynamic slices and in-place updates counting only the slice, the same
-  approximation as XLA's "bytes accessed".
+  reaches memory; its insides do not), dynamic slices and in-place updates (also among a fusion's results)
+  counting only the slice, the same approximation as XLA's "bytes accessed"; arrays in a memory space other than
+  HBM (TPU layouts' S(1) and up: memory-space assignment's on-chip copies) count nothing, an asynchronous slice
+  (libtpu's prefetch of a weight's piece) only its piece.
 - Largest arrays: the biggest single arrays of instructions outside fusion bodies (aliases excluded), with the
   JAX operation each came from: what the compiler's temporaries are made of.
 - Collectives, per device, for a group of n devices (ring algorithms, the bytes each device sends): all-gather
@@ -35,7 +37,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+from dflash_jax.planning.collectives import COLLECTIVE_KINDS, Collective, collective_bytes, replica_groups
+
 _ITEM_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 # Instructions that move no data of their own (aliases, control flow whose bodies are counted, markers).
@@ -57,12 +60,6 @@ _JIT_PREFIX = re.compile(r"^jit\([^)]*\)/")
 # Instructions whose result is another's buffer, not an array of its own.
 _ALIASES = {"parameter", "constant", "bitcast", "get-tuple-element"}
 LARGEST_COUNT = 6
-
-
-class Collective(NamedTuple):
-    kind: str  # one of COLLECTIVE_KINDS
-    axes: tuple[str, ...]  # the mesh axes its device groups span
-    remote: bool  # a group spans granules (TPU slices, GPU hosts): the slow link
 
 
 class LargeArray(NamedTuple):
@@ -384,61 +381,6 @@ def _traffic(instruction: _Instruction, shapes: dict[str, str], computations: di
     return written + sum(size for i, size in enumerate(operands) if i not in buffers)
 
 
-def _iota(text: str) -> np.ndarray:
-    """A device list in XLA's iota form, "[d0,d1,...]" optionally followed by "T(p0,p1,...)"."""
-    match = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text.strip())
-    if match is None:
-        raise ValueError(f"unrecognised device list {text!r}")
-    dims = [int(d) for d in match.group(1).split(",")]
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    if match.group(2):
-        ids = ids.transpose([int(p) for p in match.group(2).split(",")])
-    return ids.reshape(-1)
-
-
-def replica_groups(attributes: str) -> list[list[int]]:
-    """The device groups of a collective: explicit ({{0,1},{2,3}}), iota ([2,2]<=[4]T(1,0)) or mesh form
-    (mesh['axis_0'=2,'axis_1'=4], device_ids=([8]) {'axis_1'}); collective-permute's source-target pairs."""
-    if (pairs := re.search(r"source_target_pairs=\{(.*?)\}\}", attributes)) is not None:
-        return [[int(x) for x in pair.split(",")] for pair in re.findall(r"\{(\d+,\d+)", pairs.group(0))]
-    if (explicit := re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attributes)) is not None:
-        return [[int(x) for x in group.split(",") if x] for group in re.findall(r"\{([0-9,]*)\}", explicit.group(1))]
-    if (iota := re.search(r"replica_groups=\[(\d+),(\d+)\]<=(\[[0-9,]+\](?:T\([0-9,]+\))?)", attributes)) is not None:
-        return _iota(iota.group(3)).reshape(int(iota.group(1)), int(iota.group(2))).tolist()
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))? \{([^}]*)\}", attributes)
-    if mesh is None:
-        raise ValueError(f"unrecognised replica groups in {attributes[:300]!r}")
-    axes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))}
-    devices = math.prod(axes.values())
-    ids = _iota(mesh.group(2)) if mesh.group(2) else np.arange(devices)
-    # Every axis split into (major, listed sub-axis, minor) parts: "'a':(k)m" is the sub-axis of size m
-    # with stride k (Shardy's notation); a whole axis is its own sub-axis.
-    dims, grouped = [], []
-    listed = dict.fromkeys(axes)
-    for item in re.findall(r"'(\w+)'(?::\((\d+)\)(\d+))?", mesh.group(3)):
-        listed[item[0]] = (int(item[1]), int(item[2])) if item[1] else (1, axes[item[0]])
-    for name, size in axes.items():
-        if listed[name] is None:
-            dims.append(size)
-            continue
-        stride, sub = listed[name]
-        dims.extend([size // (stride * sub), sub, stride])
-        grouped.append(len(dims) - 2)
-    grid = ids.reshape(dims)
-    kept = [d for d in range(len(dims)) if d not in grouped]
-    return grid.transpose(kept + grouped).reshape(-1, math.prod(dims[d] for d in grouped)).tolist()
-
-
-def _collective_bytes(kind: str, operand_bytes: float, group: int) -> float:
-    if kind == "all-gather":
-        return (group - 1) * operand_bytes
-    if kind == "all-reduce":
-        return 2.0 * (group - 1) / group * operand_bytes
-    if kind == "collective-permute":
-        return operand_bytes
-    return (group - 1) / group * operand_bytes  # reduce-scatter, all-to-all
-
-
 def hlo_cost(hlo: str, mesh_axes: dict[str, int], granule_of: Callable[[int], int] = lambda device: 0) -> HloCost:
     """The cost of one call of the compiled SPMD program `hlo` for one device. mesh_axes: the mesh's axis sizes
     in order (device i of a group is the mesh's i-th device in row-major order, jit's device assignment);
@@ -478,6 +420,6 @@ def hlo_cost(hlo: str, mesh_axes: dict[str, int], granule_of: Callable[[int], in
             remote = any(len({granule_of(device) for device in group}) > 1 for group in groups)
             operand_bytes = sum(_array_bytes(shapes[operand]) for operand in instruction.operands)
             group_size = 2 if kind == "collective-permute" else max(len(group) for group in groups)
-            moved[Collective(kind, axes, remote)] += count * _collective_bytes(kind, operand_bytes, group_size)
+            moved[Collective(kind, axes, remote)] += count * collective_bytes(kind, operand_bytes, group_size)
     largest = sorted(arrays.items(), key=lambda item: -item[0][0])[:LARGEST_COUNT]
     return HloCost(flops, hbm, dict(moved), calls, unknown, tuple(LargeArray(*key, count=n) for key, n in largest))

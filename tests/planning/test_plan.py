@@ -22,7 +22,8 @@ from dflash_jax.ops.mask import position_mask
 from dflash_jax.planning import compare as plan_compare
 from dflash_jax.planning.chips import chip_named
 from dflash_jax.runtime.errors import UserError
-from dflash_jax.planning.hlo_cost import Collective, hlo_cost, replica_groups
+from dflash_jax.planning.collectives import Collective, replica_groups
+from dflash_jax.planning.hlo_cost import hlo_cost
 from dflash_jax.planning.plan import (Plan, check_budget, format_plan, gpu_cluster, mesh_granules, plan_train_step,
                              slice_topology, target_architecture, topology_devices)
 from dflash_jax.planning.compare import Candidate, compare_plans, format_comparison
