@@ -10,10 +10,10 @@ The context part walks query chunks of C blocks, each scored against a fixed num
 positions (its reach) that covers every position its static anchors can see: scores [batch, Hq, C*B, reach] in
 fp32 instead of [batch, Hq, N*B, T + N*B] for the dense form. The chunks are a `lax.scan` (one body, so the
 compiled program and its compile time do not grow with the number of chunks), grouped into runs of one reach
-(`chunk_runs`): on a sliding layer every chunk sees at most (C-1)*S + W - 1 positions from its first anchor's
-window start (clipped to the row), so one run can cover the layer; on a full layer the reach is the prefix before
-the chunk's last anchor, which grows along the row, so its chunks fall into a few runs of equal count, each
-scanned over its last chunk's prefix. Each chunk is rematerialised in the backward pass (`jax.checkpoint`
+(`chunk_runs`): on a sliding layer every chunk whose window lies in the row sees the same width, (C-1)*S + W - 1
+positions from its first anchor's window start, so one run covers them; before them (and on a full layer
+throughout) the reach is the prefix before the chunk's last anchor, which grows along the row, so those chunks
+fall into a few runs of equal count, each scanned over its last chunk's prefix. Each chunk is rematerialised in the backward pass (`jax.checkpoint`
 of the scan's body): the backward keeps only the inputs, not any chunk's probabilities (flash-attention's trade
 of compute for memory), and one chunk's scores are alive at a time.
 
@@ -35,12 +35,13 @@ from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.attention import MASKED_SCORE, grouped_attention, to_head_major
 from dflash_jax.ops.mask import block_rule, context_rule, validate_window
 
-# The chunks whose reach is a prefix of the row (every chunk of a full layer) fall into runs of equal count, each
-# scored against the prefix its last chunk reaches: with k runs a full layer scores (k + 1) / k of the positions
-# the growing prefixes need. The fewest runs (one scan body each; compile time grows with them) that keep a
-# layer's scored positions within PREFIX_WASTE of what each chunk's own reach holds, at most PREFIX_RUNS.
-PREFIX_RUNS = 2
-PREFIX_WASTE = 1.5
+# The chunks whose reach is a prefix of the row (every chunk of a full layer; on a sliding layer those whose window
+# the row's start cuts short) fall into runs of equal count, each scored against the prefix its last chunk reaches:
+# with k runs a full layer scores (k + 1) / k of the positions the growing prefixes need. k is the smallest that
+# keeps the layer's scored positions within PREFIX_WASTE of what each chunk's own reach holds, at most PREFIX_RUNS
+# (one scan body each).
+PREFIX_RUNS = 4
+PREFIX_WASTE = 1.25
 
 
 def context_reach(grid: AnchorGrid, window: int | None, first_block: int, end_block: int) -> tuple[int, int]:
@@ -78,27 +79,24 @@ def chunk_runs(grid: AnchorGrid, window: int | None, query_chunk_blocks: int) ->
     A chunk whose window starts inside the row (sliding layers, past the first W positions) sees (C-1)*S + W - 1
     positions from its first anchor's window start, as every such chunk does: one windowed run. The chunks
     before them, and every chunk of a full layer, see the prefix before their last anchor: prefix runs of equal
-    count, each of its last chunk's reach. The fewest runs (scan bodies) whose scored positions stay within
-    PREFIX_WASTE of each chunk's own reach, the prefix chunks of a sliding layer joining its windowed run if so.
+    count (PREFIX_RUNS, PREFIX_WASTE), each of its last chunk's reach.
     """
     full_chunks, rest = divmod(grid.num_anchors, query_chunk_blocks)
     spans = [context_reach(grid, window, c * query_chunk_blocks, (c + 1) * query_chunk_blocks)
              for c in range(full_chunks)]
     prefix = sum(start == 0 for start, _ in spans)  # chunk c's start grows with c
-    width = None if window is None else min(grid.seq_len, (query_chunk_blocks - 1) * grid.stride + window - 1)
-    windowed = [ChunkRun(prefix * query_chunk_blocks, full_chunks - prefix, query_chunk_blocks, width, True)
-                ] if prefix < full_chunks else []
-    # Fewest scan bodies first: on a sliding layer one windowed run from the row's start (a prefix chunk's reach
-    # ends at its last anchor, at most (C-1)*S + W - 1: within the width, the start clipped to the row by
-    # `reach_start`); then 1..PREFIX_RUNS prefix runs (and the windowed run): the first within PREFIX_WASTE.
-    candidates = [[ChunkRun(0, full_chunks, query_chunk_blocks, width, True)]] if windowed else []
+    windowed = []
+    if prefix < full_chunks:
+        width = min(grid.seq_len, (query_chunk_blocks - 1) * grid.stride + window - 1)
+        windowed = [ChunkRun(prefix * query_chunk_blocks, full_chunks - prefix, query_chunk_blocks, width, True)]
+    needed = sum(stop - start for start, stop in spans)
+    runs = windowed
     for parts in range(1, min(PREFIX_RUNS, prefix) + 1):
         bounds = [round(i * prefix / parts) for i in range(parts + 1)]
-        candidates.append([ChunkRun(low * query_chunk_blocks, high - low, query_chunk_blocks, spans[high - 1][1],
-                                    False) for low, high in zip(bounds, bounds[1:])] + windowed)
-    needed = sum(stop - start for start, stop in spans)
-    within = [runs for runs in candidates if sum(run.chunks * run.reach for run in runs) <= PREFIX_WASTE * needed]
-    runs = within[0] if within else candidates[-1] if candidates else []
+        runs = [ChunkRun(low * query_chunk_blocks, high - low, query_chunk_blocks, spans[high - 1][1], False)
+                for low, high in zip(bounds, bounds[1:])] + windowed
+        if sum(run.chunks * run.reach for run in runs) <= PREFIX_WASTE * needed:
+            break
     if rest:
         first = full_chunks * query_chunk_blocks
         if window is None:
