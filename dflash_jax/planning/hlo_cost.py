@@ -20,11 +20,9 @@ and does not split communication by kind or by the mesh axes it crosses; both de
   (libtpu's prefetch of a weight's piece) only its piece.
 - Largest arrays: the biggest single arrays of instructions outside fusion bodies (aliases excluded), with the
   JAX operation each came from: what the compiler's temporaries are made of.
-- Collectives, per device, for a group of n devices (ring algorithms, the bytes each device sends): all-gather
-  (n-1) x its operand; reduce-scatter and all-to-all (n-1)/n of the operand; all-reduce 2 (n-1)/n (a
-  reduce-scatter then an all-gather); collective-permute its operand. GPU's asynchronous collectives are counted
-  at their `-start`. Each is keyed by the mesh axes its groups
-  span and by whether a group leaves a granule (a TPU slice, a GPU host): the link it crosses.
+- Collectives: the bytes each device sends (`collectives.py`, ring algorithms); GPU's asynchronous collectives
+  are counted at their `-start`. Each is keyed by the mesh axes its groups span and by whether a group leaves a
+  granule (a TPU slice, a GPU host): the link it crosses.
 """
 
 from __future__ import annotations
@@ -344,9 +342,8 @@ def _traffic(instruction: _Instruction, shapes: dict[str, str], computations: di
         return _array_bytes(shape, hbm_only=True)
 
     if instruction.opcode == "slice-start":  # ((source), piece, context)
-        piece = _ARRAY_LAYOUT.findall(instruction.shape)[1]
-        piece_text = f"{piece[0]}[{piece[1]}]{piece[2]}"
-        return (_array_bytes(piece_text) if hbm(shapes.get(instruction.operands[0], "")) else 0.0) + hbm(piece_text)
+        piece = _split_top_level(instruction.shape[1:-1])[1]
+        return (_array_bytes(piece) if hbm(shapes.get(instruction.operands[0], "")) else 0.0) + hbm(piece)
     if instruction.opcode.endswith("-start") and instruction.shape.startswith("("):
         # An asynchronous start (GPU's collectives, copies): its tuple holds what it reads and what it writes.
         return hbm(instruction.shape)
@@ -405,11 +402,9 @@ def hlo_cost(hlo: str, mesh_axes: dict[str, int], granule_of: Callable[[int], in
             calls += int(count) * (opcode == "custom-call" and not matmul)
             if name not in fused and opcode not in _NO_TRAFFIC:
                 hbm += count * _traffic(instruction, shapes, computations)
-            if name not in fused and opcode not in _ALIASES and (array := _ARRAY.fullmatch(
-                    instruction.shape.split("{")[0])) is not None:
+            if name not in fused and opcode not in _ALIASES and (array := _ARRAY.match(instruction.shape)):
                 origin = _OP_NAME.search(instruction.attributes)
-                dims = tuple(int(d) for d in array.group(2).split(",") if d)
-                arrays[(int(math.prod(dims) * _ITEM_BYTES[array.group(1)]), array.group(1), dims, opcode,
+                arrays[(int(_array_bytes(instruction.shape)), array.group(1), tuple(_dims(instruction.shape)), opcode,
                         _JIT_PREFIX.sub("", origin.group(1)) if origin else "")] += 1
             kind = opcode.removesuffix("-start")
             if kind not in COLLECTIVE_KINDS:

@@ -118,7 +118,7 @@ def newton_schulz(update: jax.Array, steps: int, dtype=jnp.bfloat16, split: tupl
 
     `split`: the mesh axes the weight is laid out over. X is held split along its long side and X X^T along its
     rows, so each device computes its share of every product (design §7); left to itself the partitioner
-    gathered X whole for each product and computed a fifth more than a share."""
+    computed X X^T's square on every device wherever X's long side was the split one."""
     a, b, c = NS_COEFFICIENTS
     f32 = jnp.float32
 
