@@ -53,7 +53,6 @@ def get_config():
     config.data.anchor_stride = 16  # N = 512 anchors per row
     config.data.batch_size = placeholder(int)  # given per device instead (an int field still, for overrides)
     config.data.rows_per_device = 1
-    config.query_chunk_blocks = 64  # as qwen27b.py: 8 chunks of 64 blocks
     config.epochs = 20
     config.optim.name = "muon"
     config.optim.learning_rate = 1e-3

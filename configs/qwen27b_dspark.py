@@ -58,7 +58,6 @@ def get_config():
     config.data.anchor_stride = 16  # N = 512 anchors per row
     config.data.batch_size = placeholder(int)  # given per device instead (an int field still, for overrides)
     config.data.rows_per_device = 1
-    config.query_chunk_blocks = 64  # the drafter's XLA attention (GPU) in 8 chunks of 64 blocks, as qwen27b.py
     config.epochs = 20  # total_steps follows from the corpus's size (train/epochs.py)
     config.optim.name = "muon"
     config.optim.learning_rate = 1e-3

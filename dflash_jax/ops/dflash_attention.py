@@ -1,25 +1,21 @@
 """DFlash attention (design §5) in plain XLA: no score is computed that the mask would throw away wholesale.
 
 A query of block j sees two disjoint key sets: context positions (p < a_j, within the window on sliding layers,
-same document) and its own block's B slots. They are scored separately and joined in one softmax: each part
-gives its scores' row maximum and exponentials, the joint maximum rescales both, and the output is
-(Σ_ctx e·v + Σ_blk e·v) / (Σ_ctx e + Σ_blk e), i.e. softmax over [context | own block] exactly. The block part
-is B×B per block (never the N·B×N·B block matrix, of which only the diagonal blocks are visible).
+same document) and its own block's B slots. Their scores join in one softmax, computed flash-attention style:
+each row's running maximum m, exponential sum l and weighted values acc start from its own block's B×B scores
+(never the N·B×N·B block matrix, of which only the diagonal blocks are visible) and take in the context one key
+tile at a time; the output is acc / l.
 
-The context part walks query chunks of C blocks, each scored against a fixed number of consecutive context
-positions (its reach) that covers every position its static anchors can see: scores [batch, Hq, C*B, reach] in
-fp32 instead of [batch, Hq, N*B, T + N*B] for the dense form. The chunks are a `lax.scan` (one body, so the
-compiled program and its compile time do not grow with the number of chunks), grouped into runs of one reach
-(`chunk_runs`): on a sliding layer every chunk whose window lies in the row sees the same width, (C-1)*S + W - 1
-positions from its first anchor's window start, so one run covers them; before them (and on a full layer
-throughout) the reach is the prefix before the chunk's last anchor, which grows along the row, so those chunks
-fall into a few runs of equal count, each scanned over its last chunk's prefix. Each chunk is rematerialised in the backward pass (`jax.checkpoint`
-of the scan's body): the backward keeps only the inputs, not any chunk's probabilities (flash-attention's trade
-of compute for memory), and one chunk's scores are alive at a time.
+The context part pairs query chunks of C blocks with key tiles of a fixed width (`tile_schedule`): a chunk's
+tiles cover the positions its static anchors can see (`context_reach`), the last tile at most one tile wider.
+The pairs are a flat, statically known list and one `lax.scan` visits them all, so the compiled program is the
+same whatever the chunk count (and so is its compile time) and one pair's scores are alive at a time. The
+backward is flash attention's (a `jax.custom_vjp`): from the output and each row's log-sum-exp it rescores each
+pair, so nothing of the forward's per-pair work is kept.
 
 Layout: queries and keys are put head-major once per call ([b, Hkv, rows, group, D] and [b, Hkv, keys, D]), so
-that every chunk's matmuls take their operands as stored, with the batch and kv-head axes leading; the scan
-takes the queries and block keys chunk by chunk and slices each chunk's context reach out of the whole row.
+that every pair's matmuls take their operands as stored, with the batch and kv-head axes leading; each pair
+slices its chunk's rows and its tile's keys out of the whole arrays at offsets the schedule gives.
 """
 
 from __future__ import annotations
@@ -35,13 +31,10 @@ from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.attention import MASKED_SCORE, grouped_attention, to_head_major
 from dflash_jax.ops.mask import block_rule, context_rule, validate_window
 
-# The chunks whose reach is a prefix of the row (every chunk of a full layer; on a sliding layer those whose window
-# the row's start cuts short) fall into runs of equal count, each scored against the prefix its last chunk reaches:
-# with k runs a full layer scores (k + 1) / k of the positions the growing prefixes need. k is the smallest that
-# keeps the layer's scored positions within PREFIX_WASTE of what each chunk's own reach holds, at most PREFIX_RUNS
-# (one scan body each).
-PREFIX_RUNS = 4
-PREFIX_WASTE = 1.25
+# Widest context key tile. A layer's tiles are as wide as its widest chunk reach split into the fewest tiles of
+# at most KEY_TILE: a sliding layer's windowed chunks then fill their tiles exactly, and any chunk scores less
+# than one tile beyond its reach. Narrower tiles waste less and loop more (each pair is a trip of the scan).
+KEY_TILE = 512
 
 
 def context_reach(grid: AnchorGrid, window: int | None, first_block: int, end_block: int) -> tuple[int, int]:
@@ -57,62 +50,49 @@ def context_reach(grid: AnchorGrid, window: int | None, first_block: int, end_bl
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkRun:
-    """`chunks` consecutive query chunks of `blocks` blocks each, from block `first_block`, computed by one scan
-    body: each chunk scores its queries against `reach` consecutive context positions, from 0 (a prefix run) or
-    from its first anchor's window start (`windowed`; `reach_start`)."""
+class TileSchedule:
+    """The (query chunk, key tile) pairs of one layer, in chunk order: pair i scores the query rows
+    [row_start[i], row_start[i] + chunk_rows) against the context positions [key_start[i], key_start[i] + width),
+    of which it counts only rows >= row_low[i] and positions >= key_low[i]. The lows are where the chunk and the
+    tile begin; a start lies below its low only where the last chunk or tile was moved back to fit in the row, so
+    that no row or position is counted twice."""
 
-    first_block: int
-    chunks: int
-    blocks: int
-    reach: int
-    windowed: bool
+    chunk_rows: int
+    width: int
+    row_start: np.ndarray
+    row_low: np.ndarray
+    key_start: np.ndarray
+    key_low: np.ndarray
 
     @property
-    def end_block(self) -> int:
-        return self.first_block + self.chunks * self.blocks
+    def pairs(self) -> int:
+        return len(self.row_start)
+
+    def as_array(self) -> jax.Array:
+        """[pairs, 4] int32: the scan's per-pair offsets."""
+        return jnp.asarray(np.stack([self.row_start, self.row_low, self.key_start, self.key_low], axis=1),
+                           dtype=jnp.int32)
 
 
-def chunk_runs(grid: AnchorGrid, window: int | None, query_chunk_blocks: int) -> list[ChunkRun]:
-    """The runs covering the N blocks in chunks of query_chunk_blocks (a shorter last chunk is a run of its own).
-
-    A chunk whose window starts inside the row (sliding layers, past the first W positions) sees (C-1)*S + W - 1
-    positions from its first anchor's window start, as every such chunk does: one windowed run. The chunks
-    before them, and every chunk of a full layer, see the prefix before their last anchor: prefix runs of equal
-    count (PREFIX_RUNS, PREFIX_WASTE), each of its last chunk's reach.
-    """
-    full_chunks, rest = divmod(grid.num_anchors, query_chunk_blocks)
-    spans = [context_reach(grid, window, c * query_chunk_blocks, (c + 1) * query_chunk_blocks)
-             for c in range(full_chunks)]
-    prefix = sum(start == 0 for start, _ in spans)  # chunk c's start grows with c
-    windowed = []
-    if prefix < full_chunks:
-        width = min(grid.seq_len, (query_chunk_blocks - 1) * grid.stride + window - 1)
-        windowed = [ChunkRun(prefix * query_chunk_blocks, full_chunks - prefix, query_chunk_blocks, width, True)]
-    needed = sum(stop - start for start, stop in spans)
-    runs = windowed
-    for parts in range(1, min(PREFIX_RUNS, prefix) + 1):
-        bounds = [round(i * prefix / parts) for i in range(parts + 1)]
-        runs = [ChunkRun(low * query_chunk_blocks, high - low, query_chunk_blocks, spans[high - 1][1], False)
-                for low, high in zip(bounds, bounds[1:])] + windowed
-        if sum(run.chunks * run.reach for run in runs) <= PREFIX_WASTE * needed:
-            break
-    if rest:
-        first = full_chunks * query_chunk_blocks
-        if window is None:
-            runs.append(ChunkRun(first, 1, rest, int(grid.anchors[-1]), False))
-        else:
-            runs.append(ChunkRun(first, 1, rest, min(grid.seq_len, (rest - 1) * grid.stride + window - 1), True))
-    return runs
-
-
-def reach_start(grid: AnchorGrid, window: int | None, run: ChunkRun, first_anchor):
-    """The first context position a chunk of `run` whose first anchor is first_anchor (an int or a traced
-    scalar) scores: 0 for a prefix run; for a windowed one that anchor's window start a - W + 1, moved into the
-    row so that the reach fits (a shifted window still holds every position the chunk sees: `context_reach`)."""
-    if not run.windowed:
-        return 0
-    return jnp.clip(first_anchor - window + 1, 0, grid.seq_len - run.reach)
+@functools.lru_cache(maxsize=64)
+def tile_schedule(grid: AnchorGrid, window: int | None, query_chunk_blocks: int,
+                  key_tile: int = KEY_TILE) -> TileSchedule:
+    """The pairs covering each chunk's context reach (the last chunk may be shorter: it is moved back to end at
+    the last row). A chunk with nothing to see (the block at anchor 0) has no pair."""
+    blocks = min(query_chunk_blocks, grid.num_anchors)
+    chunk_rows = blocks * grid.block_size
+    firsts = range(0, grid.num_anchors, blocks)
+    reaches = [context_reach(grid, window, first, min(first + blocks, grid.num_anchors)) for first in firsts]
+    widest = max(stop - start for start, stop in reaches)
+    width = -(-widest // max(1, -(-widest // key_tile))) if widest else 0
+    pairs = []
+    for first, (start, stop) in zip(firsts, reaches):
+        row_low = first * grid.block_size
+        row_start = min(row_low, grid.num_queries - chunk_rows)
+        for key_low in range(start, stop, width or 1):
+            pairs.append((row_start, row_low, min(key_low, grid.seq_len - width), key_low))
+    columns = np.asarray(pairs, dtype=np.int32).reshape(-1, 4).T
+    return TileSchedule(chunk_rows, width, *columns)
 
 
 def dflash_attention(
@@ -128,13 +108,15 @@ def dflash_attention(
     scale: float,
     *,
     query_chunk_blocks: int,
+    key_tile: int = KEY_TILE,
 ) -> jax.Array:
     """Block queries attend to [context | blocks] under the design §5 mask; returns [b, N*B, Hq, D] in q.dtype.
 
     q: [b, N*B, Hq, D]; k_ctx, v_ctx: [b, T, Hkv, D]; k_blk, v_blk: [b, N*B, Hkv, D];
     context_segment_ids: [b, T]; anchor_segment_ids: [b, N] (the segment of each anchor position);
     window: None for a full-attention layer, W for a sliding-window layer; query_chunk_blocks: blocks per
-    chunk (the last chunk may be shorter). Scores and softmax in fp32, GQA as in `grouped_attention`.
+    query chunk (the last chunk may be shorter); key_tile: the widest context key tile. Scores and softmax in
+    fp32, GQA as in `grouped_attention`.
     """
     batch = q.shape[0]
     expected = {
@@ -148,94 +130,164 @@ def dflash_attention(
         if tuple(array.shape[:2]) != leading:
             raise ValueError(f"dflash_attention: {name} has shape {tuple(array.shape)}, expected leading "
                              f"dimensions {leading} for {grid}")
-    if query_chunk_blocks < 1:
-        raise ValueError(f"query_chunk_blocks must be >= 1, got {query_chunk_blocks}")
+    if query_chunk_blocks < 1 or key_tile < 1:
+        raise ValueError(f"query_chunk_blocks and key_tile must be >= 1, got {query_chunk_blocks} and {key_tile}")
     validate_window(window)
 
     batch, _, q_heads, head_dim = q.shape
     kv_heads = k_ctx.shape[2]
+    layer = _Layer(grid, window, float(scale), query_chunk_blocks, key_tile)
     # Head-major once: q [b, Hkv, N*B, group, D] (the group's query heads next to their rows, so that a
     # matmul's rows are (row, group) and its batch axes (b, Hkv) lead); keys and values [b, Hkv, len, D].
-    q = to_head_major(q, kv_heads)
-    k_ctx, v_ctx, k_blk, v_blk = (x.swapaxes(1, 2) for x in (k_ctx, v_ctx, k_blk, v_blk))
-    outputs = [_attend_run(grid, window, scale, run, q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids,
-                           anchor_segment_ids)
-               for run in chunk_runs(grid, window, query_chunk_blocks)]
-    out = jnp.concatenate(outputs, axis=2).swapaxes(1, 2)  # [b, N*B, Hkv, group, D]
-    return out.reshape(batch, grid.num_queries, q_heads, head_dim)
+    out = _attention(layer, to_head_major(q, kv_heads), *(x.swapaxes(1, 2) for x in (k_ctx, v_ctx, k_blk, v_blk)),
+                     context_segment_ids, jnp.repeat(anchor_segment_ids, grid.block_size, axis=1))
+    return out.swapaxes(1, 2).reshape(batch, grid.num_queries, q_heads, head_dim)
 
 
-def _attend_run(grid: AnchorGrid, window: int | None, scale: float, run: ChunkRun, q, k_ctx, v_ctx, k_blk, v_blk,
-                context_segment_ids, anchor_segment_ids) -> jax.Array:
-    """The queries of one run's blocks, [b, Hkv, chunks*blocks*B, group, D] in q.dtype: a scan over its chunks.
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """What the attention holds static: the grid, the layer's window and scale, and how it tiles the context."""
 
-    The queries, block keys/values and anchor segments go in chunk by chunk (a leading chunk axis); the context
-    and its segments are the scan's constants, each chunk slicing its reach out of them, so the backward keeps
-    the whole context once (not a copy per chunk) and accumulates its gradient in place.
-    """
-    def by_chunk(x: jax.Array, axis: int, start: int, stop: int) -> jax.Array:
-        """x[..., start:stop, ...] along axis, split into the run's chunks along a new leading axis."""
-        x = jax.lax.slice_in_dim(x, start, stop, axis=axis)
-        return jnp.moveaxis(x.reshape(*x.shape[:axis], run.chunks, -1, *x.shape[axis + 1:]), axis, 0)
+    grid: AnchorGrid
+    window: int | None
+    scale: float
+    query_chunk_blocks: int
+    key_tile: int
 
-    rows = (run.first_block * grid.block_size, run.end_block * grid.block_size)
-    # Each query row's anchor, a constant per chunk: the mask's comparisons then read it, where computing it
-    # from a traced chunk index would repeat integer divisions in every fusion over the scores.
-    query_anchors = jnp.asarray(grid.query_anchors[rows[0]:rows[1]].reshape(run.chunks, -1))
-    chunks = (query_anchors, by_chunk(q, 2, *rows), by_chunk(k_blk, 2, *rows), by_chunk(v_blk, 2, *rows),
-              by_chunk(anchor_segment_ids, 1, run.first_block, run.end_block))
-    attend = jax.checkpoint(functools.partial(_attend_chunk, grid, window, scale, run), prevent_cse=False)
-    _, out = jax.lax.scan(lambda carry, chunk: (carry, attend(k_ctx, v_ctx, context_segment_ids, *chunk)), None,
-                          chunks)
-    out = jnp.moveaxis(out, 0, 2)  # [b, Hkv, chunks, blocks*B, group, D]
-    return out.reshape(*out.shape[:2], -1, *out.shape[4:])
+    @property
+    def schedule(self) -> TileSchedule:
+        return tile_schedule(self.grid, self.window, self.query_chunk_blocks, self.key_tile)
 
 
-def _attend_chunk(grid: AnchorGrid, window: int | None, scale: float, run: ChunkRun, k_ctx, v_ctx,
-                  context_segment_ids, query_anchors, q, k_blk, v_blk, anchor_segment_ids) -> jax.Array:
-    """Attention of one chunk's queries, run.blocks blocks: query_anchors [C*B] (each row's anchor), q [b, Hkv,
-    C*B, group, D], k_blk/v_blk [b, Hkv, C*B, D], anchor_segment_ids [b, C]; returns [b, Hkv, C*B, group, D] in
-    q.dtype."""
-    block, blocks = grid.block_size, run.blocks
-    batch, kv_heads, _, group, head_dim = q.shape
+# The operands from here on are head-major: q [b, Hkv, N*B, group, D]; k_ctx, v_ctx [b, Hkv, T, D]; k_blk, v_blk
+# [b, Hkv, N*B, D]; context_segment_ids [b, T]; query_segment_ids [b, N*B] (each row's anchor's segment).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(layer: _Layer, q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, query_segment_ids):
+    return _forward(layer, q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, query_segment_ids)[0]
 
-    # Own blocks: [b, Hkv, C, B, group, B] scores of slot k (rows) against slot k' (keys) of the same block.
-    by_block = (batch, kv_heads, blocks, block)
-    block_scores = jnp.einsum("bhcqgd,bhckd->bhcqgk", q.reshape(*by_block, group, head_dim),
-                              k_blk.reshape(*by_block, head_dim), preferred_element_type=jnp.float32)
-    block_scores = block_scores.reshape(batch, kv_heads, blocks * block, group, block) * scale
-    if window is not None:  # sliding layers: causal within the block (k' <= k)
-        slot = jnp.arange(block)
-        causal = jnp.tile(slot[None, :] <= slot[:, None], (blocks, 1))  # [C*B, B]
-        block_scores = jnp.where(causal[:, None, :], block_scores, MASKED_SCORE)
-    row_max = jnp.max(block_scores, axis=-1)
 
-    # Context: [b, Hkv, C*B, group, reach] over the run's reach from this chunk's start.
-    if run.reach:
-        start = reach_start(grid, window, run, query_anchors[0])
-        query_slot = np.tile(np.arange(block), blocks)[:, None]
-        keys = start + jnp.arange(run.reach)
-        query_segment = jnp.repeat(anchor_segment_ids, block, axis=1)
-        key_segment = jax.lax.dynamic_slice_in_dim(context_segment_ids, start, run.reach, axis=1)
-        visible = (context_rule(query_anchors[:, None], query_slot, keys[None, :], window)[None]
-                   & (query_segment[:, :, None] == key_segment[:, None, :]))  # [b, C*B, reach]
-        k_reach, v_reach = (jax.lax.dynamic_slice_in_dim(x, start, run.reach, axis=2) for x in (k_ctx, v_ctx))
-        context_scores = jnp.einsum("bhqgd,bhkd->bhqgk", q, k_reach, preferred_element_type=jnp.float32) * scale
-        context_scores = jnp.where(visible[:, None, :, None, :], context_scores, MASKED_SCORE)
-        row_max = jnp.maximum(row_max, jnp.max(context_scores, axis=-1))
+def _forward(layer: _Layer, q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, query_segment_ids):
+    """The output [b, Hkv, N*B, group, D] in q.dtype and each row's log-sum-exp [b, Hkv, N*B, group] (fp32)."""
+    grid, schedule = layer.grid, layer.schedule
+    by_block = (*q.shape[:2], grid.num_anchors, grid.block_size)
+    scores = _block_scores(layer, q, k_blk)
+    row_max = jnp.max(scores, axis=-1)
+    weights = jnp.exp(scores - row_max[..., None])
+    values = jnp.einsum("bhnqgk,bhnkd->bhnqgd", weights.astype(v_blk.dtype), v_blk.reshape(*by_block, -1),
+                        preferred_element_type=jnp.float32)
+    # Every row sees its own slot, so its maximum is a real score from here on and a masked one weighs exp(-1e30).
+    state = tuple(x.reshape(*q.shape[:3], *x.shape[4:]) for x in (row_max, jnp.sum(weights, axis=-1), values))
 
-    # One softmax over both parts; every row sees at least its own slot, so the total is >= 1.
-    block_weights = jnp.exp(block_scores - row_max[..., None])
-    total = jnp.sum(block_weights, axis=-1)
-    out = jnp.einsum("bhcqgk,bhckd->bhcqgd", block_weights.reshape(*by_block, group, block).astype(v_blk.dtype),
-                     v_blk.reshape(*by_block, head_dim), preferred_element_type=jnp.float32)
-    out = out.reshape(batch, kv_heads, blocks * block, group, head_dim)
-    if run.reach:
-        context_weights = jnp.exp(context_scores - row_max[..., None])
-        total = total + jnp.sum(context_weights, axis=-1)
-        out = out + jnp.einsum("bhqgk,bhkd->bhqgd", context_weights.astype(v_reach.dtype), v_reach,
-                               preferred_element_type=jnp.float32)
-    return (out / total[..., None]).astype(q.dtype)
+    def take_tile(state, pair):
+        scores, _ = _pair_scores(layer, q, k_ctx, context_segment_ids, query_segment_ids, pair)
+        v_tile = jax.lax.dynamic_slice_in_dim(v_ctx, pair[2], schedule.width, axis=2)
+        row_max, total, values = (jax.lax.dynamic_slice_in_dim(x, pair[0], schedule.chunk_rows, axis=2)
+                                  for x in state)
+        new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
+        weights = jnp.exp(scores - new_max[..., None])
+        rescale = jnp.exp(row_max - new_max)
+        total = rescale * total + jnp.sum(weights, axis=-1)
+        values = rescale[..., None] * values + jnp.einsum("bhqgk,bhkd->bhqgd", weights.astype(v_tile.dtype), v_tile,
+                                                          preferred_element_type=jnp.float32)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(x, new, pair[0], axis=2)
+                     for x, new in zip(state, (new_max, total, values))), None
+
+    if schedule.pairs:
+        state, _ = jax.lax.scan(take_tile, state, schedule.as_array())
+    row_max, total, values = state
+    return (values / total[..., None]).astype(q.dtype), row_max + jnp.log(total)
+
+
+def _attention_forward(layer: _Layer, *inputs):
+    out, log_sum_exp = _forward(layer, *inputs)
+    return out, (*inputs, out, log_sum_exp)
+
+
+def _attention_backward(layer: _Layer, residuals, d_out):
+    """Flash attention's backward: with P a pair's (or block's) probabilities rescored from the row's
+    log-sum-exp and D = Σ_d dO·O per row, dV = Pᵀ·dO, dS = P ⊙ (dO·Vᵀ − D), dQ = dS·K, dK = dSᵀ·Q (times the
+    scale), products in the operands' dtype with fp32 accumulation."""
+    q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, query_segment_ids, out, log_sum_exp = residuals
+    grid, schedule, scale = layer.grid, layer.schedule, layer.scale
+    by_block = (*q.shape[:2], grid.num_anchors, grid.block_size)
+    d_row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+
+    def d_scores(probs, d_out, values, d_row):
+        d_probs = jnp.einsum("...qgd,...kd->...qgk", d_out, values, preferred_element_type=jnp.float32)
+        return (probs * (d_probs - d_row[..., None]) * scale).astype(q.dtype)
+
+    probs = jnp.exp(_block_scores(layer, q, k_blk) - log_sum_exp.reshape(*by_block, -1)[..., None])
+    d_out_by_block, q_by_block = d_out.reshape(*by_block, *d_out.shape[3:]), q.reshape(*by_block, *q.shape[3:])
+    d_v_blk = jnp.einsum("bhnqgk,bhnqgd->bhnkd", probs.astype(d_out.dtype), d_out_by_block,
+                         preferred_element_type=jnp.float32)
+    d_block = d_scores(probs, d_out_by_block, v_blk.reshape(*by_block, -1), d_row.reshape(*by_block, -1))
+    d_q = jnp.einsum("bhnqgk,bhnkd->bhnqgd", d_block, k_blk.reshape(*by_block, -1),
+                     preferred_element_type=jnp.float32).reshape(q.shape)
+    d_k_blk = jnp.einsum("bhnqgk,bhnqgd->bhnkd", d_block, q_by_block, preferred_element_type=jnp.float32)
+
+    def add_at(x, update, start):
+        piece = jax.lax.dynamic_slice_in_dim(x, start, update.shape[2], axis=2)
+        return jax.lax.dynamic_update_slice_in_dim(x, piece + update, start, axis=2)
+
+    def give_back(grads, pair):
+        d_q, d_k_ctx, d_v_ctx = grads
+        scores, q_chunk = _pair_scores(layer, q, k_ctx, context_segment_ids, query_segment_ids, pair)
+        k_tile, v_tile = (jax.lax.dynamic_slice_in_dim(x, pair[2], schedule.width, axis=2) for x in (k_ctx, v_ctx))
+        d_out_chunk, log_sum_exp_chunk, d_row_chunk = (
+            jax.lax.dynamic_slice_in_dim(x, pair[0], schedule.chunk_rows, axis=2)
+            for x in (d_out, log_sum_exp, d_row))
+        probs = jnp.exp(scores - log_sum_exp_chunk[..., None])
+        d_pair = d_scores(probs, d_out_chunk, v_tile, d_row_chunk)
+        d_v_tile = jnp.einsum("bhqgk,bhqgd->bhkd", probs.astype(d_out.dtype), d_out_chunk,
+                              preferred_element_type=jnp.float32)
+        d_k_tile = jnp.einsum("bhqgk,bhqgd->bhkd", d_pair, q_chunk, preferred_element_type=jnp.float32)
+        d_q_chunk = jnp.einsum("bhqgk,bhkd->bhqgd", d_pair, k_tile, preferred_element_type=jnp.float32)
+        return (add_at(d_q, d_q_chunk, pair[0]), add_at(d_k_ctx, d_k_tile, pair[2]),
+                add_at(d_v_ctx, d_v_tile, pair[2])), None
+
+    d_k_ctx, d_v_ctx = jnp.zeros(k_ctx.shape, jnp.float32), jnp.zeros(v_ctx.shape, jnp.float32)
+    if schedule.pairs:
+        (d_q, d_k_ctx, d_v_ctx), _ = jax.lax.scan(give_back, (d_q, d_k_ctx, d_v_ctx), schedule.as_array())
+    grads = (d_q, d_k_ctx, d_v_ctx, d_k_blk.reshape(k_blk.shape), d_v_blk.reshape(v_blk.shape))
+    return (*(g.astype(x.dtype) for g, x in zip(grads, (q, k_ctx, v_ctx, k_blk, v_blk))), None, None)
+
+
+_attention.defvjp(_attention_forward, _attention_backward)
+
+
+def _block_scores(layer: _Layer, q, k_blk) -> jax.Array:
+    """[b, Hkv, N, B, group, B] fp32: each row's scores against its own block's slots (k' <= k on sliding
+    layers)."""
+    grid = layer.grid
+    by_block = (*q.shape[:2], grid.num_anchors, grid.block_size)
+    scores = jnp.einsum("bhnqgd,bhnkd->bhnqgk", q.reshape(*by_block, *q.shape[3:]), k_blk.reshape(*by_block, -1),
+                        preferred_element_type=jnp.float32) * layer.scale
+    if layer.window is None:
+        return scores
+    slot = np.arange(grid.block_size)
+    causal = block_rule(slot[:, None], slot[None, :], grid.block_size, causal=True)  # [B, B]
+    return jnp.where(causal[:, None, :], scores, MASKED_SCORE)
+
+
+def _pair_scores(layer: _Layer, q, k_ctx, context_segment_ids, query_segment_ids, pair) -> tuple[jax.Array, jax.Array]:
+    """One pair's masked context scores [b, Hkv, rows, group, width] (fp32) and its chunk's queries."""
+    grid, window, schedule = layer.grid, layer.window, layer.schedule
+    row_start, row_low, key_start, key_low = (pair[i] for i in range(4))
+    q_chunk = jax.lax.dynamic_slice_in_dim(q, row_start, schedule.chunk_rows, axis=2)
+    k_tile = jax.lax.dynamic_slice_in_dim(k_ctx, key_start, schedule.width, axis=2)
+    scores = jnp.einsum("bhqgd,bhkd->bhqgk", q_chunk, k_tile, preferred_element_type=jnp.float32) * layer.scale
+    # Each row's anchor and slot read from constant tables: computing them from the row index would repeat
+    # integer divisions in every fusion over the scores.
+    anchors, slots = (jax.lax.dynamic_slice_in_dim(jnp.asarray(table), row_start, schedule.chunk_rows)
+                      for table in (grid.query_anchors, grid.query_slots))
+    rows = row_start + jnp.arange(schedule.chunk_rows)
+    keys = key_start + jnp.arange(schedule.width)
+    visible = (context_rule(anchors[:, None], slots[:, None], keys[None, :], window)
+               & (rows >= row_low)[:, None] & (keys >= key_low)[None, :])
+    query_segment = jax.lax.dynamic_slice_in_dim(query_segment_ids, row_start, schedule.chunk_rows, axis=1)
+    key_segment = jax.lax.dynamic_slice_in_dim(context_segment_ids, key_start, schedule.width, axis=1)
+    visible = visible[None] & (query_segment[:, :, None] == key_segment[:, None, :])  # [b, rows, width]
+    return jnp.where(visible[:, None, :, None, :], scores, MASKED_SCORE), q_chunk
 
 
 def cached_dflash_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, k_blk: jax.Array, v_blk: jax.Array,

@@ -130,9 +130,9 @@ def base_config() -> ConfigDict:
     # "auto" = splash on TPU, cuDNN on GPU (the target's causal attention; the drafter's runs in XLA there), XLA
     # elsewhere (the target's XLA path walks 512-query chunks); "cudnn" off GPU falls back to XLA with a warning.
     config.attention_impl = "auto"
-    # Blocks per query chunk of the drafter's XLA attention, a memory knob only (the chunks are one scanned body,
-    # ops/dflash_attention.py): 16 blocks of 16 slots score 256 queries at a time, for the 27B drafter's 32 heads
-    # 68 MiB of fp32 scores a row on a sliding layer (a reach of 2,167 positions), 128 MiB on the full layer's last.
+    # Blocks per query chunk of the drafter's XLA attention, a memory knob only (one scan walks every chunk's key
+    # tiles, ops/dflash_attention.py): 16 blocks of 16 slots score 256 queries at a time against a tile of at most
+    # 512 positions, for the 27B drafter's 32 heads 14-16 MiB of fp32 scores a row.
     config.query_chunk_blocks = 16
 
     # Optimisation (design §7).

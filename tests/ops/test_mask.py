@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.ops.attention import grouped_attention
-from dflash_jax.ops.dflash_attention import (PREFIX_RUNS, PREFIX_WASTE, chunk_runs, context_reach,
-                                            dflash_attention, reach_start)
+from dflash_jax.ops.dflash_attention import KEY_TILE, context_reach, dflash_attention, tile_schedule
 from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.mask import dense_mask, position_mask, tile_fraction
 from tests.torch_reference import reference_mask
@@ -131,10 +130,10 @@ def _attention_inputs(grid: AnchorGrid, seed: int, q_heads=4, kv_heads=2, head_d
     return q, k_ctx, v_ctx, k_blk, v_blk
 
 
-def _chunked(grid, window, chunk):
+def _chunked(grid, window, chunk, key_tile=KEY_TILE):
     def attend(q, k_ctx, v_ctx, k_blk, v_blk, segments):
         return dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, segments, segments[:, grid.anchors], grid, window,
-                                0.35, query_chunk_blocks=chunk)
+                                0.35, query_chunk_blocks=chunk, key_tile=key_tile)
     return attend
 
 
@@ -154,37 +153,66 @@ def _output_and_grads(attend, inputs, segments, cotangent):
     return out, grads
 
 
-@pytest.mark.parametrize("grid, window, chunk", [
-    (AnchorGrid(32, 4, 4), None, 1),
-    (AnchorGrid(32, 4, 4), None, 3),  # last chunk shorter
-    (AnchorGrid(32, 4, 4), None, 8),  # one chunk: the whole
-    (AnchorGrid(32, 4, 4), 6, 3),
-    (AnchorGrid(32, 2, 4), 5, 4),  # stride < block
-    (AnchorGrid(32, 8, 4), None, 2),  # stride > block
-    (AnchorGrid(32, 8, 4), 3, 3),
-    (AnchorGrid(64, 4, 4), None, 3),  # four runs of full reach and a shorter last chunk
-    (AnchorGrid(64, 4, 4), 9, 3),  # the last chunks' windows moved back into the row
-    (AnchorGrid(32, 4, 4), 100, 3),  # a window wider than the row
-], ids=str)
-def test_dflash_attention_equals_dense(grid, window, chunk):
-    """Forward and gradients of the chunked attention equal dense attention under the oracle mask."""
+ATTENTION_CASES = [  # grid, window, query chunk blocks, key tile
+    (AnchorGrid(32, 4, 4), None, 1, KEY_TILE),
+    (AnchorGrid(32, 4, 4), None, 3, KEY_TILE),  # last chunk shorter
+    (AnchorGrid(32, 4, 4), None, 8, KEY_TILE),  # one chunk: the whole
+    (AnchorGrid(32, 4, 4), None, 3, 5),  # several tiles a chunk
+    (AnchorGrid(32, 4, 4), 6, 3, 7),  # a tile and the last chunk moved back into the row
+    (AnchorGrid(32, 2, 4), 5, 4, 5),  # stride < block
+    (AnchorGrid(32, 8, 4), None, 2, 5),  # stride > block
+    (AnchorGrid(32, 8, 4), 3, 3, KEY_TILE),
+    (AnchorGrid(64, 4, 4), None, 3, 7),
+    (AnchorGrid(64, 4, 4), 9, 3, 4),
+    (AnchorGrid(32, 4, 4), 100, 3, 6),  # a window wider than the row
+]
+
+
+@pytest.mark.parametrize("grid, window, chunk, key_tile", ATTENTION_CASES, ids=str)
+def test_dflash_attention_equals_dense(grid, window, chunk, key_tile):
+    """Forward and gradients of the tiled attention (its own backward) equal dense attention under the oracle
+    mask and autodiff."""
     inputs = _attention_inputs(grid, seed=chunk)
     segments = jnp.asarray(_segments(grid.seq_len))
     cotangent = jax.random.normal(jax.random.key(7), inputs[0].shape)
-    out, grads = _output_and_grads(_chunked(grid, window, chunk), inputs, segments, cotangent)
+    out, grads = _output_and_grads(_chunked(grid, window, chunk, key_tile), inputs, segments, cotangent)
     expected_out, expected_grads = _output_and_grads(_dense(grid, window), inputs, segments, cotangent)
     np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
     for name, grad, expected_grad in zip(("q", "k_ctx", "v_ctx", "k_blk", "v_blk"), grads, expected_grads):
         np.testing.assert_allclose(grad, expected_grad, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_dflash_attention_keeps_dtype_and_checks_shapes():
+def test_cases_move_a_tile_and_a_chunk_back_into_the_row():
+    """The clipped tile and chunk (their counted part starting past their start) are among the cases above."""
+    schedules = [tile_schedule(grid, window, chunk, key_tile) for grid, window, chunk, key_tile in ATTENTION_CASES]
+    assert any((s.key_start < s.key_low).any() and (s.row_start < s.row_low).any() for s in schedules)
+
+
+def test_dflash_attention_in_bf16_matches_fp32():
+    """bf16 operands (the step's compute dtype): output and gradients within bf16 rounding of the fp32 ones."""
+    grid = AnchorGrid(64, 4, 4)
+    inputs = _attention_inputs(grid, seed=5, head_dim=16)
+    segments = jnp.asarray(_segments(grid.seq_len))
+    cotangent = jax.random.normal(jax.random.key(8), inputs[0].shape)
+    attend = _chunked(grid, 9, 3, key_tile=8)
+    out, grads = _output_and_grads(attend, [x.astype(jnp.bfloat16) for x in inputs], segments,
+                                   cotangent.astype(jnp.bfloat16))
+    expected_out, expected_grads = _output_and_grads(attend, inputs, segments, cotangent)
+    assert out.dtype == jnp.bfloat16 and all(grad.dtype == jnp.bfloat16 for grad in grads)
+    np.testing.assert_allclose(out.astype(jnp.float32), expected_out, rtol=3e-2, atol=3e-2)
+    for grad, expected_grad in zip(grads, expected_grads):
+        scale = float(jnp.max(jnp.abs(expected_grad)))
+        assert float(jnp.max(jnp.abs(grad.astype(jnp.float32) - expected_grad))) < 3e-2 * scale
+
+
+def test_dflash_attention_checks_shapes_and_sizes():
     grid = AnchorGrid(16, 4, 4)
-    inputs = [x.astype(jnp.bfloat16) for x in _attention_inputs(grid, seed=0)]
+    inputs = _attention_inputs(grid, seed=0)
     segments = jnp.zeros((3, 16), jnp.int32)
-    assert jax.jit(_chunked(grid, None, 2))(*inputs, segments).dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="k_ctx has shape"):
         _chunked(grid, None, 2)(inputs[0], inputs[1][:, :8], *inputs[2:], segments)
+    with pytest.raises(ValueError, match="key_tile must be >= 1"):
+        _chunked(grid, None, 2, key_tile=0)(*inputs, segments)
 
 
 def _largest_array(jaxpr) -> int:
@@ -198,23 +226,16 @@ def _largest_array(jaxpr) -> int:
     return largest
 
 
-def _chunk_scores(grid, window, batch, q_heads, chunk) -> int:
-    """Element count of the largest per-chunk score array the documented bound allows: a chunk's C*B queries
-    against its run's context reach, or against their own block's B slots if that is wider."""
-    widest = max([grid.block_size] + [run.reach for run in chunk_runs(grid, window, chunk)])
-    return batch * q_heads * chunk * grid.block_size * widest
-
-
 @pytest.mark.parametrize("window", [None, 9])
-def test_chunked_attention_never_builds_full_scores(window):
+def test_tiled_attention_never_builds_full_scores(window):
+    """Forward and backward hold one pair's scores (a chunk's rows against a key tile) and each row's scores
+    against its own block, never a row's whole context."""
     grid = AnchorGrid(64, 4, 4)
     inputs = _attention_inputs(grid, seed=1, head_dim=1)  # 1-wide heads, so the scores are the largest arrays
     segments = jnp.asarray(_segments(grid.seq_len))
     batch, q_heads = inputs[0].shape[0], inputs[0].shape[2]
     full_scores = batch * q_heads * grid.num_queries * (grid.seq_len + grid.num_queries)
-    chunk = 2
-    chunk_scores = _chunk_scores(grid, window, batch, q_heads, chunk)
-    assert chunk_scores * 4 < full_scores
+    own_blocks = batch * q_heads * grid.num_queries * grid.block_size
 
     def largest(attend):
         forward = jax.make_jaxpr(attend)(*inputs, segments).jaxpr
@@ -223,15 +244,19 @@ def test_chunked_attention_never_builds_full_scores(window):
                                            argnums=(0, 1, 2, 3, 4)))(*inputs).jaxpr
         return max(_largest_array(forward), _largest_array(backward))
 
-    assert largest(_chunked(grid, window, chunk)) == chunk_scores
-    # The same measurement does see a chunk's scores grow with the chunk: one chunk covers every query.
-    single = _chunk_scores(grid, window, batch, q_heads, grid.num_anchors)
-    assert largest(_chunked(grid, window, grid.num_anchors)) == single > 4 * chunk_scores
+    sizes = {}
+    for chunk, key_tile in ((4, 16), (16, 16), (16, KEY_TILE)):
+        schedule = tile_schedule(grid, window, chunk, key_tile)
+        pair_scores = batch * q_heads * schedule.chunk_rows * schedule.width
+        sizes[chunk, key_tile] = largest(_chunked(grid, window, chunk, key_tile))
+        assert sizes[chunk, key_tile] == max(pair_scores, own_blocks)
+    # The measurement does see the scores grow with the pair: one chunk over whole-reach tiles is over 4x.
+    assert 4 * sizes[4, 16] < full_scores and 4 * sizes[4, 16] < sizes[16, KEY_TILE]
 
 
 def _score_elements(jaxpr, head_dim: int) -> int:
     """Elements of every matmul output that is a score array (its last axis is not head_dim), nested
-    jaxprs included."""
+    jaxprs included (a loop's body once)."""
     total = 0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general" and eqn.outvars[0].aval.shape[-1] != head_dim:
@@ -242,54 +267,56 @@ def _score_elements(jaxpr, head_dim: int) -> int:
 
 
 @pytest.mark.parametrize("window", [None, 9])
-def test_scores_cover_each_runs_reach_and_own_blocks_only(window):
-    """The forward's one scan body per run scores a chunk's queries against the run's context reach plus their
+def test_scores_are_one_pair_and_the_own_blocks(window):
+    """The forward scores a chunk's queries against one key tile per trip of its scan, and every row against its
     own block's B slots: never another block's slots (the dense form's N*B x N*B block part, all but B x B per
     block masked)."""
     grid, chunk, head_dim = AnchorGrid(64, 4, 4), 3, 6
     inputs = _attention_inputs(grid, seed=2, head_dim=head_dim)
     segments = jnp.asarray(_segments(grid.seq_len))
     batch, q_heads = inputs[0].shape[0], inputs[0].shape[2]
-    expected = sum(batch * q_heads * run.blocks * grid.block_size * (run.reach + grid.block_size)
-                   for run in chunk_runs(grid, window, chunk))
-    forward = jax.make_jaxpr(_chunked(grid, window, chunk))(*inputs, segments).jaxpr
+    schedule = tile_schedule(grid, window, chunk, 8)
+    expected = batch * q_heads * (schedule.chunk_rows * schedule.width + grid.num_queries * grid.block_size)
+    forward = jax.make_jaxpr(_chunked(grid, window, chunk, 8))(*inputs, segments).jaxpr
     assert _score_elements(forward, head_dim) == expected
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 9, 40, 100])
 @pytest.mark.parametrize("grid", [AnchorGrid(64, 4, 4), AnchorGrid(64, 2, 4), AnchorGrid(96, 8, 4)], ids=str)
-@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 100])
-def test_chunk_runs_cover_every_chunks_reach(grid, window, chunk):
-    """The runs tile the blocks in chunks of `chunk` (a shorter last one), and each chunk's scored positions
-    [start, start + reach) hold every context position its anchors see; at most PREFIX_RUNS prefix runs, one
-    windowed run and the shorter last chunk's, whatever the number of chunks."""
-    runs = chunk_runs(grid, window, chunk)
-    assert len(runs) <= PREFIX_RUNS + 2 and sum(run.windowed for run in runs) <= 2
-    first = 0
-    for run in runs:
-        assert run.first_block == first and 0 <= run.reach <= grid.seq_len
-        for index in range(run.chunks):
-            begin = run.first_block + index * run.blocks
-            start, stop = context_reach(grid, window, begin, begin + run.blocks)
-            scored = int(reach_start(grid, window, run, int(grid.anchors[begin])))
-            assert scored <= start and stop <= scored + run.reach, (run, begin)
-        first = run.end_block
-    assert first == grid.num_anchors
-    assert [run.blocks for run in runs[:-1]] == [min(chunk, grid.num_anchors)] * (len(runs) - 1)
+@pytest.mark.parametrize("chunk, key_tile", [(1, 5), (2, KEY_TILE), (3, 7), (7, 4), (100, 9)])
+def test_tiles_count_every_chunks_reach_once(grid, window, chunk, key_tile):
+    """Each chunk's pairs count its rows (in order, every row once over the chunks) and positions that hold its
+    reach, no position twice, scoring less than one tile beyond it; every slice lies in the row."""
+    schedule = tile_schedule(grid, window, chunk, key_tile)
+    blocks = min(chunk, grid.num_anchors)
+    assert schedule.chunk_rows == blocks * grid.block_size and schedule.width <= max(key_tile, 1)
+    for first in range(0, grid.num_anchors, blocks):
+        start, stop = context_reach(grid, window, first, min(first + blocks, grid.num_anchors))
+        mine = schedule.row_low == first * grid.block_size
+        rows = set(range(first * grid.block_size, min(first + blocks, grid.num_anchors) * grid.block_size))
+        counted = []
+        for row_start, row_low, key_start, key_low in zip(*(getattr(schedule, name)[mine] for name in (
+                "row_start", "row_low", "key_start", "key_low"))):
+            assert set(range(row_low, row_start + schedule.chunk_rows)) == rows and row_start >= 0
+            assert 0 <= key_start <= key_low and key_start + schedule.width <= grid.seq_len
+            counted += range(key_low, key_start + schedule.width)
+        assert len(counted) == len(set(counted)) and set(range(start, stop)) <= set(counted)
+        assert mine.sum() * schedule.width < max(stop - start, 1) + schedule.width
+    assert sorted(schedule.row_low) == list(schedule.row_low)
 
 
 @pytest.mark.parametrize("window", [None, 2048])
-def test_runs_score_at_most_a_quarter_more_than_each_chunks_reach(window):
-    """The 27B recipe's grid (T 4096, stride 8, B 16) in chunks of 16 blocks: a layer's runs score at most
-    PREFIX_WASTE times the context positions each chunk's own reach holds; a sliding layer (W 2048) scans the
-    chunks whose window lies in the row in one run of the window's width."""
+def test_tiles_score_at_most_a_tenth_more_than_each_chunks_reach(window):
+    """The 27B recipe's grid (T 4096, stride 8, B 16) in chunks of 16 blocks: a layer's pairs score at most 1.1
+    times the context positions each chunk's own reach holds; a sliding layer's windowed chunks (reach (C-1)*S +
+    W - 1) fill whole tiles."""
     grid, chunk = AnchorGrid(4096, 8, 16), 16
     needed = sum(np.subtract(*context_reach(grid, window, first, first + chunk)[::-1])
                  for first in range(0, grid.num_anchors, chunk))
-    runs = chunk_runs(grid, window, chunk)
-    assert needed < sum(run.chunks * run.reach for run in runs) <= needed * PREFIX_WASTE
+    schedule = tile_schedule(grid, window, chunk)
+    assert needed < schedule.pairs * schedule.width <= needed * 1.1
     if window is not None:
-        assert runs[-1].windowed and runs[-1].chunks == 16 and runs[-1].reach == 15 * 8 + 2047
+        assert schedule.width * 5 == 15 * 8 + 2047 + 3  # five tiles of 434 positions
 
 
 def _equations(jaxpr) -> int:
@@ -299,17 +326,16 @@ def _equations(jaxpr) -> int:
 
 @pytest.mark.parametrize("window", [None, 9])
 def test_program_does_not_grow_with_the_chunk_count(window):
-    """Forward and backward of 16 and 32 chunks are programs of the same size, and no chunking's program is
-    larger than PREFIX_RUNS + 2 one-chunk programs: one scan body per run, not code per chunk."""
+    """Forward and backward are programs of one size whatever the chunking (a shorter last chunk included):
+    one scan body each, not code per chunk."""
     grid = AnchorGrid(64, 2, 4)  # 32 blocks
     inputs = _attention_inputs(grid, seed=3)
     segments = jnp.asarray(_segments(grid.seq_len))
 
     def size(chunk):
-        attend = _chunked(grid, window, chunk)
+        attend = _chunked(grid, window, chunk, key_tile=8)
         backward = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(attend(*a, segments)), argnums=(0, 1, 2, 3, 4)))
         return _equations(backward(*inputs).jaxpr)
 
-    sizes = {chunk: size(chunk) for chunk in (32, 8, 2, 1)}
-    assert sizes[2] == sizes[1]
-    assert max(sizes.values()) <= (PREFIX_RUNS + 2) * sizes[32], sizes
+    sizes = {chunk: size(chunk) for chunk in (32, 8, 5, 2, 1)}
+    assert len(set(sizes.values())) == 1, sizes

@@ -17,7 +17,7 @@ from flax import nnx
 
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.anchors import AnchorGrid
-from dflash_jax.ops.dflash_attention import chunk_runs
+from dflash_jax.ops.dflash_attention import tile_schedule
 from dflash_jax.ops.mask import position_mask
 from dflash_jax.planning import compare as plan_compare
 from dflash_jax.planning.chips import chip_named
@@ -76,16 +76,16 @@ def counted_step_flops(config, target, drafter, drafter_config) -> float:
     return config.data.batch_size * (target_flops + 3 * drafter_flops + 2 * head_flops)
 
 def scored_beyond_the_mask(config, drafter, drafter_config) -> float:
-    """FLOPs of the drafter attention's scores that the mask discards: each query chunk scores its run's whole
-    reach (`chunk_runs`) and its own block, of which the model counts only the visible positions; forward and
-    backward (3x), QK^T and PV."""
+    """FLOPs of the drafter attention's scores that the mask discards: each query chunk scores its key tiles
+    (`tile_schedule`) and each row its own block, of which the model counts only the visible positions; forward
+    and backward (3x), QK^T and PV."""
     grid = AnchorGrid(config.data.seq_len, config.data.anchor_stride, config.drafter.block_size)
     extra = 0
     for index, layer_type in enumerate(drafter_config.layer_types):
         window = drafter_config.sliding_window if layer_type == "sliding_attention" else None
         width = nnx.state(drafter, nnx.Param)["layers"][index]["self_attn"]["q_proj"]["kernel"].shape[1]
-        scored = sum(run.chunks * run.blocks * grid.block_size * (run.reach + grid.block_size)
-                     for run in chunk_runs(grid, window, config.query_chunk_blocks))
+        schedule = tile_schedule(grid, window, config.query_chunk_blocks)
+        scored = schedule.pairs * schedule.chunk_rows * schedule.width + grid.num_queries * grid.block_size
         extra += 4 * width * (scored - int(position_mask(grid, window).sum()))
     return config.data.batch_size * 3 * extra
 
