@@ -7,7 +7,7 @@ each row's running maximum m, exponential sum l and weighted values acc start fr
 tile at a time; the output is acc / l.
 
 The context part pairs query chunks of C blocks with key tiles of a fixed width (`tile_schedule`): a chunk's
-tiles cover the positions its static anchors can see (`context_reach`), the last tile at most one tile wider.
+tiles cover the positions its static anchors can see (`context_reach`), scoring less than one tile beyond them.
 The pairs are a flat, statically known list and one `lax.scan` visits them all, so the compiled program is the
 same whatever the chunk count (and so is its compile time) and one pair's scores are alive at a time. The
 backward is flash attention's (a `jax.custom_vjp`): from the output and each row's log-sum-exp it rescores each
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -84,12 +85,12 @@ def tile_schedule(grid: AnchorGrid, window: int | None, query_chunk_blocks: int,
     firsts = range(0, grid.num_anchors, blocks)
     reaches = [context_reach(grid, window, first, min(first + blocks, grid.num_anchors)) for first in firsts]
     widest = max(stop - start for start, stop in reaches)
-    width = -(-widest // max(1, -(-widest // key_tile))) if widest else 0
+    width = math.ceil(widest / math.ceil(widest / key_tile)) if widest else 0  # the fewest tiles for the widest
     pairs = []
     for first, (start, stop) in zip(firsts, reaches):
         row_low = first * grid.block_size
         row_start = min(row_low, grid.num_queries - chunk_rows)
-        for key_low in range(start, stop, width or 1):
+        for key_low in range(start, stop, max(width, 1)):
             pairs.append((row_start, row_low, min(key_low, grid.seq_len - width), key_low))
     columns = np.asarray(pairs, dtype=np.int32).reshape(-1, 4).T
     return TileSchedule(chunk_rows, width, *columns)
@@ -245,7 +246,7 @@ def _attention_backward(layer: _Layer, residuals, d_out):
         return (add_at(d_q, d_q_chunk, pair[0]), add_at(d_k_ctx, d_k_tile, pair[2]),
                 add_at(d_v_ctx, d_v_tile, pair[2])), None
 
-    d_k_ctx, d_v_ctx = jnp.zeros(k_ctx.shape, jnp.float32), jnp.zeros(v_ctx.shape, jnp.float32)
+    d_k_ctx, d_v_ctx = (jnp.zeros_like(x, jnp.float32) for x in (k_ctx, v_ctx))
     if schedule.pairs:
         (d_q, d_k_ctx, d_v_ctx), _ = jax.lax.scan(give_back, (d_q, d_k_ctx, d_v_ctx), schedule.as_array())
     grads = (d_q, d_k_ctx, d_v_ctx, d_k_blk.reshape(k_blk.shape), d_v_blk.reshape(v_blk.shape))
