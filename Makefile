@@ -7,7 +7,9 @@ PY := $(VENV)/bin/python
 METHOD ?= dflash
 SPEC_VENV := .venv-speculators
 SPEC_PY := $(SPEC_VENV)/bin/python
-export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+# 8 simulated devices for the mesh tests. They share the machine's cores, so one device can reach a collective long
+# after the others: past XLA:CPU's default of 40 s the process aborts, which a loaded 2-core machine can exceed.
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=600
 
 .PHONY: venv test test-slow test-tpu-plan test-gpu-plan demo clean
 

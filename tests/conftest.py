@@ -3,7 +3,9 @@ one persistent XLA compilation cache for the session."""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax is imported
+# before jax is imported; the collective timeout as the Makefile's (simulated devices share the cores)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                      "--xla_cpu_collective_call_terminate_timeout_seconds=600")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
