@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dflash_jax.models.layers import INIT_STD, Linear, param
@@ -63,13 +64,19 @@ def block_convolution(x: jax.Array, delta: jax.Array, base: jax.Array, block_siz
     [K, H] -> out[i, c] = Σ_{t < K, slot(i) ≥ t} (base[t, c] + delta[i, t, c // (H/G)]) · x[i − t, c]."""
     *lead, rows, hidden = x.shape
     taps, groups = delta.shape[-2:]
-    blocks = x.reshape(*lead, rows // block_size, block_size, groups, hidden // groups).astype(jnp.float32)
-    delta = delta.reshape(*blocks.shape[:-2], taps, groups).astype(jnp.float32)
-    base = base.reshape(taps, groups, hidden // groups).astype(jnp.float32)
+    # The hidden axis stays whole and minor, and each group's delta reaches its H/G channels through a 0/1 matmul
+    # (exact at HIGHEST precision): a [groups, H/G] split, of x or in a repeat's intermediate, would put H/G
+    # channels (16 in the recipes) on the minor axis, which TPU pads to 128 lanes, 8 times the memory of every
+    # such array the backward keeps.
+    blocks = x.reshape(*lead, rows // block_size, block_size, hidden).astype(jnp.float32)
+    spread = np.repeat(np.eye(groups, dtype=np.float32), hidden // groups, axis=1)  # [G, H]: channel c's group
+    delta = jnp.einsum("...g,gh->...h", delta.astype(jnp.float32), spread, precision=jax.lax.Precision.HIGHEST)
+    delta = delta.reshape(*blocks.shape[:-1], taps, hidden)
+    base = base.astype(jnp.float32)
     out = jnp.zeros_like(blocks)
     for tap in range(taps):  # tap t reads the slot t earlier in the same block; the first t slots have none
-        earlier = jnp.pad(blocks[..., :block_size - tap, :, :], [(0, 0)] * (len(lead) + 1) + [(tap, 0), (0, 0), (0, 0)])
-        out = out + (base[tap] + delta[..., tap, :, None]) * earlier
+        earlier = jnp.pad(blocks[..., :block_size - tap, :], [(0, 0)] * (len(lead) + 1) + [(tap, 0), (0, 0)])
+        out = out + (base[tap] + delta[..., tap, :]) * earlier
     return out.reshape(x.shape).astype(x.dtype)
 
 
