@@ -14,20 +14,49 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8 --xla_cpu_collectiv
 .PHONY: venv test test-slow test-tpu-plan test-gpu-plan demo clean
 
 # The package alone (what `make demo` needs), then the test extras (torch for the PyTorch references, pytest).
-$(VENV)/.base-installed: pyproject.toml
+# The package set is launch/constraints.txt's (what TPU and GPU hosts install; pyproject's floors are its
+# versions); `make test-py312` tests the newest instead (CONSTRAINTS=, below).
+CONSTRAINTS ?= -c launch/constraints.txt
+$(VENV)/.base-installed: pyproject.toml launch/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q $(CONSTRAINTS) -e .
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.base-installed
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 -m "not slow and not tpu_plan and not gpu_plan" --durations=25 tests
+
+# Python 3.12 with the newest JAX, Flax and Orbax the registry serves it (JAX 0.12 needs Python >= 3.12), in a
+# venv of its own: the toy trained, resumed, evaluated and exported through the command line, then the models'
+# parity with transformers and the drafter's with its PyTorch reference (tests/models' parity tests). Its torch
+# is the registry's one build for 3.12, the CUDA one (about 3 GB of wheels; it runs on the CPU). A few minutes.
+# `make test VENV=.venv-py312 CONSTRAINTS=` then runs the whole suite there (README).
+PYTHON312 ?= $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || \
+	PYENV_VERSION=$$(pyenv latest 3.12 2>/dev/null) pyenv which python3.12 2>/dev/null)
+PY312_VENV := .venv-py312
+PY312_RUN := out/py312
+.PHONY: venv-py312 test-py312
+venv-py312:
+	@test -n "$(PYTHON312)" || { echo "make venv-py312: no Python 3.12 found; give one: PYTHON312=/path/to/python3.12"; exit 2; }
+	$(MAKE) --no-print-directory PYTHON=$(PYTHON312) VENV=$(PY312_VENV) CONSTRAINTS= $(PY312_VENV)/.installed
+
+test-py312: venv-py312
+	$(PY312_VENV)/bin/python -c 'import sys, jax, flax, orbax.checkpoint as ocp; print("Python", sys.version.split()[0], "jax", jax.__version__, "flax", flax.__version__, "orbax", ocp.__version__)'
+	rm -rf $(PY312_RUN)
+	env -u XLA_FLAGS $(PY312_VENV)/bin/dflash-jax train --config configs/toy.py --workdir $(PY312_RUN)/run \
+		--config.total_steps=8 --config.checkpoint_every=4
+	env -u XLA_FLAGS $(PY312_VENV)/bin/dflash-jax train --config configs/toy.py --workdir $(PY312_RUN)/run \
+		--config.total_steps=12 --config.checkpoint_every=4
+	env -u XLA_FLAGS $(PY312_VENV)/bin/dflash-jax evaluate --config configs/toy.py --workdir $(PY312_RUN)/run \
+		--config.eval_prompts=2 --max_new_tokens 16 --json $(PY312_RUN)/eval.json
+	env -u XLA_FLAGS $(PY312_VENV)/bin/dflash-jax export --workdir $(PY312_RUN)/run --out $(PY312_RUN)/drafter
+	$(PY312_VENV)/bin/python -m pytest -q -n 2 -m "not slow" -k "parity or torch_reference or rope" tests/models
 
 # Two workers, each taking whole files (a file's fixtures, the demo's run among them, are built once). The demo's
 # run is kept in out/demo_test for `make test-vllm TOY_RUN=out/demo_test/run` (.ci/run), which serves its drafter.
@@ -61,7 +90,7 @@ test-gpu-plan: $(VENV)/.installed $(CUDAPLAN_DIR)/.installed
 	JAX_PLATFORMS=cpu PYTHONPATH=$(CUDAPLAN_DIR) $(PY) -m pytest -q -m gpu_plan tests
 
 clean:
-	rm -rf $(VENV) $(LIBTPU_DIR) $(CUDAPLAN_DIR) out
+	rm -rf $(VENV) $(PY312_VENV) $(LIBTPU_DIR) $(CUDAPLAN_DIR) out
 
 # The whole job on the bundled toy target: train a drafter (progress bar), print exact and DDTree τ of the
 # trained and the untrained drafter on the held-out prompts, export it for vLLM (the export prints the
@@ -105,6 +134,25 @@ test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(VLLM_PY) tests/serving/check_vllm_dflash2.py out/vllm
 	$(PY) tests/serving/compare_with_project.py out/vllm
 	$(PY) tests/serving/check_regenerate_server.py --vllm-python $(VLLM_PY) out/vllm
+
+# vLLM TPU (tpu-inference) reading and running the `dflash` exports (tests/serving_tpu/): its config handling,
+# weight loader and JAX DFlash model on CPU, against the project's draft logits. Its own venv on Python 3.12 (all
+# that vllm-tpu is built for): a pyenv 3.12 where there is one, else python3.12 from PATH.
+VLLM_TPU_VENV := .venv-vllm-tpu
+VLLM_TPU_PY := $(VLLM_TPU_VENV)/bin/python
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+
+.PHONY: test-vllm-tpu
+
+$(VLLM_TPU_VENV)/.installed: tests/serving_tpu/requirements.txt
+	test -x $(VLLM_TPU_PY) || $(PYTHON312) -m venv $(VLLM_TPU_VENV)
+	$(VLLM_TPU_PY) -m pip install -q --upgrade pip
+	$(VLLM_TPU_PY) -m pip install -q --no-deps -r tests/serving_tpu/requirements.txt
+	touch $@
+
+test-vllm-tpu: $(VENV)/.installed $(VLLM_TPU_VENV)/.installed
+	env -u XLA_FLAGS $(PY) tests/serving_tpu/make_artifacts.py --out out/vllm_tpu
+	env -u XLA_FLAGS $(VLLM_TPU_PY) tests/serving_tpu/check_vllm_tpu.py out/vllm_tpu
 
 # vLLM speculators' trainer beside this one (bench/, and make test-slow's parity test): its own venv
 # (SPEC_VENV, above), since it pins its own torch and transformers. torchvision/torchaudio come with it but fail

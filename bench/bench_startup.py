@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 CHOICE = re.compile(r"config\.mesh left at its defaults: (\w+) layout on data=(\d+),fsdp=(\d+),tensor=(\d+),"
-                    r"dcn_data=(\d+)")
+                    r"context=(\d+),dcn_data=(\d+)")
 
 
 def child(root: Path, workdir: Path, mesh: str | None, layout: str) -> None:
@@ -42,7 +42,7 @@ def child(root: Path, workdir: Path, mesh: str | None, layout: str) -> None:
     config = tiny_config(root / "qwen3", root / "train.jsonl", **{
         "data.batch_size": 8, "hbm_gib": 1.0, "target_layout": layout, "total_steps": 1, "eval_every": 0,
         "compilation_cache_dir": "off"})
-    config.mesh.update(data=1, fsdp=-1, tensor=1, dcn_data=1)
+    config.mesh.update(data=1, fsdp=-1, tensor=1, dcn_data=1, context=1)
     if mesh:
         config.mesh.update({key: int(value) for key, value in (part.split("=") for part in mesh.split(","))})
     start = time.perf_counter()
@@ -87,7 +87,7 @@ def main() -> None:
             if match is None:
                 raise SystemExit("the default-mesh run logged no choice:\n" + log[-3000:])
             chosen = (match.group(1), f"data={match.group(2)},fsdp={match.group(3)},tensor={match.group(4)},"
-                                      f"dcn_data={match.group(5)}")
+                                      f"context={match.group(5)},dcn_data={match.group(6)}")
             times["explicit"].append(run(root, chosen[1], chosen[0])[0])
     medians = {side: statistics.median(values) for side, values in times.items()}
     print(f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} CPUs; chosen: {chosen[0]} layout on "

@@ -43,7 +43,7 @@ from flax import nnx
 from configs import toy
 from dflash_jax.models.dflash import TargetContext, target_labels
 from dflash_jax.models.drafter import DrafterConfig
-from dflash_jax.models.layers import rope_inverse_frequencies
+from dflash_jax.models.layers import rope_frequencies
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
 from dflash_jax.ops.anchors import DrafterInputs, slot_mask
 from dflash_jax.ops.dflash_attention import dflash_attention
@@ -215,7 +215,7 @@ class ProjectSide:
         ctx = jax.random.normal(keys[1], (shape.rows, shape.seq_len, shape.hidden))
         positions, segments = self.batch["positions"], self.batch["segment_ids"]
         inputs = DrafterInputs.from_rows(grid, positions, segments)
-        inv_freq = rope_inverse_frequencies(shape.head_dim, self.drafter_config.rope_theta, None)
+        inv_freq = rope_frequencies(shape.head_dim, self.drafter_config.rope_theta)
         attend = functools.partial(dflash_attention, context_segment_ids=segments,
                                    anchor_segment_ids=inputs.anchor_segment_ids, grid=grid,
                                    query_chunk_blocks=config.query_chunk_blocks)

@@ -1,7 +1,8 @@
 """Device mesh and the one table that maps logical axes, of weights and of activations, onto mesh axes.
 
 Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with parameters/optimizer state sharded over
-it), `tensor` (tensor parallel: heads and MLP columns). Batches are split over (data, fsdp).
+it), `context` (one row's tokens split into contiguous shards, design §19), `tensor` (tensor parallel: heads and
+MLP columns). Batches are split over (data, fsdp), their tokens over context.
 
 Weights carry logical names on their variables (models/layers.py). Activations carry them through
 `constrain(x, axes)` at the points that decide the layout (after the embedding, around attention and MLP,
@@ -19,7 +20,8 @@ from flax.core import spmd
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
+CONTEXT_AXIS = "context"
 BATCH_AXES = ("data", "fsdp")
 
 # logical axis -> mesh axis or axes (None = replicated). The only place that decides how weights and
@@ -53,7 +55,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("expert", "tensor"),
     # Activations (MaxText's activation_* names).
     ("activation_batch", BATCH_AXES),
-    ("activation_length", None),
+    ("activation_length", CONTEXT_AXIS),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
     ("activation_kv_heads", "tensor"),
@@ -107,11 +109,13 @@ def layout_rules(target_layout: str) -> tuple[tuple[str, str | tuple[str, ...] |
     return tuple((name, overrides.get(name, mapped)) for name, mapped in LOGICAL_RULES)
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, dcn_data: int = 1) -> Mesh:
-    """A (data, fsdp, tensor) mesh; one size may be -1 to take the remaining devices.
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, dcn_data: int = 1,
+              context: int = 1) -> Mesh:
+    """A (data, fsdp, context, tensor) mesh; one size may be -1 to take the remaining devices.
 
     Devices are placed by `mesh_utils.create_device_mesh`, which follows the physical topology (TPU tori,
-    GPU ids) so that the last axes, the most communication-heavy (tensor, then fsdp), connect neighbours.
+    GPU ids) so that the last axes, the most communication-heavy (tensor, then context, then fsdp), connect
+    neighbours.
     With dcn_data > 1 the data axis also spans that many slices (TPU multi-slice, or GPU hosts: one
     granule per process) joined by the data-centre network, which then carries only the data axis's
     gradient all-reduce (`create_hybrid_device_mesh`); the sizes given are those within one slice, so the
@@ -119,9 +123,10 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, dcn_
     planned on CPU devices, dflash_jax/planning/plan.py) are taken as consecutive blocks, one per slice.
     """
     devices = list(devices if devices is not None else jax.devices())
-    sizes = [data, fsdp, tensor]
+    sizes = [data, fsdp, context, tensor]
     if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
+        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} context={context} "
+                         f"tensor={tensor}")
     if dcn_data < 1 or len(devices) % dcn_data:
         raise ValueError(f"{len(devices)} devices cannot be split into dcn_data={dcn_data} slices")
     per_slice = len(devices) // dcn_data
@@ -129,10 +134,10 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, dcn_
     if -1 in sizes:
         if per_slice % known:
             raise ValueError(f"{per_slice} devices per slice cannot be split into data={data} fsdp={fsdp} "
-                             f"tensor={tensor}")
+                             f"context={context} tensor={tensor}")
         sizes[sizes.index(-1)] = per_slice // known
     if int(np.prod(sizes)) != per_slice:
-        raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
+        raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x context={sizes[2]} x tensor={sizes[3]} needs "
                          f"{int(np.prod(sizes))} devices per slice, found {per_slice}")
     # TPU granules are slices; GPU devices may carry a slice index too (all 0), but their granules are hosts.
     by_slice = devices[0].platform == "tpu"
@@ -143,9 +148,9 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, dcn_
         placed = np.array(devices).reshape(dcn_data * sizes[0], *sizes[1:])
     else:
         placed = mesh_utils.create_hybrid_device_mesh(
-            sizes, (dcn_data, 1, 1), devices, process_is_granule=not by_slice,
+            sizes, (dcn_data, 1, 1, 1), devices, process_is_granule=not by_slice,
             allow_split_physical_axes=True)
-    return Mesh(placed, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(placed, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def state_shardings(state: nnx.State, mesh: Mesh, target_layout: str = "fsdp") -> nnx.State:
@@ -172,6 +177,17 @@ def active_rules() -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Rows split over (data, fsdp); every other dimension replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def token_sharding(mesh: Mesh) -> NamedSharding:
+    """Training rows [B, T]: rows split over (data, fsdp), their tokens over context (design §19)."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, CONTEXT_AXIS))
+
+
+def context_shards() -> int:
+    """How many shards the current mesh (`constrain`'s) splits a row's tokens into; 1 without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(CONTEXT_AXIS, 1)
 
 
 def spec_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:

@@ -25,6 +25,10 @@ ROWS = {
                   "prompt_id": 81 + i, "category": "writing", "reference": []} for i in range(3)],
     "alpaca": [{"instruction": f"Give {i} tips for staying healthy.", "input": "" if i % 3 else f"context {i}",
                 "output": "o", "text": "t"} for i in range(9)],
+    # LongBench's published JSONL fields (qasper_e.jsonl's): documents of growing length, a question on each.
+    "longbench": [{"input": f"What is item {i}?", "context": " ".join(f"Item {j} is {j * j}." for j in range(8 * i)),
+                   "answers": [str(i * i)], "length": 32 * i, "dataset": "qasper_e", "language": "en",
+                   "all_classes": None, "_id": f"id{i}"} for i in range(1, 5)],
 }
 
 
@@ -63,4 +67,7 @@ def write_sources(base: Path) -> dict:
                           "train": datasets.Dataset.from_list(ROWS["mbpp"][:1])}).save_to_disk(mbpp)
     mt_bench = base / "mt_bench"
     datasets.Dataset.from_list(ROWS["mt-bench"]).save_to_disk(mt_bench)
-    return {"hub": hub, "math500": math500, "humaneval": humaneval, "mbpp": mbpp, "mt-bench": mt_bench}
+    longbench = base / "qasper_e.jsonl"
+    longbench.write_text("".join(json.dumps(row) + "\n" for row in ROWS["longbench"]))
+    return {"hub": hub, "math500": math500, "humaneval": humaneval, "mbpp": mbpp, "mt-bench": mt_bench,
+            "longbench": longbench}

@@ -4,8 +4,11 @@ user would name it: the commands point TensorStore (Orbax's arrays) at it themse
 
 Faults: `unanswering` suspends the server (a bucket that stalls: connections are accepted, nothing answers);
 `stopped` cuts the way to it for a while (connections refused, requests on open ones unanswered); `trapped` runs
-an action (a kill) when a chosen request is on its way, which then never arrives. The last two are the work of a
-`Relay` in front of the server, the address clients and the server's upload URLs name.
+an action (a kill) when a chosen request is on its way, which then never arrives; `held` holds chosen requests
+back (until others have arrived, say). These are the work of a `Relay` in front of the server, the address
+clients and the server's upload URLs name, which also keeps the store's generation preconditions
+(ifGenerationMatch) as GCS does and fake-gcs-server does not on uploads: a conditioned write or delete whose
+object is not at that generation (0: no object) is refused with 412.
 
 The server logs a line per request to a pipe; after a few hundred requests a pipe nobody reads is full and the
 server, blocked on its log, answers nothing more. A thread reads the log as it comes."""
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import http.client
+import json
 import os
 import re
 import shutil
@@ -26,7 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from urllib.parse import unquote
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import pytest
 
@@ -151,6 +156,17 @@ def trapped(trap: Callable[[str], bool], action: Callable[[], None]) -> Iterator
         _server.relay.trap, _server.relay.action = Relay.trap, Relay.action
 
 
+@contextlib.contextmanager
+def held(hold: Callable[[str], None]) -> Iterator[None]:
+    """Until exit, `hold(head)` runs before a request is forwarded to the bucket (of `gcs_server`), in that
+    request's own thread (`Relay`): it may block to hold this request back, without holding back the others."""
+    _server.relay.hold = hold
+    try:
+        yield
+    finally:
+        _server.relay.hold = Relay.hold
+
+
 class Relay:
     """A TCP relay on loopback in front of the server at `port`. Each request is read up to its headers and the
     start of its body (enough to hold an upload's object name) and shown to `trap(head)`, `head` being that text
@@ -168,9 +184,14 @@ class Relay:
     def action() -> None:
         pass
 
+    @staticmethod
+    def hold(head: str) -> None:
+        pass
+
     def __init__(self, port: int):
         self._port = port
         self._lock = threading.Lock()  # one request at a time is shown to `trap`
+        self._preconditions = threading.Lock()  # one conditioned request at a time is checked and carried out
         self._cut = False
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
@@ -247,11 +268,22 @@ class Relay:
             client.settimeout(None)
             if self._cut:
                 return
+            head = unquote(buffer[:wanted].decode("latin-1"))
+            self.hold(head)
             with self._lock:
-                if self.trap(unquote(buffer[:wanted].decode("latin-1"))):
+                if self.trap(head):
                     self.action()
                     return
             end = head_end + length
+            if re.search(r"[?&]ifGenerationMatch=", headers.split("\r\n", 1)[0]):
+                while len(buffer) < end:
+                    data = client.recv(65536)
+                    if not data:
+                        return
+                    buffer += data
+                client.sendall(self._conditioned(headers, buffer[head_end:end]))
+                buffer = buffer[end:]
+                continue
             upstream.sendall(buffer[:end])
             remaining, buffer = max(end - len(buffer), 0), buffer[end:]
             while remaining:
@@ -260,6 +292,41 @@ class Relay:
                     return
                 upstream.sendall(data)
                 remaining -= len(data)
+
+
+    def _conditioned(self, headers: str, body: bytes) -> bytes:
+        """The answer to a request conditioned on its object's generation: 412 if the object is not at it, else
+        the server's, the check and the request done as one (no other conditioned request between them)."""
+        method, target = headers.split(" ", 2)[:2]
+        query = parse_qs(urlsplit(target).query)
+        bucket, name = re.search(r"/b/([^/?]+)/o(?:/([^?]+))?", target).groups()
+        name = unquote(name or "") or query.get("name", [""])[0] or json.loads(
+            re.search(rb"\{.*?\}", body, re.S)[0])["name"]  # a multipart upload names it in its metadata
+        with self._preconditions:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self._port}/storage/v1/b/{bucket}/o/"
+                                            f"{quote(name, safe='')}", timeout=30) as answer:
+                    generation = int(json.load(answer)["generation"])
+            except urllib.error.HTTPError as error:
+                if error.code != 404:
+                    raise
+                generation = 0
+            if generation != int(query["ifGenerationMatch"][0]):
+                refusal = b'{"error": {"code": 412, "message": "conditionNotMet"}}'
+                return (b"HTTP/1.1 412 Precondition Failed\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(refusal) + refusal)
+            fields = dict(map(str.strip, line.split(":", 1)) for line in headers.strip().split("\r\n")[1:])
+            connection = http.client.HTTPConnection("127.0.0.1", self._port, timeout=30)
+            try:
+                connection.request(method, target, body=body, headers=fields)
+                answer = connection.getresponse()
+                content = answer.read()
+            finally:
+                connection.close()
+        kept = "".join(f"{key}: {value}\r\n" for key, value in answer.getheaders()
+                       if key.lower() not in ("content-length", "transfer-encoding", "connection"))
+        return (f"HTTP/1.1 {answer.status} {answer.reason}\r\n{kept}Content-Length: {len(content)}\r\n\r\n"
+                .encode("latin-1") + content)
 
 
 def _pump(source: socket.socket, destination: socket.socket) -> None:

@@ -8,6 +8,7 @@ The embedding and LM head are the target's, passed in (the drafter has none).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -55,14 +56,55 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def rope_tables(dim: int, theta: float, scaling: Mapping | None, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [D/2], cos/sin factor) for default, linear or YaRN RoPE.
+
+    YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension", §3.2-3.4, in transformers' form): a
+    frequency that turns more than beta_fast times over the original window keeps its value, one that turns
+    fewer than beta_slow times is divided by the factor, and the dimensions between blend linearly by index;
+    cos and sin are scaled by 0.1 ln(factor) + 1 (or the mscale / mscale_all_dim ratio, or attention_factor).
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    assert kind == "yarn", kind
+    original = scaling.get("original_max_position_embeddings") or max_positions
+    factor = scaling.get("factor") or max_positions / original
+
+    def index_turning(times: float) -> float:  # the pair index whose frequency turns `times` times over `original`
+        # theta^(-2i/D) * original = 2 pi times  <=>  i = D ln(original / (2 pi times)) / (2 ln theta)
+        return dim * math.log(original / (2 * math.pi * times)) / (2 * math.log(theta))
+
+    first, last = index_turning(scaling.get("beta_fast") or 32), index_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        first, last = math.floor(first), math.ceil(last)
+    first, last = max(first, 0), min(last, dim - 1)
+    last = last if last != first else last + 0.001
+    interpolated = ((torch.arange(dim // 2, dtype=torch.float32) - first) / (last - first)).clamp(0, 1)
+    inv_freq = inv_freq * (1 - interpolated) + (inv_freq / factor) * interpolated
+
+    def magnitude(weight: float) -> float:
+        return 1.0 if factor <= 1 else 1.0 + 0.1 * weight * math.log(factor)
+
+    if scaling.get("attention_factor") is not None:
+        return inv_freq, scaling["attention_factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return inv_freq, magnitude(scaling["mscale"]) / magnitude(scaling["mscale_all_dim"])
+    return inv_freq, magnitude(1.0)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float, scaling: Mapping | None = None,
+           max_positions: int = 0) -> torch.Tensor:
     """Neox (rotate-half) RoPE over the full head dim. x: [b, heads, S, D]; positions: [b, S]."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv_freq, factor = rope_tables(dim, theta, scaling, max_positions)
     angles = positions.float()[..., None] * inv_freq  # [b, S, D/2]
     angles = torch.cat([angles, angles], dim=-1)[:, None]  # [b, 1, S, D]
     first, second = x[..., : dim // 2], x[..., dim // 2:]
-    return x * angles.cos() + torch.cat([-second, first], dim=-1) * angles.sin()
+    return (x * angles.cos() + torch.cat([-second, first], dim=-1) * angles.sin()) * factor
 
 
 class Attention(nn.Module):
@@ -70,7 +112,8 @@ class Attention(nn.Module):
         super().__init__()
         hidden, self.head_dim = config["hidden_size"], config["head_dim"]
         self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-        self.theta = config["rope_theta"]
+        self.rope = dict(theta=config["rope_theta"], scaling=config.get("rope_scaling"),
+                         max_positions=config["max_position_embeddings"])
         self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
@@ -86,8 +129,8 @@ class Attention(nn.Module):
         k = self.k_norm(k).transpose(1, 2)
         v = torch.cat([self.v_proj(ctx), self.v_proj(h)], dim=1).view(batch, keys, self.kv_heads, self.head_dim)
         v = v.transpose(1, 2)
-        q = rotary(q, block_positions, self.theta)
-        k = rotary(k, torch.cat([context_positions, block_positions], dim=1), self.theta)
+        q = rotary(q, block_positions, **self.rope)
+        k = rotary(k, torch.cat([context_positions, block_positions], dim=1), **self.rope)
         group = self.heads // self.kv_heads  # query head i reads kv head i // group
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5
@@ -127,8 +170,6 @@ class ReferenceDrafter(nn.Module):
 
     def __init__(self, config: Mapping):
         super().__init__()
-        if config.get("rope_scaling") is not None:
-            raise NotImplementedError(f"reference drafter implements default RoPE only, got {config['rope_scaling']}")
         hidden = config["hidden_size"]
         num_features = len(config["dflash_config"]["target_layer_ids"])
         self.block_size = config["block_size"]

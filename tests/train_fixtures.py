@@ -192,8 +192,8 @@ def one_step(config: ConfigDict, mesh: Mesh, steps: int = 2) -> list[dict]:
     return history
 
 
-def mesh_of(data: int = 1, fsdp: int = 1, tensor: int = 1) -> Mesh:
-    return make_mesh(data, fsdp, tensor, devices=jax.devices()[: data * fsdp * tensor])
+def mesh_of(data: int = 1, fsdp: int = 1, tensor: int = 1, context: int = 1) -> Mesh:
+    return make_mesh(data, fsdp, tensor, devices=jax.devices()[: data * fsdp * tensor * context], context=context)
 
 
 def training_workdir(tmp_path, steps=(2, 4)):

@@ -20,9 +20,11 @@ Adding a command is one line in COMMANDS.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import pkgutil
 import sys
@@ -49,6 +51,31 @@ COMMANDS = {
 USER_ERROR_EXIT = 2
 CONFIG_FIELDS = "dflash_jax/train/config.py"
 _HELP_FLAGS = ("-h", "--help", "--helpshort", "-help")
+
+
+class _DictParser(flags.ArgumentParser):
+    """`--config.<field>={...}` for a dict field (config.drafter.rope_scaling): JSON or a Python dict literal."""
+
+    def parse(self, argument):
+        if not isinstance(argument, str):
+            return argument
+        try:
+            value = json.loads(argument)
+        except ValueError:
+            try:
+                value = ast.literal_eval(argument)
+            except (SyntaxError, ValueError):
+                value = None
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a dict such as '{{\"rope_type\": \"yarn\", \"factor\": 4.0}}', "
+                             f"got {argument!r}")
+        return value
+
+    def flag_type(self):
+        return "dict"
+
+
+config_flags.register_flag_parser_for_type(dict, _DictParser())
 
 
 def define_config_flag(flag_values: flags.FlagValues) -> flags.FlagHolder:

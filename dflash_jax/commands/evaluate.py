@@ -3,7 +3,8 @@ untrained baseline; optionally (--speed) the decode tokens/s of plain greedy, sp
 
     dflash-jax evaluate --config configs/qwen3_8b.py --workdir /ckpt/run1 \
         [--prompts eval.jsonl] [--json out.json] [--drafter EXPORT_DIR] [--step N] [--num_prompts 32] \
-        [--continuation generate|data] [--max_new_tokens N] [--budgets 8,22] [--speed] [--config.<key>=...]
+        [--continuation generate|data] [--max_new_tokens N] [--budgets 8,22] [--speed] \
+        [--context_bins 4K,8K,16K,32K] [--config.<key>=...]
     dflash-jax evaluate ... --benchmark gsm8k,math500,humaneval,mbpp,mt-bench,alpaca [--num_prompts 128]
 
 `python -m dflash_jax.evaluate` is the same command. The drafter is the latest (or --step) checkpoint of the
@@ -11,7 +12,9 @@ training workdir, or an exported z-lab directory (--drafter). Prompts: JSONL rec
 config.data.eval_files); `generate` continues each prompt with the target's own decode-cached greedy decoding
 (either target family), `data` uses the record's completion / last assistant turn. --benchmark instead
 builds the prompts of the published DFlash/DDTree benchmarks (eval/benchmarks.py) and prints a table of τ per
-benchmark on the target's greedy answers (design §9.6).
+benchmark on the target's greedy answers (design §9.6). τ is also reported by the prompts' context length
+(--context_bins; design §9.7). With `generate`, a record may be a prompt alone (a `prompt` without completion,
+or a chat ending with the user's turn).
 
 On a pod, the same command on every host: the processes join through jax.distributed (config.distributed), each
 evaluates its share of the prompts on its own devices (config.mesh within a host), and the figures join those
@@ -31,7 +34,7 @@ from transformers import AutoTokenizer
 
 from dflash_jax.commands import cli
 from dflash_jax.runtime.errors import ConfigError
-from dflash_jax.eval import benchmarks as bench
+from dflash_jax.eval import benchmarks as bench, context_bins
 from dflash_jax.eval.examples import read_examples, stop_token_ids, with_greedy_continuations
 from dflash_jax.eval.ddtree import ddtree_defined
 from dflash_jax.eval.ddtree_decode import DDTreeGenerator
@@ -76,6 +79,10 @@ flags.register_validator("budgets", lambda values: bool(values) and all(v.isdigi
 _SPEED = flags.DEFINE_bool("speed", False, "Also time plain greedy, speculative and DDTree decoding (the largest "
                            "--budgets).",
                            flag_values=FLAGS)
+_CONTEXT_BINS = flags.DEFINE_list("context_bins", list(context_bins.DEFAULT_EDGES),
+                                  "Upper edges of the context-length bins τ is also reported by (prompt tokens; "
+                                  "4K = 4096): the default gives 0-4K, 4K-8K, 8K-16K, 16K-32K and 32K+.",
+                                  flag_values=FLAGS)
 _JSON = flags.DEFINE_string("json", None, "Write every figure to this JSON file.", flag_values=FLAGS)
 flags.mark_flags_as_required(["config"], flag_values=FLAGS)
 
@@ -89,16 +96,19 @@ def placed(drafter: Drafter, config: DrafterConfig, dtype, sharding) -> Drafter:
 def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = None, step: int | None = None,
         prompts: list[str] | None = None, num_prompts: int | None = None, continuation: str | None = None,
         max_new_tokens: int | None = None, budgets: tuple[int, ...] = DEFAULT_BUDGETS, speed: bool = False,
-        benchmarks: list[str] | None = None, log=print) -> dict:
+        benchmarks: list[str] | None = None, context_edges: tuple[int, ...] | None = None, log=print) -> dict:
     """Everything the CLI prints, as a dict (see the module docstring). Prompts, continuations and budgets
     default to the train-time evaluation's (config.data.eval_files, eval_prompts, eval_continuation,
     eval_max_new_tokens; `train_hook`), so both measure the same τ. `benchmarks` (`--benchmark` entries) puts
-    the trained drafter's figures per benchmark under "benchmarks" instead (num_prompts: samples of each)."""
+    the trained drafter's figures per benchmark under "benchmarks" instead (num_prompts: samples of each).
+    context_edges: τ is also reported per context-length bin (eval/context_bins.py; default its bins)."""
     if benchmarks and (prompts or continuation == "data"):
         raise ConfigError("--benchmark makes its own prompts and scores the target's answers to them: it takes "
                           "neither --prompts nor --continuation=data")
     continuation = "generate" if benchmarks else config.eval_continuation if continuation is None else continuation
     max_new_tokens = config.eval_max_new_tokens if max_new_tokens is None else max_new_tokens
+    if context_edges is None:
+        context_edges = context_bins.parse_edges(context_bins.DEFAULT_EDGES)
     if max_new_tokens < 1:
         raise ConfigError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
     if not config.target_dir:
@@ -122,7 +132,8 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
         examples = read_examples(files, tokenizer, num_prompts or config.eval_prompts,
                                  max_continuation=max_new_tokens, chat_template_kwargs=config.data.chat_template_kwargs,
                                  max_positions=target_config.max_position_embeddings,
-                                 generated=max_new_tokens if continuation == "generate" or speed else 0)
+                                 generated=max_new_tokens if continuation == "generate" or speed else 0,
+                                 generate=continuation == "generate")
     # The drafter is small: it loads, and is checked against the target's config, before the target does.
     drafter, drafter_config, source = load_drafter(workdir, drafter_dir, step)
     expected = (target_config.num_hidden_layers, target_config.vocab_size, target_config.hidden_size)
@@ -142,7 +153,7 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
         scores = _benchmark_scores(suites, target, drafter, tokenizer, template_kwargs, max(lengths), stops,
                                    max_new_tokens=max_new_tokens, budgets=budgets, speed=speed,
                                    max_positions=target_config.max_position_embeddings,
-                                   vocab_chunk=config.loss.vocab_chunk, log=log)
+                                   vocab_chunk=config.loss.vocab_chunk, context_edges=context_edges, log=log)
         log(format_benchmark_table(scores))
         return {"target_dir": config.target_dir, "drafter": source, "max_new_tokens": max_new_tokens,
                 "benchmarks": scores}
@@ -162,8 +173,9 @@ def run(config: ConfigDict, *, workdir: str | None, drafter_dir: str | None = No
                "continuation": continuation, "max_new_tokens": max_new_tokens}
     for name, model in (("trained", drafter), ("untrained", baseline)):
         results[name] = evaluate_drafter(target, model, share, budgets=budgets, vocab_chunk=config.loss.vocab_chunk,
-                                         across_processes=True)
+                                         across_processes=True, context_edges=context_edges)
         log(format_result(f"{name} drafter", results[name]))
+    log(context_bins.format_context_table({name: results[name] for name in ("trained", "untrained")}))
     if speed:
         speculative, tree = _drafting_decoders(target, drafter, shapes, budgets)
         results["speed"], _, _ = benchmark(plain, speculative, [e.prompt_ids for e in share], max_new_tokens,
@@ -188,7 +200,7 @@ def _drafting_decoders(target, drafter: Drafter, shapes: dict[str, int], budgets
 
 def _benchmark_scores(suites, target, drafter: Drafter, tokenizer, template_kwargs: dict, longest_prompt: int,
                       stops, *, max_new_tokens: int, budgets, speed: bool, max_positions: int, vocab_chunk: int,
-                      log) -> dict:
+                      context_edges: tuple[int, ...], log) -> dict:
     """Per benchmark (design §9.6): the target's greedy answers to every turn, the drafter's exact and DDTree τ
     on them and, with `speed`, the three decoders timed on the same prompts (built once for all benchmarks)."""
     answers = bench.GreedyAnswers(target, max_new_tokens, stops, longest_prompt)
@@ -199,7 +211,9 @@ def _benchmark_scores(suites, target, drafter: Drafter, tokenizer, template_kwar
                                                  max_positions)
         scores[suite.name] = {"dataset": suite.source, "prompts": len(suite.conversations),
                               **evaluate_drafter(target, drafter, turns[suite.name], budgets=budgets,
-                                                 vocab_chunk=vocab_chunk)}
+                                                 vocab_chunk=vocab_chunk, context_edges=context_edges)}
+        if len(scores[suite.name]["by_context"]) > 1:  # the prompts span several context-length bins
+            log(f"{suite.name}: " + context_bins.format_context_table({"trained": scores[suite.name]}))
     if speed:
         shapes = _shapes([e for examples in turns.values() for e in examples], max_new_tokens, drafter.config,
                          budgets)
@@ -211,6 +225,13 @@ def _benchmark_scores(suites, target, drafter: Drafter, tokenizer, template_kwar
     return scores
 
 
+def _context_edges(values: list[str]) -> tuple[int, ...]:
+    try:
+        return context_bins.parse_edges(values)
+    except ValueError as error:
+        raise ConfigError(f"--context_bins: {error}") from None
+
+
 def main() -> None:
     absl_logging.set_verbosity(absl_logging.WARNING)
     config = _CONFIG.value
@@ -220,7 +241,8 @@ def main() -> None:
     results = run(config, workdir=_WORKDIR.value, drafter_dir=_DRAFTER.value, step=_STEP.value,
                   prompts=_PROMPTS.value, num_prompts=_NUM_PROMPTS.value, continuation=_CONTINUATION.value,
                   max_new_tokens=_MAX_NEW.value, budgets=tuple(int(b) for b in _BUDGETS.value), speed=_SPEED.value,
-                  benchmarks=_BENCHMARK.value, log=print if first else lambda _: None)
+                  benchmarks=_BENCHMARK.value, context_edges=_context_edges(_CONTEXT_BINS.value),
+                  log=print if first else lambda _: None)
     if _JSON.value and first:
         as_path(_JSON.value).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -8,7 +8,7 @@
 unless --step), writes <out>/config.json + <out>/model.safetensors (bf16) and a model card <out>/README.md
 (target, data, steps, block size, feature layers, the last exact/DDTree τ, the vLLM and SGLang commands; the
 target and data of the run that trained that step, from <workdir>/config_history.jsonl), prints the `vllm serve`
-line, and with --push_to_hub uploads <out> to that Hub repo.
+line and what serves it on TPUs (weights/tpu_serving.py), and with --push_to_hub uploads <out> to that Hub repo.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dflash_jax.weights.drafter_files import (check_out_dir, export_drafter, res
                                              workdir_path)
 from dflash_jax.weights.model_card import CARD_FILE, push_to_hub, training_facts, write_model_card
 from dflash_jax.weights.output_dir import staged_output
+from dflash_jax.weights.tpu_serving import tpu_commands, tpu_note
 
 FLAGS = flags.FlagValues()  # this command's own flags (cli.py)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's --workdir (a local path or a bucket URI such as "
@@ -51,7 +52,11 @@ def export(workdir: str, out: str, *, step: int | None = None, overwrite: bool =
         if push_to_hub_repo:
             print(f"uploaded to {push_to_hub(local_out, push_to_hub_repo)}")
     print(f"exported step {step} of {workdir} to {out} (model card: {os.path.join(out, CARD_FILE)})")
-    print("serve it with:\n  " + serve_command(facts.target, absolute(out), config))
+    vllm_line = serve_command(facts.target, absolute(out), config)
+    print("serve it with:\n  " + vllm_line)
+    print("on TPUs: " + tpu_note(config))
+    for line in tpu_commands(facts.target, absolute(out), config, vllm_line):
+        print("  " + line)
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from dflash_jax.data.corpus import Corpus, share_range
-from dflash_jax.data.packing import ROW_KEYS, place_row, row_capacity, row_phase
+from dflash_jax.data.packing import ROW_KEYS, place_row, row_capacity, row_phase, split_context
 from dflash_jax.data.stream import RowStream
 from dflash_jax.data.sources import resolve_sources
 from dflash_jax.data.tokenize import check_chat_tokenizer
@@ -55,7 +55,9 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
     chat_template_kwargs: extra arguments for `apply_chat_template` (e.g. {"enable_thinking": False}).
     max_positions: the target's max_position_embeddings: a longer document is cut to its first
         max_positions tokens (positions past it would be ones the target never saw), with a warning; the
-        count is in stats()["truncated_documents"]. None: no limit.
+        counts are in stats()["truncated_documents"] and ["truncated_tokens"] (the tokens cut). None: no limit.
+    A document longer than a row is split into overlapping pieces (data/packing.py), counted in
+    stats()["split_documents"]; none of its tokens is dropped.
     state: a dict from `state()` or `merge_states` holding (at least) `rows`, to continue exactly there.
     """
 
@@ -89,7 +91,7 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
         sources = resolve_sources(paths, "config.data.train_files")
         self.corpus_bytes = sum(s.source.units for s in sources)  # bytes of JSONL + rows of tables
         self._sources = [[s.source.units, s.weight] for s in sources]  # what the shares and epochs follow from
-        self._split_documents = self._truncated_documents = 0
+        self._split_documents = self._truncated_documents = self._truncated_tokens = 0
         self.max_positions = max_positions
         self._batches = 0
 
@@ -167,6 +169,7 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
             "documents_read": sum(stream.documents_read for stream in self.streams),
             "split_documents": self._split_documents,
             "truncated_documents": self._truncated_documents,
+            "truncated_tokens": self._truncated_tokens,
             "skipped_records": sum(stream.corpus.skipped_records for stream in self.streams),
         }
 
@@ -175,19 +178,22 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
             stream.corpus.close()
 
     def _report_truncated(self, where: str, length: int) -> None:
-        # Warn once, like a split; the count is in stats().
-        level = logging.WARNING if self._truncated_documents == 0 else logging.DEBUG
+        # Warn once, like a split; the counts are in stats().
+        self._truncated_documents += 1
+        self._truncated_tokens += length - self.max_positions
+        level = logging.WARNING if self._truncated_documents == 1 else logging.DEBUG
         log.log(level, "%s: document of %d tokens is longer than the target's max_position_embeddings (%d); "
                 "trained on its first %d tokens only (counted as truncated_documents)", where, length,
                 self.max_positions, self.max_positions)
-        self._truncated_documents += 1
 
     def _report_split(self, where: str, length: int) -> None:
         capacity = row_capacity(self.seq_len, self.anchor_stride)
-        message = "%s: document of %d tokens exceeds the row capacity of %d; split into %d rows (positions continue)"
+        rows = 1 + -(-(length - capacity) // (capacity - split_context(capacity)))
+        message = ("%s: document of %d tokens exceeds the row capacity of %d; split into %d rows, each after the "
+                   "first starting with %d tokens of the one before as context (positions continue)")
         # Warn once so the user knows it happens; the count is in stats(), per-document detail at debug level.
         level = logging.WARNING if self._split_documents == 0 else logging.DEBUG
-        log.log(level, message, where, length, capacity, -(-length // capacity))
+        log.log(level, message, where, length, capacity, rows, split_context(capacity))
         self._split_documents += 1
 
 

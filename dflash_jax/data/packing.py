@@ -2,9 +2,11 @@
 
 A row of T tokens holds content of at most `capacity = T - (S - 1)` tokens, so that shifting it right by any
 phase p in [0, S) still fits. Documents are never split across rows when they fit in one: a document that
-does not fit in the open row starts the next row. A document longer than `capacity` is cut into
-capacity-sized pieces (cut points at multiples of `capacity` from the document's start), each starting a
-row; positions continue across pieces so RoPE sees the document's true positions.
+does not fit in the open row starts the next row. A document longer than `capacity` (an agent trace longer than
+a row) is cut into capacity-sized pieces, each starting a row, that overlap: every piece after the first starts
+with the last `capacity // 2` tokens of the one before as context, their loss mask 0, so each trained token is
+read with at least half a row of the document before it and no token is trained twice (design §4). Pieces start
+at multiples of `capacity - capacity // 2`; positions continue across pieces so RoPE sees the true positions.
 
 Every row remembers the `Cursor` of its first piece, which is all a resumed loader needs to rebuild the
 same rows: packing is deterministic given the document stream.
@@ -24,7 +26,7 @@ ROW_KEYS = ("input_ids", "positions", "segment_ids", "loss_mask")
 @dataclass(frozen=True)
 class Cursor:
     """A point in the document stream: document `document` of epoch `epoch`'s order, from token `token_offset`
-    (non-zero only inside a split document, always a multiple of the row capacity)."""
+    (non-zero only inside a split document, always a multiple of `RowPacker.split_step`)."""
 
     epoch: int
     document: int
@@ -52,11 +54,24 @@ def row_capacity(seq_len: int, anchor_stride: int) -> int:
     return seq_len - (anchor_stride - 1)
 
 
+def split_context(capacity: int) -> int:
+    """Tokens of the document before it that a split document's later pieces start with (loss mask 0)."""
+    return capacity // 2
+
+
+def packed_length(length: int, capacity: int) -> int:
+    """Tokens a document of `length` takes in rows: itself, plus the context its later pieces repeat."""
+    step = capacity - split_context(capacity)
+    later_pieces = max(0, -(-(length - capacity) // step))
+    return length + later_pieces * split_context(capacity)
+
+
 class RowPacker:
     """Accumulates document pieces into an open row; `add` returns the rows it completed."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
+        self.split_step = capacity - split_context(capacity)  # where a split document's pieces start
         self._pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ids, positions, loss_mask)
         self._open_length = 0
         self._open_start: Cursor | None = None
@@ -71,18 +86,24 @@ class RowPacker:
         if len(document) == 0:
             raise ValueError(f"empty document at {cursor}")
         completed = []
-        for piece_start in range(0, len(document), self.capacity):
+        piece_start = 0
+        while True:
             piece = slice(piece_start, piece_start + self.capacity)
-            ids = document.input_ids[piece]
+            ids, loss_mask = document.input_ids[piece], document.loss_mask[piece]
+            first_position = cursor.token_offset + piece_start
+            if first_position > 0:  # a later piece of a split document: its first tokens are context only
+                loss_mask = loss_mask.copy()
+                loss_mask[: split_context(self.capacity)] = 0
             if self._open_length + len(ids) > self.capacity:
                 completed.append(self._close())
             if self._open_start is None:
-                self._open_start = Cursor(cursor.epoch, cursor.document, cursor.token_offset + piece_start)
-            first_position = cursor.token_offset + piece_start
+                self._open_start = Cursor(cursor.epoch, cursor.document, first_position)
             positions = np.arange(first_position, first_position + len(ids), dtype=np.int32)
-            self._pieces.append((ids, positions, document.loss_mask[piece]))
+            self._pieces.append((ids, positions, loss_mask))
             self._open_length += len(ids)
-        return completed
+            if piece_start + self.capacity >= len(document):
+                return completed
+            piece_start += self.split_step
 
     def flush(self) -> PackedRow | None:
         """Close and return the open row, if it has any content (end of a finite stream)."""

@@ -46,19 +46,21 @@ class CompletionRecord:
 Record = ChatRecord | CompletionRecord
 
 
-def parse_record(line: bytes | str, where: str) -> Record:
-    """Parse and validate one JSONL line. Raises DataError(where, reason) on any problem."""
+def parse_record(line: bytes | str, where: str, prompt_only: bool = False) -> Record:
+    """Parse and validate one JSONL line. Raises DataError(where, reason) on any problem. prompt_only: a
+    `prompt` record may come without its completion (read as an empty one) and a chat without an assistant
+    turn, for a continuation that is generated rather than trained."""
     try:
         obj = json.loads(line)
     except UnicodeDecodeError as e:
         raise DataError(where, f"invalid UTF-8: {e}") from None
     except json.JSONDecodeError as e:
         raise DataError(where, f"invalid JSON: {e}") from None
-    return parse_object(obj, where)
+    return parse_object(obj, where, prompt_only)
 
 
-def parse_object(obj: Any, where: str) -> Record:
-    """Validate one decoded record (a JSON object or a table row as a dict)."""
+def parse_object(obj: Any, where: str, prompt_only: bool = False) -> Record:
+    """Validate one decoded record (a JSON object or a table row as a dict); prompt_only as in `parse_record`."""
     if not isinstance(obj, dict):
         raise DataError(where, f"expected a JSON object, got {type(obj).__name__}")
     obj = {key: value for key, value in obj.items() if value is not None}
@@ -71,7 +73,12 @@ def parse_object(obj: Any, where: str) -> Record:
         messages = obj[chats[0]]
         if chats[0] == "conversations":
             messages = _sharegpt_messages(messages, where)
-        return ChatRecord(messages=_chat_messages(messages, where), tools=_tools(obj.get("tools"), where))
+        return ChatRecord(messages=_chat_messages(messages, where, prompt_only),
+                          tools=_tools(obj.get("tools"), where))
+    if prompt_only and "prompt" in obj and "completion" not in obj:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            raise DataError(where, "'prompt' must be a non-empty string")
+        return CompletionRecord(prompt=obj["prompt"], completion="")
     if "prompt" in obj or "completion" in obj:
         return _parse_completion(obj, where)
     raise DataError(where, "record needs 'messages', 'conversations' or 'prompt' + 'completion'; found keys "
@@ -93,7 +100,7 @@ def _sharegpt_messages(conversations: Any, where: str) -> list[dict[str, Any]]:
     return messages
 
 
-def _chat_messages(messages: Any, where: str) -> tuple[dict[str, Any], ...]:
+def _chat_messages(messages: Any, where: str, prompt_only: bool = False) -> tuple[dict[str, Any], ...]:
     if not isinstance(messages, list) or not messages:
         raise DataError(where, "'messages' must be a non-empty list of {'role', 'content'} objects")
     normalised = []
@@ -115,7 +122,7 @@ def _chat_messages(messages: Any, where: str) -> tuple[dict[str, Any], ...]:
         if "tool_calls" in message:
             message["tool_calls"] = _tool_calls(message["tool_calls"], where, f"{field}.tool_calls")
         normalised.append(message)
-    if not any(m["role"] == "assistant" for m in normalised):
+    if not prompt_only and not any(m["role"] == "assistant" for m in normalised):
         raise DataError(where, "conversation has no assistant turn, so nothing would be trained")
     return tuple(normalised)
 

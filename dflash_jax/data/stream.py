@@ -17,7 +17,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from dflash_jax.data.corpus import Corpus
-from dflash_jax.data.packing import Cursor, PackedRow, RowPacker
+from dflash_jax.data.packing import Cursor, PackedRow, RowPacker, packed_length
 from dflash_jax.data.tokenize import Document, tokenize_record
 from dflash_jax.runtime.errors import DataError
 
@@ -26,7 +26,8 @@ class RowStream:
     """Packed rows of batch row `row` from `corpus` (that row's share), in order; `position` / `restore`
     save and reload the point of the next row.
 
-    on_split(where, length): called for every document longer than a row (it is split; positions continue).
+    on_split(where, length): called for every document longer than a row (it is split into overlapping pieces,
+        data/packing.py; positions continue).
     max_positions: the target's max_position_embeddings; a longer document keeps only its first
         `max_positions` tokens, and on_truncate(where, length) is called (None: no limit).
     """
@@ -66,7 +67,8 @@ class RowStream:
 
     def token_count(self) -> float:
         """Tokens one epoch of this stream draws: each record's document (cut to max_positions as reading cuts
-        it) times its source's weight (data/corpus.py), in one tokenization pass over the share. A record that
+        it, with the context its split pieces repeat) times its source's weight (data/corpus.py), in one
+        tokenization pass over the share. A record that
         fails to tokenize counts 0 and is left for reading to report, so the bad-record policy applies once."""
         total = 0.0
         for index in range(len(self.corpus)):
@@ -75,7 +77,7 @@ class RowStream:
             except DataError:
                 continue
             length = length if self._max_positions is None else min(length, self._max_positions)
-            total += self.corpus.weight(index) * length
+            total += self.corpus.weight(index) * packed_length(length, self._packer.capacity)
         return total
 
     def next_row(self) -> PackedRow:

@@ -74,6 +74,19 @@ def tokenize_record(
     raise TypeError(f"unknown record type {type(record).__name__}")
 
 
+def tokenize_prompt(record: Record, tokenizer: PreTrainedTokenizerBase, where: str,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> np.ndarray:
+    """The token ids a generated response follows: a raw prompt's own tokens; a chat (whose last turn is not
+    the assistant's) rendered whole with the template's generation prompt, as a server would prompt the
+    target."""
+    if isinstance(record, CompletionRecord):
+        return np.asarray(tokenizer(record.prompt, add_special_tokens=False)["input_ids"], np.int32)
+    check_chat_tokenizer(tokenizer, where)
+    text = render_chat(tokenizer, list(record.messages), where, chat_template_kwargs or {},
+                       tools=list(record.tools) if record.tools else None, add_generation_prompt=True)
+    return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
+
+
 def _tokenize_completion(record: CompletionRecord, tokenizer: PreTrainedTokenizerBase) -> Document:
     # Tokenized separately so the prompt/completion boundary is a token boundary.
     prompt_ids = tokenizer(record.prompt, add_special_tokens=False)["input_ids"] if record.prompt else []

@@ -1,6 +1,7 @@
 """The benchmarks of the published DFlash and DDTree tables (design §9.6), their prompts built as z-lab's
 benchmark.py builds them (z-lab/dflash on GitHub, dflash/benchmark.py) and Alpaca's, which only DDTree's table
-has, as DDTree's benchmark does (liranringel/ddtree, model/utils.py and benchmark.py).
+has, as DDTree's benchmark does (liranringel/ddtree, model/utils.py and benchmark.py), and a long-context suite
+(LongBench-E style: a long document and a question), whose τ is best read by context length (design §9.7).
 
 A benchmark is a dataset split read with `datasets` (its Hub id's snapshot in the local Hugging Face cache, never
 downloaded here, or a local copy) and a rule that makes each row's user turns: one turn, or mt-bench's two. When
@@ -54,6 +55,12 @@ def ddtree_rows(count: int, limit: int) -> list[int]:
     return np.random.default_rng(SEED).permutation(count)[:limit].tolist()
 
 
+# LongBench / LongBench-E (THUDM/LongBench, arXiv 2308.14508): each row a long document (`context`) and a
+# question on it (`input`). The suite's per-subset instructions are not reproduced: one plain wording for every
+# subset, since what is measured is drafting against the long document, not the answer's grading.
+_LONGBENCH = "Read the document and answer the question after it briefly.\n\n{context}\n\nQuestion: {input}"
+
+
 def _alpaca(row: dict) -> list[str]:
     return [f"{row['instruction']}\n\nInput:\n{row['input']}" if row["input"] else row["instruction"]]
 
@@ -81,6 +88,9 @@ BENCHMARKS = {
     "mt-bench": Benchmark("HuggingFaceH4/mt_bench_prompts", None, "train", ("prompt",),
                           lambda row: list(row["prompt"]), zlab_rows, multi_turn=True),
     "alpaca": Benchmark("tatsu-lab/alpaca", None, "train", ("instruction", "input"), _alpaca, ddtree_rows),
+    # A subset's JSONL as the suite publishes it (e.g. longbench=data/qasper_e.jsonl), or its cached config.
+    "longbench": Benchmark("THUDM/LongBench", None, "test", ("context", "input"),
+                           lambda row: [_LONGBENCH.format(**row)], zlab_rows),
 }
 
 

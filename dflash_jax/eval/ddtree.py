@@ -43,7 +43,7 @@ def ddtree_defined(config) -> bool:
     distribution for that depth, the same whatever token the path took above it. DSpark's and DFlash2's draft at
     depth k depends on the token drafted at depth k-1 (the Markov bias, the selector's predecessor), so they have
     none (design §18.2, §18.4)."""
-    return config.method == "dflash"
+    return config.drafter_method.has_ddtree
 
 
 def build_tree(log_probs: np.ndarray, tokens: np.ndarray, budget: int) -> DraftTree:

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from dflash_jax.eval import context_bins
 from dflash_jax.eval.ddtree import accepted_depth, build_tree, ddtree_defined
 from dflash_jax.models.dflash import target_context
 from dflash_jax.models.drafter import Drafter
@@ -230,15 +231,17 @@ class ResponseScores:
     slot_run: np.ndarray  # [D] anchors whose drafts 1..k all are
     slot_run_before: np.ndarray  # [D] anchors whose drafts 1..k-1 all are and whose k-th lies inside
     greedy_agreement: tuple[int, int]  # (continuation tokens equal to the target's greedy token, count)
+    context_tokens: int  # the prompt's length: the context of the first verification step
 
     def to_json(self) -> dict:
         return {**{name: getattr(self, name).tolist() for name in _SLOT_COUNTS}, "block_steps": self.block_steps,
-                "tree_steps": list(self.tree_steps.items()), "greedy_agreement": list(self.greedy_agreement)}
+                "tree_steps": list(self.tree_steps.items()), "greedy_agreement": list(self.greedy_agreement),
+                "context_tokens": self.context_tokens}
 
     @classmethod
     def from_json(cls, value: dict) -> ResponseScores:
         return cls(block_steps=value["block_steps"], tree_steps={int(b): steps for b, steps in value["tree_steps"]},
-                   greedy_agreement=tuple(value["greedy_agreement"]),
+                   greedy_agreement=tuple(value["greedy_agreement"]), context_tokens=value["context_tokens"],
                    **{name: np.asarray(value[name], np.int64) for name in _SLOT_COUNTS})
 
 
@@ -282,6 +285,7 @@ def _response_scores(sequence: np.ndarray, start: int, scores: tuple[np.ndarray,
         slot_run=(runs[:, None] >= np.arange(1, depth + 1)[None, :]).sum(axis=0),
         slot_run_before=(inside & (runs[:, None] >= np.arange(depth)[None, :])).sum(axis=0),
         greedy_agreement=(int(np.sum(greedy[start - 1:end - 1] == sequence[start:end])), end - start),
+        context_tokens=start,
     )
 
 
@@ -325,7 +329,8 @@ def summarize(responses: Sequence[ResponseScores], draft_length: int) -> dict:
 def evaluate_drafter(target, drafter: Drafter, examples: Sequence[Example], *,
                      budgets: Sequence[int] = DEFAULT_BUDGETS, rows: int | None = None,
                      query_chunk_blocks: int | None = 64,
-                     row_chunk: int = 256, vocab_chunk: int = 8192, across_processes: bool = False) -> dict:
+                     row_chunk: int = 256, vocab_chunk: int = 8192, across_processes: bool = False,
+                     context_edges: Sequence[int] | None = None) -> dict:
     """Exact τ, its histogram, per-draft acceptance and DDTree τ (where defined) of `drafter` on (prompt, greedy
     continuation) examples; see `summarize` for the keys. `greedy_agreement` below 1 means a continuation
     is not exactly the target's greedy one (e.g. read from data made in another precision): τ then
@@ -334,7 +339,8 @@ def evaluate_drafter(target, drafter: Drafter, examples: Sequence[Example], *,
     across_processes: `examples` are this process's share (`process_share`), scored on its own devices, and
     the figures are those of every process's examples in process order, the same on every process (a
     collective: every process calls it). Otherwise every process scores all `examples` (the train-time hook,
-    whose target lies on the mesh of every process)."""
+    whose target lies on the mesh of every process). context_edges: the figures of each context-length bin
+    that holds responses are added under "by_context" (eval/context_bins.py)."""
     if not examples and not across_processes:
         raise ValueError("evaluate_drafter needs at least one (prompt, continuation) example")
     if not ddtree_defined(drafter.config):  # its figures then hold no DDTree τ (an empty dict per budget key)
@@ -345,7 +351,21 @@ def evaluate_drafter(target, drafter: Drafter, examples: Sequence[Example], *,
     if across_processes:
         shares = distributed.gather_json([response.to_json() for response in responses])
         responses = [ResponseScores.from_json(value) for share in shares for value in share]
-    return summarize(responses, drafter.config.draft_length)
+    result = summarize(responses, drafter.config.draft_length)
+    if context_edges is not None:
+        result["by_context"] = summarize_by_context(responses, context_edges, drafter.config.draft_length)
+    return result
+
+
+def summarize_by_context(responses: Sequence[ResponseScores], edges: Sequence[int], draft_length: int
+                         ) -> list[dict]:
+    """`summarize` of each context-length bin that holds responses, in bin order, with its label and range."""
+    by_bin: dict[int, list[ResponseScores]] = {}
+    for response in responses:
+        by_bin.setdefault(context_bins.bin_of(response.context_tokens, edges), []).append(response)
+    return [{"bin": context_bins.bin_label(index, edges), "min_tokens": 0 if index == 0 else edges[index - 1],
+             "max_tokens": edges[index] if index < len(edges) else None, **summarize(members, draft_length)}
+            for index, members in sorted(by_bin.items())]
 
 
 def process_share(items: Sequence) -> list:

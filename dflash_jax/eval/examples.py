@@ -2,7 +2,9 @@
 continuations of their prompts (design §9).
 
 A record is tokenized exactly as for training (`data.tokenize_record`); its continuation is the last
-trained span (the completion, or the last assistant turn) and its prompt is everything before it.
+trained span (the completion, or the last assistant turn) and its prompt is everything before it. Where the
+continuation is generated, a record may also be a prompt alone (`{"prompt"}` without a completion, or a chat
+whose last turn is not the assistant's): its prompt is then all of it, a chat with the generation prompt.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from pathlib import Path
 import numpy as np
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from dflash_jax.data import parse_record, tokenize_record
+from dflash_jax.data import CompletionRecord, parse_record, tokenize_prompt, tokenize_record
+from dflash_jax.data.records import Record
 from dflash_jax.data.corpus import check_input_files
 from dflash_jax.runtime.errors import DataError
 from dflash_jax.eval.exact_tau import Example
@@ -25,12 +28,13 @@ from dflash_jax.weights.hub import pretrained_dir
 
 def read_examples(files: Sequence[str | os.PathLike], tokenizer: PreTrainedTokenizerBase, limit: int, *,
                   max_continuation: int | None = None, chat_template_kwargs: dict | None = None,
-                  max_positions: int | None = None, generated: int = 0) -> list[Example]:
+                  max_positions: int | None = None, generated: int = 0, generate: bool = False) -> list[Example]:
     """The first `limit` records of the JSONL files, in file order; continuations cut to max_continuation.
 
     max_positions: the target's max_position_embeddings; a prompt whose tokens plus its continuation's (or,
     when `generated` > 0, the tokens to generate after it) exceed it is refused, naming the record (the target
-    never saw such positions).
+    never saw such positions). generate: the continuations will be generated, so prompt-only records are read
+    (with an empty continuation, to be replaced).
     """
     what = "evaluation prompts: --prompts, or config.data.eval_files"
     if not files:
@@ -45,13 +49,25 @@ def read_examples(files: Sequence[str | os.PathLike], tokenizer: PreTrainedToken
                 where = f"{path}:{line_number}"
                 line = _text(raw, where)
                 if line.strip():
-                    document = tokenize_record(parse_record(line, where), tokenizer, where, chat_template_kwargs)
-                    example = _split(document.input_ids, document.loss_mask, where, max_continuation)
+                    record = parse_record(line, where, prompt_only=generate)
+                    if generate and _prompt_only(record):
+                        example = Example(tokenize_prompt(record, tokenizer, where, chat_template_kwargs),
+                                          np.zeros(0, np.int32))
+                    else:
+                        document = tokenize_record(record, tokenizer, where, chat_template_kwargs)
+                        example = _split(document.input_ids, document.loss_mask, where, max_continuation)
                     check_positions(example, where, generated, max_positions)
                     examples.append(example)
     if not examples:
         raise DataError(", ".join(map(os.fspath, files)), f"no records to evaluate on ({what})")
     return examples
+
+
+def _prompt_only(record: Record) -> bool:
+    """No response to continue from: a raw prompt without completion, or a chat not ending with the assistant."""
+    if isinstance(record, CompletionRecord):
+        return not record.completion
+    return record.messages[-1]["role"] != "assistant"
 
 
 def _text(raw: bytes, where: str) -> str:

@@ -83,7 +83,7 @@ def target_context(target, input_ids: jax.Array, positions: jax.Array, segment_i
     The drafted slots are those of config.method: k = 1..B-1, or every slot for "dspark" (design §18)."""
     out = target(input_ids, positions, segment_ids, config.target_layer_ids)
     lm_head = constrain(target.lm_head_kernel(), LM_HEAD)  # gathered once for the labels and the loss
-    from_anchor = config.method == "dspark"
+    from_anchor = config.drafter_method.drafts_anchor_slot
     if labels == "data":
         slot_labels = input_ids[:, drafted_slots(grid, from_anchor)]
     else:

@@ -33,7 +33,6 @@ from flax import nnx
 
 from dflash_jax.models.layers import INIT_STD, Linear, param
 
-METHOD = "dflash2"
 CONV_FIELDS = ("conv_kernel_size", "conv_group_size")
 SELECTOR_FIELDS = ("selector_rank", "selector_top_k")
 
@@ -42,10 +41,11 @@ def config_errors(config) -> list[str]:
     """What is wrong with a DrafterConfig's DFlash2 fields (all positive for "dflash2", all 0 otherwise)."""
     fields = CONV_FIELDS + SELECTOR_FIELDS
     values = {name: getattr(config, name) for name in fields}
-    if config.method != METHOD:
+    if not config.drafter_method.has_block_convolution:
         set_ones = [f"{name}={value!r}" for name, value in values.items() if value != 0]
         return [f"{', '.join(set_ones)} must be 0 for method {config.method!r}"] if set_ones else []
-    errors = [f"{name} must be a positive int for method {METHOD!r}, got {value!r}" for name, value in values.items()
+    errors = [f"{name} must be a positive int for method {config.method!r}, got {value!r}"
+              for name, value in values.items()
               if not isinstance(value, int) or isinstance(value, bool) or value < 1]
     if errors:
         return errors

@@ -25,11 +25,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
+from dflash_jax.methods import DrafterMethod, METHODS, method_for
 from dflash_jax.models import dflash2
 from dflash_jax.models.dflash2 import BlockConvolution, CandidateSelector, convolved
+from dflash_jax.models.drafter_cache import DrafterCache, empty_cache, ring_positions, write_columns, write_ring
 from dflash_jax.models.dspark_heads import ConfidenceHead, MarkovHead
 from dflash_jax.models.layers import (MLP, Linear, RMSNorm, apply_rope, decoder_layer_params,
-                                      rope_inverse_frequencies)
+                                      rope_frequencies)
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs
 from dflash_jax.ops.dflash_attention import cached_dflash_attention, dflash_attention
@@ -39,7 +41,7 @@ from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, constrain
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The drafter family members that build (design §18): the DFlash backbone alone, with DSpark's heads, or with
 # DFlash2's convolutions and candidate selector.
-BUILT_METHODS = ("dflash", "dspark", "dflash2")
+BUILT_METHODS = tuple(METHODS)
 # Rematerialisation of each drafter layer in training (jax.checkpoint per layer, design §13): what its forward
 # keeps for the backward.
 REMAT_POLICIES = {
@@ -135,7 +137,7 @@ class DrafterConfig:
                              f"[0, vocab_size = {self.vocab_size})")
         if self.method not in BUILT_METHODS:
             raise ValueError(f"DrafterConfig.method must be one of {BUILT_METHODS}, got {self.method!r}")
-        if (self.method == "dspark") != (isinstance(self.markov_rank, int) and self.markov_rank >= 1):
+        if self.drafter_method.has_markov_head != (isinstance(self.markov_rank, int) and self.markov_rank >= 1):
             raise ValueError(f"DrafterConfig.markov_rank must be a positive int for method 'dspark' and 0 otherwise, "
                              f"got {self.markov_rank!r} for method {self.method!r}")
         for error in dflash2.config_errors(self):
@@ -162,18 +164,16 @@ class DrafterConfig:
     def draft_length(self) -> int:
         """Tokens one block drafts: B for "dspark", whose every slot predicts the token after it (the anchor's
         slot included), B - 1 otherwise (slot 0 holds the bonus token; design §18)."""
-        return self.block_size if self.method == "dspark" else self.block_size - 1
+        return self.drafter_method.draft_length(self.block_size)
+
+    @property
+    def drafter_method(self) -> DrafterMethod:
+        """The method object of `method` (design §18), which the modules ask instead of comparing its name."""
+        return method_for(self.method)
 
     def window(self, layer_index: int) -> int | None:
         """The attention window of a layer: W for sliding_attention, None (full attention) otherwise."""
         return self.sliding_window if self.layer_types[layer_index] == "sliding_attention" else None
-
-
-class DrafterCache(NamedTuple):
-    """The context keys (after k_norm and RoPE) and values of every layer, for decoding; column = position."""
-
-    keys: jax.Array  # [layers, b, capacity, kv_heads, head_dim]
-    values: jax.Array  # [layers, b, capacity, kv_heads, head_dim]
 
 
 class DecodeStep(NamedTuple):
@@ -236,8 +236,9 @@ class DrafterLayer(nnx.Module):
         self.self_attn = DrafterAttention(config, window, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, param_dtype=param_dtype)
         self.mlp = MLP(hidden, config.intermediate_size, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        convolved_sublayers = config.drafter_method.has_block_convolution
         convolutions = [BlockConvolution(hidden, config.block_size, config.conv_kernel_size, config.conv_group_size,
-                                         param_dtype=param_dtype, dtype=dtype) if config.method == dflash2.METHOD
+                                         param_dtype=param_dtype, dtype=dtype) if convolved_sublayers
                         else None for _ in range(2)]
         self.attention_conv, self.mlp_conv = (nnx.data(convolution) for convolution in convolutions)
 
@@ -269,7 +270,8 @@ class Drafter(nnx.Module):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {list(REMAT_POLICIES)}, got {remat!r}")
         self.remat = remat
-        rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)  # refuse bad rope now
+        # refuse a bad rope now
+        rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
         dtype = param_dtype if dtype is None else dtype
         hidden = config.hidden_size
         self.config = config
@@ -286,7 +288,7 @@ class Drafter(nnx.Module):
         self.norm = RMSNorm(hidden, eps=config.rms_norm_eps, param_dtype=param_dtype)
         # DSpark's heads (design §18), built after the backbone so that its initialisation is the same for every
         # method. The drafter's forward never applies them: the loss adds the bias inside its LM-head chunks.
-        dspark = config.method == "dspark"
+        dspark = config.drafter_method.has_markov_head
         self.markov_head = nnx.data(MarkovHead(config.vocab_size, config.vocab_size, config.markov_rank, rngs=rngs,
                                                param_dtype=param_dtype) if dspark else None)
         self.confidence_head = nnx.data(ConfidenceHead(hidden, config.markov_rank, rngs=rngs,
@@ -294,13 +296,14 @@ class Drafter(nnx.Module):
         # DFlash2's selector (design §18.4), applied by the loss and the decoders after the LM head.
         self.candidate_selector = nnx.data(CandidateSelector(
             config.vocab_size, hidden, config.selector_rank, config.selector_top_k, rngs=rngs,
-            param_dtype=param_dtype, dtype=dtype) if config.method == dflash2.METHOD else None)
+            param_dtype=param_dtype, dtype=dtype) if config.drafter_method.has_block_convolution else None)
 
     def init_cache(self, batch: int, capacity: int) -> DrafterCache:
-        """An empty decoding cache of `capacity` context columns per row."""
+        """An empty decoding cache: `capacity` context columns per row in full-attention layers, the window's in
+        sliding ones (models/drafter_cache.py)."""
         config = self.config
-        shape = (config.num_hidden_layers, batch, capacity, config.num_key_value_heads, config.head_dim)
-        return DrafterCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+        return empty_cache([config.window(i) for i in range(config.num_hidden_layers)], batch, capacity,
+                           config.num_key_value_heads, config.head_dim, self.dtype)
 
     def __call__(self, context_features: jax.Array, block_embeds: jax.Array, inputs: DrafterInputs | DecodeStep,
                  cache: DrafterCache | None = None) -> tuple[jax.Array, DrafterCache | None]:
@@ -312,11 +315,13 @@ class Drafter(nnx.Module):
         (`DrafterInputs`), queries = N*B, hidden [b, N*B, H].
         With a cache (decoding, `DecodeStep`): the context of positions inputs.context_start.. is written
         into the cache first (a committed position's context is cached once; columns past the anchor may hold
-        stale rows, which stay invisible until overwritten); then the one block at inputs.anchor (queries =
-        B) sees the cached columns before the anchor, by the same §5 rules. Returns the updated cache.
+        stale rows in full-attention layers, which stay invisible until overwritten); then the one block at
+        inputs.anchor (queries = B) sees the cached columns before the anchor, by the same §5 rules. Returns the
+        updated cache.
         """
         config = self.config
-        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        inv_freq = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
+                                    config.max_position_embeddings)
         if cache is None:
             self._check_shapes(context_features, block_embeds, inputs.grid)
             context_positions, block_positions = inputs.context_positions, inputs.block_positions
@@ -325,33 +330,42 @@ class Drafter(nnx.Module):
         else:
             context_positions = _positions(inputs.context_start, context_features.shape[:2])
             block_positions = _positions(inputs.anchor, block_embeds.shape[:2])
-            attend = functools.partial(cached_dflash_attention, anchor=inputs.anchor)
         ctx = constrain(self.hidden_norm(self.fc(constrain(context_features, ROWS_EMBED))), ROWS_EMBED)
         x = constrain(block_embeds.astype(self.dtype), ROWS_EMBED)
 
-        def layer_step(layer: DrafterLayer, x: jax.Array, context: tuple[jax.Array, jax.Array]) -> jax.Array:
+        def layer_step(layer: DrafterLayer, x: jax.Array, context: tuple[jax.Array, jax.Array],
+                       attend: Attend) -> jax.Array:
             return constrain(layer(x, context, block_positions, attend, inv_freq), ROWS_EMBED)
 
         if cache is None:
             def training_layer(layer: DrafterLayer, x: jax.Array) -> jax.Array:
                 # One rematerialisation unit: the layer's context keys/values and its step.
-                return layer_step(layer, x, layer.self_attn.key_values(ctx, context_positions, inv_freq))
+                return layer_step(layer, x, layer.self_attn.key_values(ctx, context_positions, inv_freq), attend)
 
             if self.remat != "none":
                 training_layer = nnx.remat(training_layer, policy=REMAT_POLICIES[self.remat])
             for layer in self.layers:
                 x = training_layer(layer, x)
             return self.norm(x), None
-        keys, values = [], []
-        for index, layer in enumerate(self.layers):
-            context = tuple(jax.lax.dynamic_update_slice_in_dim(cached[index], new.astype(cached.dtype),
-                                                                inputs.context_start, axis=1)
-                            for cached, new in zip(cache, layer.self_attn.key_values(ctx, context_positions,
-                                                                                     inv_freq)))
-            keys.append(context[0])
-            values.append(context[1])
-            x = layer_step(layer, x, context)
-        return self.norm(x), DrafterCache(jnp.stack(keys), jnp.stack(values))
+        full, ring = ([], []), ([], [])  # the layers' updated (keys, values), in cache order
+        start, anchor = inputs.context_start, inputs.anchor
+        for layer in self.layers:
+            new = layer.self_attn.key_values(ctx, context_positions, inv_freq)
+            if layer.self_attn.window is None:
+                index = len(full[0])
+                context = tuple(write_columns(cached[index], n, start) for cached, n in zip(cache[:2], new))
+                attend, written = functools.partial(cached_dflash_attention, anchor=anchor), full
+            else:
+                index = len(ring[0])
+                context = tuple(write_ring(cached[index], n, start, anchor) for cached, n in zip(cache[2:], new))
+                attend = functools.partial(cached_dflash_attention, anchor=anchor,
+                                           key_positions=ring_positions(anchor, cache.window_keys.shape[2]))
+                written = ring
+            written[0].append(context[0])
+            written[1].append(context[1])
+            x = layer_step(layer, x, context, attend)
+        stacked = [jnp.stack(arrays) if arrays else empty for arrays, empty in zip((*full, *ring), cache)]
+        return self.norm(x), DrafterCache(*stacked)
 
     def _backend(self) -> Attend:
         """The training forward's attention: the §5 mask on the anchor grid, by attention_impl."""

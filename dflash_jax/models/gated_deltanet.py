@@ -15,6 +15,7 @@ only its own path, so that the accepted token's entry can be picked (design §9.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -24,8 +25,9 @@ from flax import nnx
 
 from dflash_jax.models.layers import Linear, param
 from dflash_jax.models.target import NO_SEGMENT
+from dflash_jax.ops.context_parallel import gated_delta_rule_over_context, on_row_shards, previous_tail
 from dflash_jax.ops.gated_delta import MATMUL_DTYPES, chunked_gated_delta_rule, segment_starts
-from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, constrain
+from dflash_jax.sharding import CONTEXT_AXIS, ROWS_EMBED, ROWS_HEADS, constrain, context_shards
 
 _L2_EPS = 1e-6  # transformers `l2norm` default, added to the sum of squares
 
@@ -116,6 +118,18 @@ class CausalDepthwiseConv(nnx.Module):
             out = out[:, history[0].shape[1]:]
         return out.astype(self.weight.dtype)
 
+    def over_row_shards(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """`__call__` on rows whose tokens are split over the mesh's context axis (design §19): each shard reads
+        the K−1 inputs before its first token from the previous shard, as decoding reads its history."""
+        width = self.weight.shape[1] - 1
+
+        def shard(x, segment_ids):
+            history = (previous_tail(x, width, CONTEXT_AXIS, 0), previous_tail(segment_ids, width, CONTEXT_AXIS,
+                                                                                NO_SEGMENT))
+            return self(x, segment_ids, history)
+
+        return on_row_shards(shard, x, segment_ids)
+
 
 class GatedRMSNorm(nnx.Module):
     """transformers `Qwen3_5RMSNormGated`: w · x̂ (x̂ in fp32, cast back before the plain-w multiply), then
@@ -181,8 +195,10 @@ class GatedDeltaNet(nnx.Module):
         key_dim = self.num_key_heads * self.key_head_dim
         convs = (self.conv1d_q, self.conv1d_k, self.conv1d_v)
         conv_inputs = (self.in_proj_q(x), self.in_proj_k(x), self.in_proj_v(x))
+        split_row = cache is None and context_shards() > 1  # a row over several devices (design §19)
         if cache is None:
-            mixed = [conv(inputs, segment_ids) for conv, inputs in zip(convs, conv_inputs)]
+            mixed = [conv.over_row_shards(inputs, segment_ids) if split_row else conv(inputs, segment_ids)
+                     for conv, inputs in zip(convs, conv_inputs)]
             resets, initial_state = segment_starts(segment_ids), None
         else:  # the cache holds the conv inputs as HF's fused q|k|v channels
             histories = jnp.split(cache.conv_inputs, [key_dim, 2 * key_dim], axis=-1)
@@ -216,7 +232,11 @@ class GatedDeltaNet(nnx.Module):
             g, beta = jnp.where(padding[..., None], 0.0, g), jnp.where(padding[..., None], 0.0, beta)
 
         q, k, v = (constrain(t, ROWS_HEADS) for t in (q, k, v))
-        if seen is None:
+        if split_row:
+            rule = functools.partial(gated_delta_rule_over_context, axis=CONTEXT_AXIS,
+                                     matmul_dtype=self.delta_rule_dtype)
+            out, state = on_row_shards(rule, q, k, v, g, beta, resets), None
+        elif seen is None:
             out, state = chunked_gated_delta_rule(q, k, v, g, beta, resets, initial_state,
                                                   matmul_dtype=self.delta_rule_dtype)
         else:

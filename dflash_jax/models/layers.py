@@ -1,11 +1,14 @@
 """Building blocks shared by the targets and the drafter.
 
 Every parameter carries logical axis names (`embed`, `vocab`, `q_heads`, `kv_heads`, `mlp`, `head_dim`, ...);
-`dflash_jax.sharding.LOGICAL_RULES` maps them onto the (data, fsdp, tensor) mesh in one table.
+`dflash_jax.sharding.LOGICAL_RULES` maps them onto the (data, fsdp, context, tensor) mesh in one table.
 Linear kernels are stored [in, out] (JAX layout); Hugging Face stores [out, in].
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -153,28 +156,101 @@ def decoder_layer_params(hidden: int, q_heads: int, kv_heads: int, head_dim: int
     return hidden * (2 * q_width + 2 * kv_width) + 3 * hidden * intermediate
 
 
-def rope_inverse_frequencies(rotary_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
-    """inv_freq[i] = theta^(-2i/rotary_dim), i < rotary_dim/2 (transformers `_compute_default_rope_parameters`).
+class Rope(NamedTuple):
+    """RoPE tables: inverse frequencies and the factor cos/sin are multiplied by (YaRN's attention scaling)."""
+    inv_freq: np.ndarray  # [rotary_dim / 2] fp32
+    attention_scaling: float = 1.0
 
-    Only the default rope type is supported; anything else is refused rather than silently mistrained.
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
+
+
+def rope_type_of(scaling: dict | None) -> str:
+    """The rope type of a `rope_scaling` / `rope_parameters` dict (key `rope_type`, or `type` in older files)."""
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def rope_frequencies(rotary_dim: int, theta: float, scaling: dict | None = None,
+                     max_position_embeddings: int | None = None) -> Rope:
+    """RoPE tables as transformers' `modeling_rope_utils` computes them (design §8.6).
+
+    default: inv_freq[i] = theta^(-2i/rotary_dim). linear: inv_freq / factor. yarn (arXiv 2309.00071, transformers
+    `_compute_yarn_parameters`): per frequency a ramp between the interpolated (inv_freq / factor) and the original
+    frequency, by the dimension's rotations over `original_max_position_embeddings` (beta_fast / beta_slow), and
+    cos/sin scaled by `attention_factor` (default 0.1 ln(factor) + 1, or the mscale / mscale_all_dim ratio).
+    Any other type is refused rather than silently mistrained.
     """
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (only 'default'); got {scaling!r}")
+    scaling = dict(scaling or {})
+    rope_type = rope_type_of(scaling)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)})")
     exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
-    return (1.0 / theta**exponents).astype(np.float32)
+    inv_freq = 1.0 / theta**exponents
+    if rope_type == "default":
+        return Rope(inv_freq.astype(np.float32))
+    if rope_type == "linear":
+        return Rope((inv_freq / float(_rope_field(scaling, "factor"))).astype(np.float32))
+    return _yarn(inv_freq, rotary_dim, theta, scaling, max_position_embeddings)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE on the first 2*len(inv_freq) features of the last axis (the rest pass through).
+def _rope_field(scaling: dict, name: str):
+    if scaling.get(name) is None:
+        raise ValueError(f"rope_scaling type {rope_type_of(scaling)!r} needs {name!r}; got {scaling!r}")
+    return scaling[name]
 
-    x: [..., T, heads, head_dim]; positions: [..., T]. cos/sin are computed in fp32 and cast to x.dtype, as
-    transformers does.
+
+def _yarn(inv_freq: np.ndarray, rotary_dim: int, theta: float, scaling: dict,
+          max_position_embeddings: int | None) -> Rope:
+    # transformers fills a missing original_max_position_embeddings from config.max_position_embeddings
+    # (`standardize_rope_params`), and a missing factor from max_position_embeddings / original.
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    if original is None:
+        raise ValueError(f"rope_scaling type 'yarn' needs 'original_max_position_embeddings'; got {scaling!r}")
+    factor = scaling.get("factor")
+    if factor is None and max_position_embeddings is None:
+        raise ValueError(f"rope_scaling type 'yarn' needs 'factor'; got {scaling!r}")
+    factor = float(factor if factor is not None else max_position_embeddings / original)
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoids a zero-width ramp
+    # fp32 like transformers' ramp and frequencies, so the tables agree bit for bit at long positions.
+    inv_freq = inv_freq.astype(np.float32)
+    ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float32) - low) / np.float32(high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    blended = (inv_freq / np.float32(factor)) * (1 - extrapolation) + inv_freq * extrapolation
+    return Rope(blended.astype(np.float32), float(attention_factor))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
+    """Rotate-half RoPE on the first 2*len(rope.inv_freq) features of the last axis (the rest pass through).
+
+    x: [..., T, heads, head_dim]; positions: [..., T]. cos/sin are computed in fp32, scaled by
+    rope.attention_scaling and cast to x.dtype, as transformers does.
     """
-    rotary_dim = 2 * inv_freq.shape[0]
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, rotary_dim/2]
+    rotary_dim = 2 * rope.inv_freq.shape[0]
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope.inv_freq)  # [..., T, rotary_dim/2]
     angles = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # broadcast over heads
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    cos, sin = jnp.cos(angles) * rope.attention_scaling, jnp.sin(angles) * rope.attention_scaling
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2
     rotated_half = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from dflash_jax.models.moe import SparseMoE
 from dflash_jax.models.moe_config import MoeSettings
 from dflash_jax.models.layers import (MLP, Embed, Linear, RMSNorm, apply_rope, decoder_layer_params,
-                                      rope_inverse_frequencies)
+                                      rope_frequencies)
 from dflash_jax.models.target import (NO_SEGMENT, AttentionCache, EmbeddingAndHead, TargetOutput,
                                       causal_self_attention, feature_slots, move_columns, write_columns)
 from dflash_jax.ops.backends import resolve_attention_impl
@@ -64,7 +64,8 @@ class Qwen3Config:
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(f"Qwen3 config field 'tie_word_embeddings' must be a bool, "
                              f"got {self.tie_word_embeddings!r}")
-        rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)  # refuses unsupported types
+        # refuses unsupported types
+        rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, self.max_position_embeddings)
         if self.moe is not None and len(self.moe.sparse_layers) != self.num_hidden_layers:
             raise ValueError(f"qwen3_moe settings name {len(self.moe.sparse_layers)} layers' MLPs, the config has "
                              f"{self.num_hidden_layers} layers")
@@ -278,7 +279,8 @@ class Qwen3(EmbeddingAndHead, nnx.Module):
         del keep_every_state
         wanted, slot, order = feature_slots(feature_layer_ids, self.config.num_hidden_layers)
         x = constrain(self.embed(input_ids), ROWS_EMBED)
-        inv_freq = rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
+        inv_freq = rope_frequencies(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling,
+                                    self.config.max_position_embeddings)
         buffer = constrain(jnp.zeros((len(wanted) + 1, *x.shape), x.dtype), (None, *ROWS_EMBED))
         if cache is not None:
             start = cache.length

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dflash_jax.models.gated_deltanet import GatedDeltaNet, RecurrentCache
-from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inverse_frequencies
+from dflash_jax.models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_frequencies
 from dflash_jax.models.moe import SparseMoE
 from dflash_jax.models.qwen3_5_config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5Config
 from dflash_jax.models.target import (NO_SEGMENT, AttentionCache, EmbeddingAndHead, TargetOutput,
@@ -182,7 +182,8 @@ class Qwen3_5(EmbeddingAndHead, nnx.Module):
         wanted, slot, order = feature_slots(feature_layer_ids, num_layers)
 
         x = constrain(self.embed(input_ids), ROWS_EMBED)
-        inv_freq = rope_inverse_frequencies(config.rotary_dim, config.rope_theta)
+        inv_freq = rope_frequencies(config.rotary_dim, config.rope_theta, config.rope_scaling,
+                                    config.max_position_embeddings)
         buffer = constrain(jnp.zeros((len(wanted) + 1, *x.shape), x.dtype), (None, *ROWS_EMBED))
         seen = None
         if cache is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from dflash_jax.models.layers import decoder_layer_params
+from dflash_jax.models.layers import decoder_layer_params, rope_frequencies, rope_type_of
 from dflash_jax.models.moe_config import MoeSettings
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
@@ -36,6 +36,7 @@ class Qwen3_5Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     partial_rotary_factor: float = 0.25  # RoPE rotates the first head_dim * factor features of each head
+    rope_scaling: Mapping | None = dataclasses.field(default=None, hash=False)  # None = default RoPE
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     moe: MoeSettings | None = None  # qwen3_5_moe: every layer's MLP is routed experts + a shared expert
@@ -132,7 +133,7 @@ class Qwen3_5Config:
             raise ValueError("Qwen3.5 config field 'attention_bias' is true; Qwen3.5 attention has no biases")
         if text.get("hidden_act", "silu") != "silu":
             raise ValueError(f"Qwen3.5 config field 'hidden_act' must be 'silu', got {text['hidden_act']!r}")
-        theta, partial = _rope_settings(text)
+        theta, partial, scaling = _rope_settings(text)
         layer_types = text.get("layer_types")
         if layer_types is None:
             interval = text.get("full_attention_interval", 4)
@@ -151,12 +152,12 @@ class Qwen3_5Config:
             "max_position_embeddings") if text.get(name) is not None}
         moe = MoeSettings.from_qwen3_5_moe(text, text["num_hidden_layers"]) if is_moe else None
         return cls(**{name: text[name] for name in _REQUIRED}, **optional, layer_types=tuple(layer_types),
-                   rope_theta=theta, partial_rotary_factor=partial, tie_word_embeddings=tied,
+                   rope_theta=theta, partial_rotary_factor=partial, rope_scaling=scaling, tie_word_embeddings=tied,
                    intermediate_size=0 if is_moe else text["intermediate_size"], moe=moe)
 
 
-def _rope_settings(text: Mapping) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) from `rope_parameters` (transformers v5) or the older top-level
+def _rope_settings(text: Mapping) -> tuple[float, float, dict | None]:
+    """(rope_theta, partial_rotary_factor, rope_scaling or None for default RoPE) from `rope_parameters` (transformers v5) or the older top-level
     `rope_theta` / `partial_rotary_factor` / `rope_scaling`. mRoPE sections are ignored: for text-only input
     interleaved mRoPE is exactly 1-D RoPE (design §8.2)."""
     rope = text.get("rope_parameters")
@@ -169,8 +170,8 @@ def _rope_settings(text: Mapping) -> tuple[float, float]:
         raise ValueError(f"Qwen3.5 config field 'rope_parameters' must be an object, got {rope!r}")
     theta = rope.get("rope_theta", 10000.0)
     partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":  # refused rather than silently mis-modelled
-        raise ValueError(f"Qwen3.5 config field 'rope_parameters' has rope_type {rope_type!r}; only 'default' "
-                         f"is supported")
-    return theta, partial
+    scaling = {key: value for key, value in rope.items() if key not in ("rope_theta", "partial_rotary_factor")}
+    if rope_type_of(scaling) == "default":
+        return theta, partial, None
+    rope_frequencies(2, theta, scaling, text.get("max_position_embeddings"))  # refuses unsupported types now
+    return theta, partial, scaling

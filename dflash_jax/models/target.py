@@ -13,7 +13,9 @@ from jax.sharding import Mesh
 
 from dflash_jax.ops.attention import (causal_attention, causal_attention_fused, causal_segment_mask,
                                      default_query_chunk, grouped_attention)
+from dflash_jax.ops.context_parallel import causal_attention_over_context, on_row_shards
 from dflash_jax.ops.splash_attention import causal_attention_splash
+from dflash_jax.sharding import CONTEXT_AXIS, context_shards
 
 # The full-sequence attention of the targets by resolved `attention_impl` (ops/backends.py): query chunks in
 # XLA, the splash kernel, or cuDNN through jax.nn.dot_product_attention. The KV-cached decoding path always
@@ -61,8 +63,12 @@ def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids:
     values are written at columns start.. first, then every new token attends (XLA, over all columns) to the
     columns at or before its own that hold its segment, so stale columns past it (a cropped verification
     block) are never visible; with `cache.tree`, the call's own columns are seen through the tree instead.
-    Returns (output, the cache holding the new columns or None).
+    Returns (output, the cache holding the new columns or None). Rows split over the mesh's context axis
+    (design §19) attend shard by shard to the all-gathered keys, in XLA whatever `attention_impl`.
     """
+    if cache is None and context_shards() > 1:
+        attention = functools.partial(causal_attention_over_context, scale=scale, axis=CONTEXT_AXIS)
+        return on_row_shards(attention, q, k, v, segment_ids), None
     if cache is None:
         attention = CAUSAL_ATTENTION_IMPLS[attention_impl]
         if attention_impl == "splash":

@@ -1,9 +1,10 @@
 """The static anchor grid (design §4) and what it gives each batch of rows, in jax.numpy for the jitted step.
 
 Anchors sit at a_j = j*S for j < N = T/S in every row; the loader's phase shift moves the content instead of
-the grid, so everything indexed by anchors has static shapes. Slot k of block j sits at position a_j + k and
-is flattened as index j*B + k in [batch, N*B] outputs. The per-row helpers take [batch, T] arrays (NumPy or
-JAX) and the static NumPy `AnchorGrid.anchors`.
+the grid, so everything indexed by anchors has static shapes. On long rows the stride widens so that a row keeps
+at most `max_anchors` anchors, spread evenly over the whole row (`AnchorGrid.for_rows`). Slot k of block j sits
+at position a_j + k and is flattened as index j*B + k in [batch, N*B] outputs. The per-row helpers take [batch, T]
+arrays (NumPy or JAX) and the static NumPy `AnchorGrid.anchors`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ class AnchorGrid:
         if self.block_size < 2:
             raise ValueError(f"AnchorGrid.block_size must be >= 2 (an anchor slot plus at least one drafted "
                              f"slot), got {self.block_size}")
+
+    @classmethod
+    def for_rows(cls, seq_len: int, anchor_stride: int, block_size: int, max_anchors: int | None) -> AnchorGrid:
+        """The grid of rows of seq_len tokens: stride anchor_stride, widened to its smallest multiple that divides
+        seq_len and leaves at most max_anchors anchors (None: no cap). A row of 32K tokens at stride 16 has 2048
+        anchors; capped at 512 its stride is 64, and its anchors still reach the row's last 64 positions."""
+        num_anchors = seq_len // anchor_stride
+        if max_anchors is None or num_anchors <= max_anchors:
+            return cls(seq_len, anchor_stride, block_size)
+        widen = next(f for f in range(-(-num_anchors // max_anchors), num_anchors + 1) if num_anchors % f == 0)
+        return cls(seq_len, anchor_stride * widen, block_size)
 
     @property
     def num_anchors(self) -> int:

@@ -3,9 +3,11 @@
 Packed rows hold several documents; a token attends to earlier tokens of its own segment only.
 `causal_attention` is the targets' full-sequence XLA path: it walks query chunks, each over the keys up to its
 own end, so the [T, T] scores of a whole row never exist (at T = 4096 and 32 heads they would be 2 GiB of
-fp32 per row and layer). `grouped_attention` under an explicit mask is the dense form, used by the KV-cached
-decoding paths and as the tests' oracle; `head_major_attention` is the same on operands already laid out
-head-major, which the chunked paths (here and ops/dflash_attention.py) prepare once per call.
+fp32 per row and layer). Rows of more than CHUNKS_IN_FLIGHT chunks walk them in a loop instead, one chunk's key
+tile at a time, flash-attention style, so that their memory stays linear in T. `grouped_attention` under an
+explicit mask is the dense form, used by the KV-cached decoding paths and as the tests' oracle;
+`head_major_attention` is the same on operands already laid out head-major, which the chunked paths (here and
+ops/dflash_attention.py) prepare once per call.
 `causal_attention_fused` is the GPU path: the same attention through `jax.nn.dot_product_attention` on cuDNN.
 """
 
@@ -29,6 +31,11 @@ MASKED_SCORE = -1e30  # finite, so a fully masked row gives a uniform (not NaN) 
 # kernels and keeps 512 until measured there (bench/gpu.sh runs the same sweep).
 QUERY_CHUNK = 512
 QUERY_CHUNK_BY_PLATFORM = {"cpu": 256}
+# Up to this many query chunks are independent slices of the row (the scheduler runs them side by side: a row's
+# scores then add up to T x T / 2, 10 GiB of temporaries for a tiny hybrid target at T = 32K); a longer row
+# walks its chunks in a loop, scoring one [chunk, chunk] key tile at a time. Rows of up to 4K tokens on CPU (8K
+# elsewhere) keep the unrolled chunks.
+CHUNKS_IN_FLIGHT = 16
 
 
 def default_query_chunk() -> int:
@@ -88,12 +95,64 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     # half's keys, 3/4 of the dense form's work (at T = 384 the attention takes a quarter less time on CPU).
     query_chunk = min(query_chunk, -(-length // 2))
     q, k, v = to_head_major(q, k.shape[2]), k.swapaxes(1, 2), v.swapaxes(1, 2)
+    if length > CHUNKS_IN_FLIGHT * query_chunk:
+        out = tiled_causal_attention(q, k, v, segment_ids, segment_ids, scale, query_chunk)
+        return out.swapaxes(1, 2).reshape(batch, length, q_heads, head_dim)
     outputs = []
     for start in range(0, length, query_chunk):
         stop = min(start + query_chunk, length)
         visible = causal_segment_mask(segment_ids[:, start:stop], segment_ids[:, :stop], start)
         outputs.append(head_major_attention(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], visible, scale))
     return jnp.concatenate(outputs, axis=2).swapaxes(1, 2).reshape(batch, length, q_heads, head_dim)
+
+
+def tiled_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, query_segments: jax.Array,
+                           key_segments: jax.Array, scale: float, chunk: int, first_query=0) -> jax.Array:
+    """`causal_attention` on head-major operands (q [B, Hkv, Tq, group, D] at row positions first_query.., k, v
+    [B, Hkv, Tk, D] at 0..Tk-1; segments [B, Tq] and [B, Tk]) as loops: each query chunk takes in the key tiles up
+    to its own end one at a time with the online softmax of flash attention (Dao et al. 2022: a running maximum
+    m, exponential sum l and weighted values acc per query row). Only one [chunk, chunk] tile's scores exist at a
+    time. Queries and keys are padded to whole chunks; a padded key lies after every real query, so causality
+    hides it. The last tile holds each query's own key, so a row whose earlier tiles were fully masked has those
+    tiles' weights rescaled to zero by then. first_query may be traced (a shard's offset in its row, design §19):
+    the tiles a chunk takes in are then counted at run time."""
+    length = q.shape[2]
+    padded = -(-length // chunk) * chunk
+    key_tiles = -(-k.shape[2] // chunk)
+    q = jnp.pad(q, [(0, 0), (0, 0), (0, padded - length), (0, 0), (0, 0)])
+    k, v = (jnp.pad(x, [(0, 0), (0, 0), (0, key_tiles * chunk - x.shape[2]), (0, 0)]) for x in (k, v))
+    query_segments = jnp.pad(query_segments, [(0, 0), (0, padded - length)])
+    key_segments = jnp.pad(key_segments, [(0, 0), (0, key_tiles * chunk - key_segments.shape[1])])
+
+    def query_chunk(index):
+        start = index * chunk
+        q_chunk = jax.lax.dynamic_slice_in_dim(q, start, chunk, axis=2)
+        q_segments = jax.lax.dynamic_slice_in_dim(query_segments, start, chunk, axis=1)
+
+        def key_tile(tile, carry):
+            m, l, acc = carry
+            k_tile, v_tile = (jax.lax.dynamic_slice_in_dim(x, tile * chunk, chunk, axis=2) for x in (k, v))
+            k_segments = jax.lax.dynamic_slice_in_dim(key_segments, tile * chunk, chunk, axis=1)
+            visible = causal_segment_mask(q_segments, k_segments, first_query + start - tile * chunk)
+            scores = jnp.einsum("bhqgd,bhkd->bhqgk", q_chunk, k_tile, preferred_element_type=jnp.float32) * scale
+            scores = jnp.where(visible[:, None, :, None, :], scores, MASKED_SCORE)
+            m_new = jnp.maximum(m, scores.max(axis=-1))
+            probs = jnp.exp(scores - m_new[..., None])
+            rescale = jnp.exp(m - m_new)
+            acc = acc * rescale[..., None] + jnp.einsum("bhqgk,bhkd->bhqgd", probs, v_tile.astype(jnp.float32))
+            return m_new, l * rescale + probs.sum(axis=-1), acc
+
+        row = q_chunk[..., 0]  # (`_like`: inside shard_map the carry then varies over the mesh as q does)
+        init = (jnp.full_like(row, MASKED_SCORE, jnp.float32), jnp.zeros_like(row, jnp.float32),
+                jnp.zeros_like(q_chunk, jnp.float32))
+        last_key = first_query + start + chunk - 1  # the chunk's last query sees keys up to its own position
+        tiles = jnp.minimum(last_key // chunk + 1, key_tiles)
+        _, l, acc = jax.lax.fori_loop(0, tiles, key_tile, init)
+        return (acc / l[..., None]).astype(v.dtype)
+
+    chunks = jax.lax.map(query_chunk, jnp.arange(padded // chunk))  # [chunks, B, Hkv, chunk, group, D]
+    out = jnp.moveaxis(chunks, 0, 2)
+    return out.reshape(*out.shape[:2], padded, *out.shape[4:])[:, :, :length]
 
 
 def cudnn_unsupported(q: jax.Array, k: jax.Array) -> str | None:

@@ -31,6 +31,7 @@ import numpy as np
 from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.attention import MASKED_SCORE, grouped_attention, to_head_major
 from dflash_jax.ops.mask import block_rule, context_rule, validate_window
+from dflash_jax.sharding import constrain, context_shards
 
 # Widest context key tile. A layer's tiles are as wide as its widest chunk reach split into the fewest tiles of
 # at most KEY_TILE: a sliding layer's windowed chunks then fill their tiles exactly, and any chunk scores less
@@ -140,9 +141,21 @@ def dflash_attention(
     layer = _Layer(grid, window, float(scale), query_chunk_blocks, key_tile)
     # Head-major once: q [b, Hkv, N*B, group, D] (the group's query heads next to their rows, so that a
     # matmul's rows are (row, group) and its batch axes (b, Hkv) lead); keys and values [b, Hkv, len, D].
-    out = _attention(layer, to_head_major(q, kv_heads), *(x.swapaxes(1, 2) for x in (k_ctx, v_ctx, k_blk, v_blk)),
-                     context_segment_ids, jnp.repeat(anchor_segment_ids, grid.block_size, axis=1))
+    operands = [to_head_major(q, kv_heads), *(x.swapaxes(1, 2) for x in (k_ctx, v_ctx, k_blk, v_blk)),
+                context_segment_ids, jnp.repeat(anchor_segment_ids, grid.block_size, axis=1)]
+    out = _whole_rows(_attention(layer, *map(_whole_rows, operands)))
     return out.swapaxes(1, 2).reshape(batch, grid.num_queries, q_heads, head_dim)
+
+
+def _whole_rows(x: jax.Array) -> jax.Array:
+    """x [b, (Hkv,) len, ...] with its length whole on every device of the mesh's context axis; unchanged when
+    rows are not split over it. On split rows (design §19) the scan of `_attention` takes its chunks and tiles at
+    static offsets of the whole row, so it runs on the whole row's operands, gathered once a layer rather than
+    piece by piece in each step of the scan: every context device attends for all of its rows' queries."""
+    if context_shards() == 1:
+        return x
+    heads = () if x.ndim == 2 else ("activation_kv_heads",)
+    return constrain(x, ("activation_batch", *heads, None, *([None] * (x.ndim - len(heads) - 2))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +223,7 @@ def _attention_backward(layer: _Layer, residuals, d_out):
     scale), products in the operands' dtype with fp32 accumulation."""
     q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, query_segment_ids, out, log_sum_exp = residuals
     grid, schedule, scale = layer.grid, layer.schedule, layer.scale
+    d_out = _whole_rows(d_out)
     by_block = (*q.shape[:2], grid.num_anchors, grid.block_size)
     d_row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
 
@@ -292,14 +306,16 @@ def _pair_scores(layer: _Layer, q, k_ctx, context_segment_ids, query_segment_ids
 
 
 def cached_dflash_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, k_blk: jax.Array, v_blk: jax.Array,
-                            window: int | None, scale: float, *, anchor: jax.Array) -> jax.Array:
-    """The §5 mask for one block per row at a (traced) anchor position, over a decoding cache whose column is
-    the position: q, k_blk, v_blk [b, B, H*, D]; k_ctx, v_ctx [b, capacity, Hkv, D]. Context column p is
-    visible from slot k iff p < anchor (and p > anchor + k - W on a sliding layer), by `context_rule`;
-    columns at or past the anchor (stale rows of a rejected block) never are. One document per row."""
+                            window: int | None, scale: float, *, anchor: jax.Array,
+                            key_positions: jax.Array | None = None) -> jax.Array:
+    """The §5 mask for one block per row at a (traced) anchor position, over a decoding cache: q, k_blk, v_blk
+    [b, B, H*, D]; k_ctx, v_ctx [b, columns, Hkv, D], column c holding position key_positions[c] (default c; a
+    sliding layer's ring, models/drafter_cache.py; negative: nothing). Context position p is visible from slot
+    k iff p < anchor (and p > anchor + k - W on a sliding layer), by `context_rule`; columns at or past the
+    anchor (stale rows of a rejected block) never are. One document per row."""
     slots = np.arange(q.shape[1])
-    columns = jnp.arange(k_ctx.shape[1])
-    context = jnp.broadcast_to(context_rule(anchor, slots[:, None], columns[None, :], window),
+    columns = jnp.arange(k_ctx.shape[1]) if key_positions is None else key_positions
+    context = jnp.broadcast_to(context_rule(anchor, slots[:, None], columns[None, :], window) & (columns >= 0),
                                (slots.size, columns.size))
     own_block = jnp.asarray(block_rule(slots[:, None], slots[None, :], slots.size, causal=window is not None))
     visible = jnp.concatenate([context, own_block], axis=1)

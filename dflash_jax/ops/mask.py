@@ -78,17 +78,35 @@ def dense_mask(grid: AnchorGrid, segment_ids: jax.Array | np.ndarray, window: in
     return jnp.concatenate([context, block], axis=2)
 
 
+def visible_intervals(grid: AnchorGrid, window: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """[N*B, 2] starts and [N*B, 2] ends: each query's visible keys of the position part as two half-open
+    intervals of key indices, its context keys (a_j + k - W < p < a_j, or p < a_j) and its block keys (offset
+    by T; causal on sliding layers). The same rules as `position_mask` without its [N*B, T + N*B] array."""
+    validate_window(window)
+    query = np.arange(grid.num_queries, dtype=np.int64)
+    anchor, slot = grid.query_anchors.astype(np.int64), grid.query_slots.astype(np.int64)
+    context_start = np.zeros_like(anchor) if window is None else np.maximum(anchor + slot - window + 1, 0)
+    block_start = grid.seq_len + query - slot
+    block_end = block_start + (grid.block_size if window is None else slot + 1)
+    starts = np.stack([np.minimum(context_start, anchor), block_start], axis=1)
+    return starts, np.stack([anchor, block_end], axis=1)
+
+
 def tile_fraction(grid: AnchorGrid, window: int | None, q_tile: int, k_tile: int) -> float:
     """Fraction of (query-tile, key-tile) pairs of the position mask holding at least one visible entry.
 
     This is the share of tiles a block-sparse kernel computes (the document part only removes more). Edge
-    tiles that overhang the mask count as tiles.
+    tiles that overhang the mask count as tiles. Read from each query's visible intervals, one query tile at a
+    time, so its memory does not grow with the square of the row.
     """
     if q_tile < 1 or k_tile < 1:
         raise ValueError(f"tile sizes must be positive, got q_tile={q_tile} k_tile={k_tile}")
-    mask = position_mask(grid, window)
-    rows, cols = -(-mask.shape[0] // q_tile), -(-mask.shape[1] // k_tile)
-    padded = np.zeros((rows * q_tile, cols * k_tile), dtype=bool)
-    padded[: mask.shape[0], : mask.shape[1]] = mask
-    tiles = padded.reshape(rows, q_tile, cols, k_tile).any(axis=(1, 3))
-    return float(tiles.mean())
+    starts, ends = visible_intervals(grid, window)
+    key_tiles = -(-(grid.seq_len + grid.num_queries) // k_tile)
+    tile_start = np.arange(key_tiles) * k_tile
+    nonempty = 0
+    for first in range(0, grid.num_queries, q_tile):
+        start, end = starts[first:first + q_tile, :, None], ends[first:first + q_tile, :, None]
+        meets = (start < end) & (start < tile_start + k_tile) & (end > tile_start)  # [rows, 2, key tiles]
+        nonempty += int(meets.any(axis=(0, 1)).sum())
+    return nonempty / (-(-grid.num_queries // q_tile) * key_tiles)

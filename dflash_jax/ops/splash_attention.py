@@ -1,18 +1,20 @@
 """Attention on the TPU splash-attention kernel, skipping the mask's empty tiles: the drafter's DFlash attention
 (design §5, `dflash_attention_splash`) and the targets' causal attention within segments (`causal_attention_splash`).
 
-The static position mask of `position_mask` becomes the kernel's NumPy mask: the kernel reduces it once to
-per-tile info (empty / partial / full) and never visits an empty (query-tile, key-tile) pair, forward or
-backward. The document part is the kernel's segment ids: a query carries its anchor's segment, a context key
-its own, and a block key the segment of its block's anchor, so a query always matches its own block (no row
-is ever fully masked, which the kernel requires).
+The static position part of the mask (ops/mask.py's rules) is a computable splash mask, `GridMask`: the
+kernel evaluates the rule inside each tile rather than loading a stored [N*B, T + N*B] array, and reduces it
+once to per-tile info (empty / partial / full) without ever holding the whole mask (at T = 32K with the 27B
+grid that array would be 6 GiB, and the kernel's set-up hashes a stored mask's bytes once per head). It never
+visits an empty (query-tile, key-tile) pair, forward or backward. The document part is the kernel's segment
+ids: a query carries its anchor's segment, a context key its own, and a block key the segment of its block's
+anchor, so a query always matches its own block (no row is ever fully masked, which the kernel requires).
 
 Kernel constraints (jax 0.10 `splash_attention_kernel`, enforced in interpret mode too):
 - key tiles (`block_kv`, `block_kv_compute`) must be multiples of 128 (TPU lanes), and with segment ids so
   must the query tiles of the backward dK/dV kernel; we use one query and one key tile, multiples of 128,
   for the forward and both backward kernels (`splash_tiles`);
 - tiles must divide the lengths, so N*B queries and T + N*B keys are padded at the end up to a multiple of
-  128 (see `_padded_mask`);
+  128 (see `GridMask`);
 - any head_dim runs in the interpreter (8, 16, 200 tried); on TPU a multiple of 128 avoids padded lanes
   (Qwen3's 128);
 - GQA is native: the kernel maps query head h to kv head h // (Hq / Hkv), as `grouped_attention` does, so
@@ -39,7 +41,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import Mesh, PartitionSpec
 
 from dflash_jax.ops.anchors import AnchorGrid
-from dflash_jax.ops.mask import position_mask, tile_fraction, validate_window
+from dflash_jax.ops.mask import block_rule, context_rule, tile_fraction, validate_window
 from dflash_jax.sharding import BATCH_AXES
 
 log = logging.getLogger(__name__)
@@ -76,17 +78,36 @@ def _padded_lengths(grid: AnchorGrid) -> tuple[int, int]:
     return _round_up(grid.num_queries, LANES), _round_up(grid.seq_len + grid.num_queries, LANES)
 
 
-def _padded_mask(grid: AnchorGrid, window: int | None) -> np.ndarray:
-    """position_mask padded at the end: padded keys are never visible; a padded query sees exactly the last
-    block key (and carries that block's segment). The kernel needs every row to see a key: a fully masked
-    row's softmax would rest on the kernel's mask value (NaN with -inf, and NaN times the zero cotangent of
-    the dropped row would still poison the key gradients). A padded row's output is dropped, so it sends
-    zero gradient to its key."""
-    queries, keys = grid.num_queries, grid.seq_len + grid.num_queries
-    mask = np.zeros(_padded_lengths(grid), dtype=bool)
-    mask[:queries, :keys] = position_mask(grid, window)
-    mask[queries:, keys - 1] = True
-    return mask
+class GridMask(mask_lib._ComputableMask):  # the base of jax's own lazy masks (CausalMask, LocalMask)
+    """The position part of design §5's mask on the kernel's padded lengths, computed from indices: query q is
+    slot q % B of the block at anchor (q // B)·S; keys below T are context (`context_rule`), the next N*B block
+    keys (`block_rule`), the rest padding, never visible. A padded query sees exactly the last block key (and
+    carries that block's segment): the kernel needs every row to see a key, since a fully masked row's softmax
+    would rest on the kernel's mask value (NaN with -inf, and NaN times the zero cotangent of the dropped row
+    would still poison the key gradients). A padded row's output is dropped, so it sends zero gradient to its
+    key. The rule takes NumPy indices when the kernel reduces the mask to tile info and jax values inside the
+    kernel, so it uses operators only."""
+
+    def __init__(self, grid: AnchorGrid, window: int | None):
+        self.grid, self.window = grid, window
+        queries, keys = grid.num_queries, grid.seq_len + grid.num_queries
+
+        def visible(query, key):
+            real = query < queries
+            block_index = query // grid.block_size  # (no `%`: floor division is what the lazy splash masks use)
+            context = (key < grid.seq_len) & context_rule(block_index * grid.stride,
+                                                          query - block_index * grid.block_size, key, window)
+            block = (key >= grid.seq_len) & (key < keys) & block_rule(query, key - grid.seq_len, grid.block_size,
+                                                                      causal=window is not None)
+            return (real & (context | block)) | (~real & (key == keys - 1))
+
+        super().__init__(_padded_lengths(grid), visible)
+
+    def __eq__(self, other: object):
+        return isinstance(other, GridMask) and (self.grid, self.window) == (other.grid, other.window)
+
+    def __hash__(self):
+        return hash((GridMask, self.grid, self.window))
 
 
 @functools.lru_cache(maxsize=64)
@@ -99,7 +120,7 @@ def _kernel(grid: AnchorGrid, window: int | None, num_heads: int, interpret: boo
         block_q=q_tile, block_kv=kv_tile, block_kv_compute=kv_tile,
         block_q_dkv=q_tile, block_kv_dkv=kv_tile, block_kv_dkv_compute=kv_tile,
         block_q_dq=q_tile, block_kv_dq=kv_tile)
-    head_mask = mask_lib.NumpyMask(_padded_mask(grid, window))
+    head_mask = GridMask(grid, window)
     # The same mask object for every head: the kernel keeps one copy of the tile info for all heads.
     mask = mask_lib.MultiHeadMask([head_mask] * num_heads)
     with jax.ensure_compile_time_eval():

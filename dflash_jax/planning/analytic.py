@@ -9,7 +9,9 @@ counted from the shapes instead of read from the program: FLOPs are train/flops.
 reads every weight a device uses once per pass and the optimizer's state twice; collectives (hlo_cost.py's ring
 sizes) are the FSDP all-gathers of the target (fsdp layout) and of the drafter (forward and backward) and the
 drafter gradients' reduce-scatter over fsdp, the gradients' all-reduce over data, and over tensor an all-reduce
-of every layer's attention and MLP output.
+of every layer's attention and MLP output. Rows split over context (design §19) divide every per-token amount by
+its size and add the target's K/V all-gathers, the Gated DeltaNet state maps' all-gathers, the drafter's context
+K/V gathers and the gradients' all-reduce over context.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import jax
 from flax import nnx
 from ml_collections import ConfigDict
 
-from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.planning.chips import Chip
 from dflash_jax.planning.collectives import Collective
@@ -31,17 +32,21 @@ from dflash_jax.planning.roofline import Roofline, roofline
 from dflash_jax.models.moe import EXPERT_IN
 from dflash_jax.sharding import AUTO_LAYOUT_ORDER, layout_rules, logical_spec, make_mesh, spec_axes
 from dflash_jax.train import flops, validate
+from dflash_jax.train.config import anchor_grid
 from dflash_jax.train.state import state_spec
 from dflash_jax.weights.families import family_of
 
 # plan --compare compiles the candidates whose predicted time per token is within this factor of the best's
 # (the analytical amounts leave out padding, masked work and the compiler's fusions: design §13.1).
 COMPILE_MARGIN = 1.25
+# The fewest tokens a context shard is given by default (`context_sizes_for`): below a few thousand tokens a
+# device's share of the work no longer pays for the per-layer gathers (design §19).
+MIN_CONTEXT_SHARD = 4096
 
 
 class Prediction(NamedTuple):
     layout: str
-    mesh: dict[str, int]  # data, fsdp, tensor within one slice or host, and dcn_data
+    mesh: dict[str, int]  # data, fsdp, tensor, context within one slice or host, and dcn_data
     config: ConfigDict | None  # the candidate's config (its mesh, layout and batch size); None when it cannot run
     memory: dict[str, float]  # bytes per device: target, params, opt_state, batch, temporaries, total
     roofline: Roofline | None  # None without the chip's peaks, or when it cannot run
@@ -53,17 +58,31 @@ class Prediction(NamedTuple):
         return self.config is not None and not self.reason
 
 
-def candidate_meshes(devices: int, granules: int, tensor_sizes: tuple[int, ...]) -> list[dict[str, int]]:
-    """Within a slice or host, `tensor` devices and the rest on fsdp; across them the data axis (dcn_data)."""
+def context_sizes_for(seq_len: int) -> tuple[int, ...]:
+    """The context splits worth trying for rows of seq_len tokens: powers of two that divide it and leave each
+    shard at least MIN_CONTEXT_SHARD tokens (1 alone for rows of up to 8K tokens)."""
+    return tuple(size for size in (1, 2, 4, 8, 16, 32, 64)
+                 if size == 1 or (seq_len % size == 0 and seq_len // size >= MIN_CONTEXT_SHARD))
+
+
+def candidate_meshes(devices: int, granules: int, tensor_sizes: tuple[int, ...],
+                     context_sizes: tuple[int, ...] = (1,)) -> list[dict[str, int]]:
+    """Within a slice or host, `tensor` x `context` devices and the rest on fsdp; across them the data axis
+    (dcn_data)."""
     per_granule = devices // granules
-    return [dict(data=1, fsdp=per_granule // tensor, tensor=tensor, dcn_data=granules)
-            for tensor in tensor_sizes if tensor <= per_granule and per_granule % tensor == 0]
+    return [dict(data=1, fsdp=per_granule // (tensor * context), tensor=tensor, context=context, dcn_data=granules)
+            for tensor in tensor_sizes for context in context_sizes
+            if tensor * context <= per_granule and per_granule % (tensor * context) == 0]
 
 
 def predict_candidates(config: ConfigDict, target_config, devices: list, granules: int, layouts: tuple[str, ...],
-                       tensor_sizes: tuple[int, ...], budget_bytes: float | None, chip: Chip | None) -> list[Prediction]:
-    """Every candidate predicted, best first (`rank_key`): those that fit, then those that do not."""
+                       tensor_sizes: tuple[int, ...], budget_bytes: float | None, chip: Chip | None,
+                       context_sizes: tuple[int, ...] | None = None) -> list[Prediction]:
+    """Every candidate predicted, best first (`rank_key`): those that fit, then those that do not.
+    context_sizes: the row splits to try (default `context_sizes_for` the row length)."""
     config = abstract_config(config)
+    if context_sizes is None:
+        context_sizes = context_sizes_for(config.data.seq_len)
     platform = devices[0].platform
     attention_impl = resolve_attention_impl(config.attention_impl, platform)
     first = make_mesh(devices=devices)
@@ -73,7 +92,7 @@ def predict_candidates(config: ConfigDict, target_config, devices: list, granule
         mesh=first))
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer=None)
     found = []
-    for sizes in candidate_meshes(len(devices), granules, tensor_sizes):
+    for sizes in candidate_meshes(len(devices), granules, tensor_sizes, context_sizes):
         shards = sizes["data"] * sizes["dcn_data"] * sizes["fsdp"]
         # data.rows_per_device: each candidate's batch is that many rows per (data, fsdp) shard of its own.
         candidate = ConfigDict(validate.resolve_batch_size(config, shards).to_dict())
@@ -117,7 +136,8 @@ def expert_placement(target_config, layout: str, sizes: dict[str, int]) -> str:
     moe = getattr(target_config, "moe", None)
     if moe is None:
         return ""
-    mesh_shape = {"data": sizes["data"] * sizes.get("dcn_data", 1), "fsdp": sizes["fsdp"], "tensor": sizes["tensor"]}
+    mesh_shape = {"data": sizes["data"] * sizes.get("dcn_data", 1), "fsdp": sizes["fsdp"], "tensor": sizes["tensor"],
+                  "context": sizes.get("context", 1)}
     with nnx.logical_axis_rules(layout_rules(layout)):
         spec = logical_spec((moe.num_experts, target_config.hidden_size, moe.expert_intermediate_size), EXPERT_IN,
                             mesh_shape)
@@ -149,10 +169,13 @@ def temporaries(config: ConfigDict, target_config, drafter_config, rows: int, si
     kept hidden states (the feature layers and the last, design §13) and one layer's working set, its weights
     gathered whole over fsdp in the fsdp layout; the drafter's weights gathered whole, its gradients, each
     layer's activations on the block tokens (one residual stream a layer under remat) and the context's k/v;
-    the LM head's chunk of fp32 logits. Attention scores are materialised only by the "xla" implementation."""
-    tensor = sizes["tensor"]
-    length = config.data.seq_len
-    queries = AnchorGrid(length, config.data.anchor_stride, config.drafter.block_size).num_queries
+    the LM head's chunk of fp32 logits. Attention scores are materialised only by the "xla" implementation.
+    Split over context, a device holds 1/context of the tokens and queries, and its target layer the whole
+    row's K/V (gathered), scored by its own queries."""
+    tensor, context = sizes["tensor"], sizes.get("context", 1)
+    row = config.data.seq_len
+    length = row // context  # a device's tokens
+    queries = anchor_grid(config).num_queries // context
     target_item = validate.dtype_of(config.target_dtype).dtype.itemsize
     item = validate.dtype_of(config.compute_dtype).dtype.itemsize
     t, d = target_config, drafter_config
@@ -160,8 +183,10 @@ def temporaries(config: ConfigDict, target_config, drafter_config, rows: int, si
     q_width, kv_width = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
     wide = max(2 * t.intermediate_size, q_width + 2 * kv_width) / tensor
     target = rows * length * (hidden * (len(d.target_layer_ids) + 1) + 2 * hidden + wide) * target_item
-    if attention_impl == "xla":
-        target += rows * t.num_attention_heads / tensor * length * length * 4
+    if attention_impl == "xla" or context > 1:  # a split row attends in XLA (design §19)
+        target += rows * t.num_attention_heads / tensor * length * row * 4
+    if context > 1:
+        target += rows * row * 2 * kv_width / tensor * target_item
     if layout == "fsdp":
         target += whole["target"] / (t.num_hidden_layers * tensor)
     moe = getattr(t, "moe", None)
@@ -172,7 +197,7 @@ def temporaries(config: ConfigDict, target_config, drafter_config, rows: int, si
     drafter += rows * length * (len(d.target_layer_ids) * hidden
                                 + 2 * d.num_key_value_heads * d.head_dim * d.num_hidden_layers / tensor) * item
     if attention_impl == "xla":
-        drafter += rows * d.num_attention_heads / tensor * queries * (length + d.block_size) * 4
+        drafter += rows * d.num_attention_heads / tensor * queries * (row + d.block_size) * 4
     drafter += whole["params"] / tensor * item / 4 + params  # gathered weights in the compute dtype; gradients
     head = 3 * config.loss.row_chunk * config.loss.vocab_chunk * 4 / tensor
     return target + drafter + head
@@ -182,6 +207,7 @@ def _roofline(config: ConfigDict, target_config, drafter_config, rows: int, size
               whole: dict[str, int], memory: dict[str, float], chip: Chip) -> Roofline:
     devices = math.prod(sizes.values())
     fsdp, tensor, data = sizes["fsdp"], sizes["tensor"], sizes["data"] * sizes["dcn_data"]
+    context = sizes.get("context", 1)
     item = validate.dtype_of(config.compute_dtype).dtype.itemsize
     target_used = whole["target"] / tensor  # a device's heads and MLP columns, all of them under "replicate"
     drafter_used = whole["params"] / tensor
@@ -193,9 +219,12 @@ def _roofline(config: ConfigDict, target_config, drafter_config, rows: int, size
     if data > 1:  # across slices or hosts when dcn_data > 1 (make_mesh)
         collectives[Collective("all-reduce", ("data",), sizes["dcn_data"] > 1)] = \
             2 * (data - 1) / data * memory["params"]
+    if context > 1:
+        collectives.update(_context_collectives(config, target_config, drafter_config, rows, context, tensor,
+                                                memory["params"]))
     if tensor > 1:
-        length = config.data.seq_len
-        queries = AnchorGrid(length, config.data.anchor_stride, config.drafter.block_size).num_queries
+        length = config.data.seq_len // context
+        queries = anchor_grid(config).num_queries // context
         stream = rows * target_config.hidden_size * item
         outputs = 2 * target_config.num_hidden_layers * length + 3 * 2 * drafter_config.num_hidden_layers * queries
         collectives[Collective("all-reduce", ("tensor",), False)] = 2 * (tensor - 1) / tensor * stream * outputs
@@ -203,6 +232,26 @@ def _roofline(config: ConfigDict, target_config, drafter_config, rows: int, size
     cost = HloCost(0.0, hbm, collectives, 0, 0)
     model_flops = flops.train_step_flops(config, target_config, drafter_config)
     return roofline(cost, model_flops / devices, chip, tokens, config.total_steps)
+
+
+def _context_collectives(config: ConfigDict, target_config, drafter_config, rows: int, context: int, tensor: int,
+                         params: float) -> dict[Collective, float]:
+    """Bytes a device sends over the context axis a step (all-gathers: (N − 1) x its shard): the target's K/V at
+    each full-attention layer, each Gated DeltaNet layer's state map (M, B: [heads, dk, dk + dv] fp32), the
+    drafter's context K/V at each of its layers forward and twice backward, and the gradients' all-reduce."""
+    t, d = target_config, drafter_config
+    shard = rows * config.data.seq_len // context
+    types = getattr(t, "layer_types", None) or ("full_attention",) * t.num_hidden_layers
+    full = sum(kind == "full_attention" for kind in types)
+    target_item = validate.dtype_of(config.target_dtype).dtype.itemsize
+    item = validate.dtype_of(config.compute_dtype).dtype.itemsize
+    gather = full * shard * 2 * t.num_key_value_heads * t.head_dim / tensor * target_item
+    if full < len(types):
+        width = t.linear_key_head_dim * (t.linear_key_head_dim + t.linear_value_head_dim) * 4
+        gather += (len(types) - full) * rows * t.linear_num_value_heads / tensor * width
+    gather += 3 * d.num_hidden_layers * shard * 2 * d.num_key_value_heads * d.head_dim / tensor * item
+    return {Collective("all-gather", ("context",), False): (context - 1) * gather,
+            Collective("all-reduce", ("context",), False): 2 * (context - 1) / context * params}
 
 
 def format_choice(chosen: Prediction, predictions: list[Prediction]) -> str:

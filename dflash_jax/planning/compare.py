@@ -2,8 +2,9 @@
 compiling (analytic.py), then those that could win compiled and planned (plan.py), ranked by predicted time per
 token among those that fit (design §13.1).
 
-Candidates: every layout of sharding.TARGET_LAYOUTS (--layouts) times every tensor size of --tensor_sizes
-that divides a slice or host; within one, the rest of its devices on fsdp; across slices or hosts (TPU
+Candidates: every layout of sharding.TARGET_LAYOUTS (--layouts) times every tensor size of --tensor_sizes and
+context split of --context_sizes (by default those the row length makes worth it, design §19) that divide a
+slice or host; within one, the rest of its devices on fsdp; across slices or hosts (TPU
 multi-slice, a GPU cluster) the data axis (mesh.dcn_data), so only data parallelism crosses the slow links. A
 candidate predicted not to fit the memory budget, or whose rows do not split over its (data, fsdp) shards, is
 listed with the reason and not compiled; with a margin, neither is one whose predicted time per token is more
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 class Candidate(NamedTuple):
     layout: str
-    mesh: dict[str, int]  # data, fsdp, tensor within one slice or host, and dcn_data
+    mesh: dict[str, int]  # data, fsdp, tensor, context within one slice or host, and dcn_data
     plan: Plan | None  # None when it was not compiled
     reason: str  # why not, or why it does not fit
     prediction: Prediction | None = None  # the analytical one (analytic.py)
@@ -42,14 +43,15 @@ class Candidate(NamedTuple):
 def compare_plans(config: ConfigDict, target_config, devices: list, granules: int, layouts: tuple[str, ...],
                   tensor_sizes: tuple[int, ...], hbm_gib: float | None = None, chip: Chip | None = None,
                   devices_per_host: int | None = None, epoch_tokens: int | None = None,
-                  margin: float | None = None) -> list[Candidate]:
+                  margin: float | None = None, context_sizes: tuple[int, ...] | None = None) -> list[Candidate]:
     """Every candidate, best first: compiled where it is predicted to fit and, with a margin, to take at most
-    `margin` times the best prediction's time per token; the others with their prediction only."""
+    `margin` times the time per token predicted for the best candidate that fits once compiled (until one does,
+    every candidate predicted to fit is compiled); the others with their prediction only."""
     chip = chip or chip_of_kind(devices[0].device_kind)
     budget = hbm_gib if hbm_gib is not None else (chip.hbm_bytes / GIB if chip else None)
     predictions = analytic.predict_candidates(config, target_config, devices, granules, layouts, tensor_sizes,
-                                              None if budget is None else budget * GIB, chip)
-    best = predictions[0].roofline if predictions and predictions[0].fits else None
+                                              None if budget is None else budget * GIB, chip, context_sizes)
+    best = None  # the prediction of the best candidate that fits once compiled: the margin counts from it
     found, compiled = [], {}  # (mesh, predicted times) -> the layout compiled for them
     for prediction in predictions:
         line = prediction.roofline
@@ -65,6 +67,8 @@ def compare_plans(config: ConfigDict, target_config, devices: list, granules: in
             continue
         compiled[same] = prediction.layout
         found.append(_compiled(prediction, target_config, devices, hbm_gib, chip, devices_per_host, epoch_tokens))
+        if best is None and fits(found[-1]):
+            best = line
     return sorted(found, key=_rank)
 
 
@@ -87,8 +91,9 @@ def is_default_mesh(config: ConfigDict) -> bool:
 
 def choose_mesh(config: ConfigDict, target_config, devices: list, hbm_gib: float, chip: Chip,
                 tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[ConfigDict, Plan, str]:
-    """For a mesh left at its defaults: every candidate of `devices` (the data axis across their slices or hosts),
-    in config.target_layout or, when "auto", every layout, predicted without compiling (analytic.py); the best
+    """For a mesh left at its defaults: every candidate of `devices` (the data axis across their slices or hosts;
+    the row split over context where the row length makes it worth trying, analytic.context_sizes_for), in
+    config.target_layout or, when "auto", every layout, predicted without compiling (analytic.py); the best
     compiled and planned, or, should its plan not fit after all, the next. The config with the chosen mesh and
     layout, its plan, and one line naming the choice and why. A ConfigError when none fits."""
     layouts = TARGET_LAYOUTS if config.target_layout == "auto" else (config.target_layout,)

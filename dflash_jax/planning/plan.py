@@ -30,13 +30,13 @@ import jax.numpy as jnp
 from flax import nnx
 from ml_collections import ConfigDict
 
-from dflash_jax.planning.chips import Chip, chip_named, chip_of_kind
+from dflash_jax.planning.chips import CHIPS, Chip, chip_named, chip_of_kind
 from dflash_jax.planning.gpu_topology import gpu_topology_devices
 from dflash_jax.runtime.errors import ConfigError, UserError
 from dflash_jax.planning.hlo_cost import HloCost, LargeArray, hlo_cost
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.planning.roofline import Roofline, format_roofline, roofline
-from dflash_jax.sharding import TARGET_LAYOUTS, auto_target_layout, batch_sharding, state_shardings
+from dflash_jax.sharding import TARGET_LAYOUTS, auto_target_layout, state_shardings, token_sharding
 from dflash_jax.train import epochs, flops, validate
 from dflash_jax.train.state import state_spec
 from dflash_jax.train.step import BATCH_KEYS, make_step
@@ -72,13 +72,14 @@ class Plan(NamedTuple):
 
 
 def slice_topology(name: str) -> str:
-    """A Cloud TPU slice name (v5p-64: 64 TensorCores = 32 chips for v4/v5p; v6e-64, v5e-16: chips) as libtpu's
-    topology (v5p:2x4x4, v6e:8x8); a name already in libtpu's form is returned as it is."""
-    match = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name)
+    """A Cloud TPU slice name (v5p-64, tpu7x-64: 64 TensorCores = 32 chips for v4, v5p and TPU7x; v6e-64, v5e-16:
+    chips) as libtpu's topology (v5p:2x4x4, tpu7x:2x4x4, v6e:8x8); a name already in libtpu's form is returned as
+    it is."""
+    match = re.fullmatch(r"(v4|v5p|v5e|v6e|tpu7x)-(\d+)", name)
     if match is None:
         return name
     generation, count = match.group(1), int(match.group(2))
-    three_d = generation in ("v4", "v5p")
+    three_d = generation in ("v4", "v5p", "tpu7x")
     chips = count // 2 if three_d else count
     dims = [1, 1, 1] if three_d else [1, 1]
     while math.prod(dims) < chips:  # the standard slice shapes: double the smallest axis, the last one first
@@ -106,7 +107,7 @@ def gpu_cluster(topology: str | None) -> GpuCluster | None:
     chip = chip_named(match.group(1)) if match else None
     if chip is None or chip.local_link != "nvlink":
         raise UserError(f"--topology {topology}: expected gpu:<chip>x<GPUs per host>x<hosts> with chip one of "
-                        f"H200, H100 (e.g. gpu:H200x8x4)")
+                        f"{', '.join(chip.name for chip in CHIPS if chip.gpu)} (e.g. gpu:H200x8x4)")
     return GpuCluster(chip, int(match.group(2)), int(match.group(3)))
 
 
@@ -228,9 +229,17 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
     spec = state_spec(drafter_config, config, attention_impl, mesh)
     step = make_step(config, drafter_config, spec, target_graphdef, target_shardings, mesh)
     shape = (config.data.batch_size, config.data.seq_len)
-    batch = {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh)) for key in BATCH_KEYS}
+    batch = {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=token_sharding(mesh)) for key in BATCH_KEYS}
     target_abstract = _abstract(target_state, target_shardings)
-    compiled = step.train_step.lower(spec.abstract, target_abstract, batch).compile()
+    lowered = step.train_step.lower(spec.abstract, target_abstract, batch)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as error:  # the TPU compiler refuses a program larger than a device's HBM
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        raise ConfigError(f"the train step does not fit a device ({kind}) on mesh {dict(mesh.shape)}, "
+                          f"{config.target_layout} layout: the compiler says "
+                          f"{str(error).split('RESOURCE_EXHAUSTED: ', 1)[-1].splitlines()[0]}") from None
 
     memory = compiled.memory_analysis()
     analysis = compiled.cost_analysis()

@@ -32,7 +32,7 @@ from etils import epath
 from ml_collections import ConfigDict
 
 from dflash_jax.runtime.errors import CheckpointError, WorkdirLockedError
-from dflash_jax.runtime.paths import StagedFile, is_url, local_space
+from dflash_jax.runtime.paths import StagedFile, filesystem, is_url, local_space
 from dflash_jax.runtime import storage
 from dflash_jax.runtime.storage import StorageOutage
 from dflash_jax.runtime import distributed
@@ -93,7 +93,12 @@ def _wait_for_abandoned_reads(timeout: float = 10.0) -> None:
     """A failed Orbax restore returns while TensorStore still reads the other arrays; their coroutines stay
     alive until those reads complete (on TensorStore's threads) and only then fail on the closed event loop and
     get collected. Waiting for that here (local reads take milliseconds) keeps their traces in this capture
-    instead of on the console later."""
+    instead of on the console later.
+
+    The cause is not ours to close: Orbax runs a restore on an event loop of its own and closes that loop without
+    cancelling the tasks a failed gather leaves pending (orbax.checkpoint's asyncio_utils, which avoids
+    asyncio.run's cancellation on purpose, as not thread-safe); no reference to those tasks or their loop
+    reaches the caller, so the abandoned coroutines can only be found among all objects, as here."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(
             type(obj) is types.CoroutineType and "orbax" in obj.cr_code.co_filename for obj in gc.get_objects()):
@@ -150,7 +155,7 @@ class WorkdirLock:
 
     def acquire(self) -> None:
         for _ in range(2):  # a stale lock is removed, then the file is created once more
-            holder = self._read()
+            generation, holder = self._read_generation()
             if holder is not None:
                 gone = _why_gone(holder)
                 if gone is None:
@@ -159,7 +164,7 @@ class WorkdirLock:
                         f"pid {holder.get('pid')}, started {_when(holder.get('started'))}); stop it first, or "
                         f"delete {self.path} if it is gone")
                 log.warning("taking over %s from a run that is gone (%s)", self.path, gone)
-                self.path.unlink(missing_ok=True)
+                self._remove(generation)
             if self._create():
                 self._heartbeat = threading.Thread(target=self._beat, name="workdir-lock", daemon=True)
                 self._heartbeat.start()
@@ -178,8 +183,9 @@ class WorkdirLock:
         return json.dumps(self._holder | {"heartbeat": time.time()}) + "\n"
 
     def _create(self) -> bool:
-        """Creates the lock file only if there is none (atomically on a local filesystem; an object store has
-        no exclusive create, so there the file is written and read back)."""
+        """Creates the lock file only if there is none, atomically: O_EXCL on a local filesystem; on an object
+        store a write conditioned on the object not existing (GCS's ifGenerationMatch=0), which the store
+        refuses to every writer but one, however close together or far apart their writes land."""
         if not is_url(self.path):
             try:
                 descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -188,10 +194,41 @@ class WorkdirLock:
             with os.fdopen(descriptor, "w") as file:
                 file.write(self._text())
             return True
-        self.path.write_text(self._text())
-        time.sleep(1.0)  # another writer racing us would have overwritten it by now
-        holder = self._read()
-        return holder is not None and holder.get("token") == self._holder["token"]
+        fs, name = filesystem(os.fspath(self.path))
+        try:
+            fs.pipe_file(name, self._text().encode(), mode="create")
+        except FileExistsError:  # another's, or ours: a retried create whose first attempt was stored
+            holder = self._read()
+            return holder is not None and holder.get("token") == self._holder["token"]
+        return True
+
+    def _read_generation(self) -> tuple[int | None, dict[str, Any] | None]:
+        """(the lock object's generation on an object store, else None; the holder's record as `_read`). The
+        generation is read first: a record read after it is of that generation or a newer one, so that a
+        removal conditioned on it never removes a record that was not judged."""
+        if not is_url(self.path):
+            return None, self._read()
+        fs, name = filesystem(os.fspath(self.path))
+        bucket, key, _ = fs.split_path(name)
+        try:
+            generation = int(fs.call("GET", "b/{}/o/{}", bucket, key, json_out=True)["generation"])
+        except FileNotFoundError:
+            return None, None
+        return generation, self._read()
+
+    def _remove(self, generation: int | None) -> None:
+        """Removes the stale lock; on an object store only if it is still the generation judged stale, so that
+        of two trainers taking over at once, the second cannot remove the lock the first has just created. A local
+        file has no generation to condition the removal on: two takeovers on one local disk in the same moment
+        may both succeed."""
+        if generation is None:
+            self.path.unlink(missing_ok=True)
+            return
+        fs, name = filesystem(os.fspath(self.path))
+        bucket, key, _ = fs.split_path(name)
+        with contextlib.suppress(FileNotFoundError, FileExistsError):  # FileExistsError: the precondition failed
+            fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=str(generation))
+        fs.invalidate_cache(name)
 
     def _read(self) -> dict[str, Any] | None:
         """The holder's record; None without a lock file, {} for one that cannot be parsed."""

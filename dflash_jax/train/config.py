@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from ml_collections import ConfigDict, config_dict
 
+from dflash_jax.ops.anchors import AnchorGrid
+
 placeholder = config_dict.placeholder
 
 # Fields that moved into a group, old name -> new path. A config file or flag still using an old name gets one
@@ -65,7 +67,7 @@ def base_config() -> ConfigDict:
     config.drafter.num_feature_layers = 5  # feature ids default to design §2's spread over the target
     config.drafter.target_layer_ids = placeholder(tuple)
     config.drafter.rope_theta = placeholder(float)
-    config.drafter.rope_scaling = placeholder(dict)
+    config.drafter.rope_scaling = placeholder(dict)  # else the target's; on the command line as JSON (design §8.6)
     config.drafter.rms_norm_eps = 1e-6
     config.drafter.mask_token_id = placeholder(int)  # else the tokenizer's mask token, else len(tokenizer)
     config.drafter.init_from = placeholder(str)  # a drafter directory in the export layout to fine-tune
@@ -89,6 +91,11 @@ def base_config() -> ConfigDict:
     config.data.eval_files = placeholder(tuple)
     config.data.seq_len = 4096  # T: tokens per packed row
     config.data.anchor_stride = 16  # S: anchors at j*S, N = T/S blocks per row
+    # At most this many anchors a row (None: T/S): a longer row widens the stride to the smallest multiple of S
+    # that keeps N <= max_anchors, so the blocks stay spread over the whole row (ops/anchors.py). 512 is vLLM
+    # speculators' default (DataArgs.max_anchors, per packed row), SpecForge's num_anchors and the DFlash paper's
+    # blocks per sequence; the 4K-row recipes already hold 512, so only rows past 512 x S change.
+    config.data.max_anchors = 512
     config.data.batch_size = 8  # rows per step (global, split over the data and fsdp mesh axes)
     # Or rows per device instead (batch_size None): batch_size = rows_per_device x the mesh's data x fsdp size,
     # so one config runs on a slice of any size. A given batch_size takes precedence (warned).
@@ -173,7 +180,9 @@ def base_config() -> ConfigDict:
     # Mesh: one of the sizes may be -1 (take the remaining devices). dcn_data > 1 spans the data axis over that
     # many TPU slices or GPU hosts as well (the sizes are then those within one), so only data parallelism's
     # gradient all-reduce crosses the slow links between them and fsdp / tensor stay inside (design §13).
-    config.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1))
+    # context > 1 splits each row's tokens into that many contiguous shards, one per device (design §19): for
+    # rows whose activations outgrow a device; data.seq_len must be a multiple of it.
+    config.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1, context=1))
     # Several processes (multi-host pods), joined by jax.distributed.initialize before anything else:
     # "auto" = when JAX_COORDINATOR_ADDRESS is set (with JAX_NUM_PROCESSES, JAX_PROCESS_ID); "on" = always,
     # JAX detecting the rest (Cloud TPU pod slices, Slurm, Open MPI); "off" = one process.
@@ -229,3 +238,9 @@ def field_paths(config: ConfigDict, prefix: str = "") -> list[str]:
         else:
             paths.append(f"{prefix}{key}")
     return paths
+
+
+def anchor_grid(config: ConfigDict) -> AnchorGrid:
+    """The static anchor grid of the config's rows: data.anchor_stride, widened for data.max_anchors."""
+    data = config.data
+    return AnchorGrid.for_rows(data.seq_len, data.anchor_stride, config.drafter.block_size, data.max_anchors)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.models.dflash2 import training_candidates
-from dflash_jax.train.loss import draft_logits, map_row_chunks, rematerialised_chunks
+from dflash_jax.train.loss import draft_logits, label_is_argmax, lm_head_pass
 
 TERMS = ("ce", "kl", "rkl", "jsd", "tv")
 
@@ -46,20 +46,11 @@ def lm_head_divergences(hidden: jax.Array, target_hidden: jax.Array, lm_head_ker
         raise ValueError(f"unknown loss terms {unknown}; known: {TERMS}")
     kernel = jax.lax.stop_gradient(lm_head_kernel)
     target_hidden, terms = jax.lax.stop_gradient(target_hidden), tuple(terms)
-    if markov is None:
-        return _divergences(hidden, target_hidden, kernel, labels, terms, row_chunk, top_k)
-    if top_k:
-        raise ValueError("the selector's candidates (top_k) come without a Markov bias (no method has both)")
-    prev_embeddings, w2 = markov
-
-    def chunk(h, th, y, e):
-        total, tv, correct = _chunk_statistics(h, th, kernel, y, terms, with_gradient=False, markov=(e, w2))
-        return total, jax.lax.stop_gradient(tv), correct
-
-    return rematerialised_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, target_hidden, labels, prev_embeddings)
+    statistics = functools.partial(_chunk_statistics, terms=terms, top_k=top_k)
+    return lm_head_pass(statistics, row_chunk, hidden, kernel, (target_hidden, labels), markov, top_k)
 
 
-def _chunk_statistics(h, th, kernel, y, terms, with_gradient, markov=None, top_k=0):
+def _chunk_statistics(h, kernel, th, y, terms, with_gradient, markov=None, top_k=0):
     z = draft_logits(h, kernel, markov)
     t = jnp.dot(th.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
     log_q = jax.nn.log_softmax(z, axis=-1)
@@ -77,10 +68,8 @@ def _chunk_statistics(h, th, kernel, y, terms, with_gradient, markov=None, top_k
         "tv": tv,
     }
     total = sum(weight * values[name] for name, weight in terms)
-    label_logit = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]
-    lower_max = jnp.max(jnp.where(vocab_ids < y[..., None], z, -jnp.inf), axis=-1)
-    correct = (label_logit >= jnp.max(z, axis=-1)) & (lower_max < label_logit)
-    outputs = (total, tv, correct) + (training_candidates(z, y, top_k) if top_k else ())
+    outputs = (total, jax.lax.stop_gradient(tv), label_is_argmax(z, y, vocab_ids))  # tv: the confidence target
+    outputs += training_candidates(z, y, top_k) if top_k else ()
     if not with_gradient:
         return outputs
 
@@ -98,30 +87,3 @@ def _chunk_statistics(h, th, kernel, y, terms, with_gradient, markov=None, top_k
     grad_h = jax.lax.dot_general(grad_z.astype(kernel.dtype), kernel, (((z.ndim - 1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
     return outputs + (grad_h.astype(h.dtype),)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _divergences(hidden, target_hidden, kernel, labels, terms, row_chunk, top_k):
-    def chunk(h, th, y):
-        return _chunk_statistics(h, th, kernel, y, terms, with_gradient=False, top_k=top_k)
-
-    return map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, target_hidden, labels)
-
-
-def _divergences_forward(hidden, target_hidden, kernel, labels, terms, row_chunk, top_k):
-    def chunk(h, th, y):
-        return _chunk_statistics(h, th, kernel, y, terms, with_gradient=True, top_k=top_k)
-
-    *outputs, grad_hidden = map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, target_hidden, labels)
-    return tuple(outputs), grad_hidden
-
-
-def _divergences_backward(terms, row_chunk, top_k, grad_hidden, cotangents):
-    del terms, row_chunk, top_k
-    # tv is the detached confidence target; correct and the candidates are integers: none has a cotangent
-    total_cotangent = cotangents[0]
-    hidden_cotangent = (total_cotangent[..., None] * grad_hidden.astype(jnp.float32)).astype(grad_hidden.dtype)
-    return hidden_cotangent, None, None, None
-
-
-_divergences.defvjp(_divergences_forward, _divergences_backward)

@@ -23,6 +23,7 @@ from ml_collections import ConfigDict
 
 from dflash_jax.data import BatchLoader, row_capacity
 from dflash_jax.runtime import distributed
+from dflash_jax.train.config import anchor_grid
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ CORPUS_TOKENS_FILE = "corpus_tokens.json"
 
 def tokens_per_step(config: ConfigDict) -> int:
     """Content tokens the rows of one step hold."""
-    return config.data.batch_size * row_capacity(config.data.seq_len, config.data.anchor_stride)
+    return config.data.batch_size * row_capacity(config.data.seq_len, anchor_grid(config).stride)
 
 
 def steps_for_epochs(epochs: float, corpus_tokens: int, step_tokens: int) -> int:

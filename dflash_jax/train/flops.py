@@ -18,6 +18,7 @@ from dflash_jax.planning.chips import chip_of_kind
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.models.qwen3_5_config import LINEAR_ATTENTION
 from dflash_jax.ops.anchors import AnchorGrid
+from dflash_jax.train.config import anchor_grid
 from dflash_jax.ops.gated_delta import CHUNK_SIZE
 
 def peak_tflops(config: ConfigDict, device: jax.Device) -> float | None:
@@ -62,7 +63,7 @@ def delta_rule_flops(target_config, length: int) -> float:
 
 def train_step_flops(config: ConfigDict, target_config, drafter_config: DrafterConfig) -> float:
     """FLOPs of one optimizer step over config.data.batch_size rows."""
-    grid = AnchorGrid(config.data.seq_len, config.data.anchor_stride, config.drafter.block_size)
+    grid = anchor_grid(config)
     rows, length, queries = config.data.batch_size, grid.seq_len, grid.num_queries
     hidden, vocab = target_config.hidden_size, target_config.vocab_size
 

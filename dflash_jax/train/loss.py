@@ -119,17 +119,35 @@ def lm_head_cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, labels: 
     """
     if hidden.ndim == 3:  # [b, R, H]: rows stay split over the batch axes under a mesh (design §13)
         hidden, labels = constrain(hidden, ROWS_EMBED), constrain(labels, ROWS)
-    kernel = jax.lax.stop_gradient(lm_head_kernel)
+    statistics = functools.partial(_logit_statistics, top_k=top_k)
+    return lm_head_pass(statistics, row_chunk, hidden, jax.lax.stop_gradient(lm_head_kernel), (labels,), markov,
+                        top_k)
+
+
+def lm_head_pass(statistics: Callable, row_chunk: int, hidden: jax.Array, kernel: jax.Array,
+                 others: tuple[jax.Array, ...], markov: tuple[jax.Array, jax.Array] | None, top_k: int):
+    """The one LM-head pass of the hard cross-entropy and the distribution terms: `statistics(h, kernel, *others,
+    with_gradient, markov)` of each row chunk, its first output differentiable, its d first / d h fused into the
+    forward without a Markov bias; with one (DSpark, design §18), `rematerialised_chunks` instead."""
     if markov is None:
-        return _lm_head_cross_entropy(hidden, kernel, labels, row_chunk, top_k)
+        return _fused_chunks(statistics, row_chunk, hidden, kernel, others)
     if top_k:
         raise ValueError("the selector's candidates (top_k) come without a Markov bias (no method has both)")
     prev_embeddings, w2 = markov
 
-    def chunk(h, y, e):
-        return _logit_statistics(h, kernel, y, with_gradient=False, markov=(e, w2))
+    def chunk(h, *rest):
+        *chunk_others, e = rest
+        return statistics(h, kernel, *chunk_others, with_gradient=False, markov=(e, w2))
 
-    return rematerialised_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, labels, prev_embeddings)
+    return rematerialised_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, *others, prev_embeddings)
+
+
+def label_is_argmax(logits: jax.Array, y: jax.Array, vocab_ids: jax.Array) -> jax.Array:
+    """Whether label y is argmax(logits) with ties to the lowest id (as `jnp.argmax`), without an argmax: the
+    label attains the row maximum and no lower id does. logits: [..., c, V]; y: [..., c]."""
+    label_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+    lower_max = jnp.max(jnp.where(vocab_ids < y[..., None], logits, -jnp.inf), axis=-1)
+    return (label_logit >= jnp.max(logits, axis=-1)) & (lower_max < label_logit)
 
 
 def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradient: bool,
@@ -142,12 +160,11 @@ def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradie
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     label_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    lower_max = jnp.max(jnp.where(vocab_ids < y[..., None], logits, -jnp.inf), axis=-1, keepdims=True)
-    correct = (label_logit >= row_max) & (lower_max < label_logit)
     exp = jnp.exp(logits - row_max)
     total = jnp.sum(exp, axis=-1, keepdims=True)
     ce = jnp.log(total) + row_max - label_logit  # logsumexp(logits) - logits[label]
-    outputs = (ce[..., 0], correct[..., 0]) + (training_candidates(logits, y, top_k) if top_k else ())
+    outputs = (ce[..., 0], label_is_argmax(logits, y, vocab_ids))
+    outputs += training_candidates(logits, y, top_k) if top_k else ()
     if not with_gradient:
         return outputs
     # d ce / d logits = softmax(logits) - onehot(label), in fp32 like the logits; then back through the head
@@ -158,30 +175,32 @@ def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradie
     return outputs + (grad_h.astype(h.dtype),)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _lm_head_cross_entropy(hidden, kernel, labels, row_chunk, top_k):
-    def chunk(h, y):
-        return _logit_statistics(h, kernel, y, with_gradient=False, top_k=top_k)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused_chunks(statistics, row_chunk, hidden, kernel, others):
+    def chunk(h, *chunk_others):
+        return statistics(h, kernel, *chunk_others, with_gradient=False)
 
-    return map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, labels)
-
-
-def _lm_head_cross_entropy_forward(hidden, kernel, labels, row_chunk, top_k):
-    def chunk(h, y):
-        return _logit_statistics(h, kernel, y, with_gradient=True, top_k=top_k)
-
-    *outputs, grad_hidden = map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, labels)
-    return tuple(outputs), grad_hidden
+    return map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, *others)
 
 
-def _lm_head_cross_entropy_backward(row_chunk, top_k, grad_hidden, cotangents):
-    del row_chunk, top_k
-    ce_cotangent = cotangents[0]  # `correct` and the candidates are integers: no cotangent
-    hidden_cotangent = (ce_cotangent[..., None] * grad_hidden.astype(jnp.float32)).astype(grad_hidden.dtype)
-    return hidden_cotangent, None, None  # None: no gradient into the frozen LM head or the integer labels
+def _fused_chunks_forward(statistics, row_chunk, hidden, kernel, others):
+    def chunk(h, *chunk_others):
+        return statistics(h, kernel, *chunk_others, with_gradient=True)
+
+    *outputs, grad_hidden = map_row_chunks(chunk, row_chunk, hidden.ndim - 2, hidden, *others)
+    return tuple(outputs), (grad_hidden, tuple(None for _ in others))  # the others' count, not their arrays
 
 
-_lm_head_cross_entropy.defvjp(_lm_head_cross_entropy_forward, _lm_head_cross_entropy_backward)
+def _fused_chunks_backward(statistics, row_chunk, residuals, cotangents):
+    del statistics, row_chunk
+    grad_hidden, no_other_gradients = residuals
+    first_cotangent = cotangents[0]  # the other outputs are detached or integers: no cotangent
+    hidden_cotangent = (first_cotangent[..., None] * grad_hidden.astype(jnp.float32)).astype(grad_hidden.dtype)
+    # None: no gradient into the frozen LM head, the (stopped) target's hidden states or the integer labels
+    return hidden_cotangent, None, no_other_gradients
+
+
+_fused_chunks.defvjp(_fused_chunks_forward, _fused_chunks_backward)
 
 
 class LossOutput(NamedTuple):

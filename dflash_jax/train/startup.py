@@ -32,6 +32,7 @@ from dflash_jax.runtime.workdir import append_config_history, drop_metrics_after
 from dflash_jax.sharding import BATCH_AXES, auto_target_layout, state_shardings
 from dflash_jax.train import epochs, flops, validate
 from dflash_jax.train.checkpoint import Checkpointer
+from dflash_jax.train.config import anchor_grid
 from dflash_jax.train.state import StateSpec, TrainState, init_train_state, state_spec
 from dflash_jax.train.step import StepFunctions, make_step, process_rows
 from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE
@@ -139,7 +140,7 @@ def setup(given: ConfigDict, config: ConfigDict, mesh: Mesh, report: plan.Plan |
     data = config.data
     rows = process_rows(mesh, data.batch_size)
     loader = _agreed(lambda: BatchLoader(
-        data.train_files, tokenizer, seq_len=data.seq_len, anchor_stride=data.anchor_stride,
+        data.train_files, tokenizer, seq_len=data.seq_len, anchor_stride=anchor_grid(config).stride,
         batch_size=data.batch_size, rows=rows, seed=data.shuffle_seed, pad_id=tokenizer.pad_token_id or 0,
         max_positions=target_config.max_position_embeddings,
         bad_records=data.bad_records, chat_template_kwargs=data.chat_template_kwargs, state=data_state))
@@ -156,7 +157,7 @@ def setup(given: ConfigDict, config: ConfigDict, mesh: Mesh, report: plan.Plan |
     predicted = report.roofline.step_seconds if report is not None and report.roofline is not None else None
     step_flops = flops.train_step_flops(config, target_config, drafter_config)
     peak_tflops = flops.peak_tflops(config, jax.devices()[0])
-    first_slot = 0 if drafter_config.method == "dspark" else 1
+    first_slot = drafter_config.drafter_method.first_slot
     return TrainingRun(config=config, workdir=workdir, main=main, mesh=mesh, rows=rows, spec=spec, state=state,
                        start_step=start_step, checkpointer=checkpointer, batches=batches, target=target,
                        target_state=target_state, step_fns=step_fns, predicted=predicted, step_flops=step_flops,

@@ -36,10 +36,12 @@ from ml_collections import ConfigDict
 
 from dflash_jax.models.dflash import TargetContext, target_context
 from dflash_jax.models.drafter import DrafterConfig
-from dflash_jax.ops.anchors import (AnchorGrid, DrafterInputs, anchor_utilisation, anchor_validity, slot_mask,
+from dflash_jax.ops.anchors import (DrafterInputs, anchor_utilisation, anchor_validity, slot_mask,
                                     slot_tokens)
-from dflash_jax.sharding import BATCH_AXES, TARGET_LAYOUTS, batch_sharding, layout_rules, replicated
+from dflash_jax.sharding import (BATCH_AXES, TARGET_LAYOUTS, batch_sharding, layout_rules, replicated,
+                                 token_sharding)
 from dflash_jax.train.confidence import confidence_loss
+from dflash_jax.train.config import anchor_grid
 from dflash_jax.train.loss import (dflash_loss, dpace_weights, lm_head_cross_entropy, position_weights,
                                    trained_slot_count)
 from dflash_jax.train.divergences import lm_head_divergences
@@ -59,14 +61,20 @@ class LossAux(NamedTuple):
     selector_loss: jax.Array  # scalar, already in the loss with its weight (0 without a candidate selector)
 
 
+class MicroStepTotals(NamedTuple):
+    """One micro-batch's gradients and metrics; summed over the micro-batches of a step (a pytree)."""
+    grads: nnx.State
+    loss: jax.Array  # scalar
+    slot_correct: jax.Array  # [B]
+    slot_count: jax.Array  # [B]
+    confidence_loss: jax.Array  # scalar
+    selector_loss: jax.Array  # scalar
+
+
 class StepFunctions(NamedTuple):
     teacher: Callable  # (target_state, batch) -> TargetContext
     drafter_loss: Callable  # (params, teacher, batch, noise_key, normaliser) -> (loss, LossAux)
     train_step: Callable  # jitted (TrainState, target_state, batch) -> (TrainState, metrics)
-
-
-def anchor_grid(config: ConfigDict) -> AnchorGrid:
-    return AnchorGrid(config.data.seq_len, config.data.anchor_stride, config.drafter.block_size)
 
 
 def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec, target_graphdef: nnx.GraphDef,
@@ -76,18 +84,19 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
                          f"{list(TARGET_LAYOUTS)} before the step is made (plan.py settles 'auto')")
     grid = anchor_grid(config)
     anchors, block = grid.anchors, grid.block_size
-    dspark = drafter_config.method == "dspark"  # every slot drafted, the Markov bias and confidence (design §18)
-    weights = jnp.asarray(position_weights(block, config.loss.gamma, from_anchor=dspark))
+    method = drafter_config.drafter_method  # design §18
+    from_anchor = method.drafts_anchor_slot  # every slot drafted, slot 0 included
+    weights = jnp.asarray(position_weights(block, config.loss.gamma, from_anchor=from_anchor))
     dpace = config.loss.position_weights == "dpace"  # weights from the drafter's own confidence (design §6)
     terms = parse_loss_terms(config.loss.terms)
-    confidence_alpha = config.drafter.confidence_alpha if dspark else 0.0
+    confidence_alpha = config.drafter.confidence_alpha if method.has_markov_head else 0.0
     top_k = drafter_config.selector_top_k  # DFlash2's candidates per slot; 0: no selector (design §18.4)
     selector_alpha = config.drafter.selector_alpha if top_k else 0.0
     # The fused loss against the target's distribution (design §18), also for the confidence target 1 − TV.
     distribution = terms != (("ce", 1.0),) or confidence_alpha > 0
 
     def trained_slots(batch: dict[str, jax.Array]) -> jax.Array:
-        return slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block, from_anchor=dspark)
+        return slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block, from_anchor=from_anchor)
 
     def teacher(target_state: nnx.State, batch: dict[str, jax.Array]) -> TargetContext:
         # Traced under the rules of the target's layout, which decide its embedding lookup (models/layers.py).
@@ -107,11 +116,11 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
                             DrafterInputs.from_rows(grid, batch["positions"], batch["segment_ids"]))
         rows = hidden.shape[0]
         drafted = hidden.reshape(rows, grid.num_anchors, block, -1)
-        if not dspark:
+        if not from_anchor:
             drafted = drafted[:, :, 1:]  # DFlash's slot 0 is never trained
         drafted = drafted.reshape(rows, -1, drafted.shape[-1])
         markov = None
-        if dspark:  # e_k = W1[x_{a+k}], the data token before slot k's label; the bias is added per row chunk
+        if method.has_markov_head:  # e_k = W1[x_{a+k}], the data token before slot k's label; bias added per row chunk
             prev_ids = slot_tokens(batch["input_ids"], anchors, block).reshape(rows, -1)
             prev_embeddings = drafter.markov_head.prev_embeddings(prev_ids).astype(drafter.dtype)
             markov = (prev_embeddings, drafter.markov_head.w2[...].astype(drafter.dtype))
@@ -126,7 +135,7 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
 
         def slot_loss(ce, correct):  # per-slot values of the drafted slots -> the weighted loss over [b, N, B]
             ce, correct = ce.reshape(teacher.labels.shape), correct.reshape(teacher.labels.shape)
-            if not dspark:
+            if not from_anchor:
                 anchor_slot = ((0, 0), (0, 0), (1, 0))  # slot 0: ce 0, not correct (its mask is 0)
                 ce, correct = jnp.pad(ce, anchor_slot), jnp.pad(correct, anchor_slot)
             slot_weights = dpace_weights(ce, mask, config.loss.dpace_alpha) if dpace else weights
@@ -170,40 +179,41 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
             # Laid out as the parameters are, so that the partial sums over the devices' rows are reduce-scattered
             # to each device's shard rather than all-reduced whole (design §13).
             grads = jax.lax.with_sharding_constraint(grads, spec.shardings.params)
-            return grads, loss, aux.slot_correct, aux.slot_count, aux.confidence_loss, aux.selector_loss
+            return MicroStepTotals(grads, loss, aux.slot_correct, aux.slot_count, aux.confidence_loss,
+                                   aux.selector_loss)
 
         if accum == 1:
-            grads, loss, slot_correct, slot_count, confidence, selector = micro_step(batch, step_key)
+            totals = micro_step(batch, step_key)
         else:
             def accumulate(totals, inputs):
                 return jax.tree.map(jnp.add, totals, micro_step(*inputs)), None
 
-            zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()), jnp.zeros(block), jnp.zeros(block),
-                     jnp.zeros(()), jnp.zeros(()))
+            zeros = MicroStepTotals(jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()), jnp.zeros(block),
+                                    jnp.zeros(block), jnp.zeros(()), jnp.zeros(()))
             # Row r goes to micro-batch r % accum: every micro-batch keeps an even share of each device's rows.
             micro_batches = {key: jax.lax.with_sharding_constraint(
                 jnp.swapaxes(value.reshape(-1, accum, value.shape[-1]), 0, 1), micro_sharding)
                 for key, value in batch.items()}
-            (grads, loss, slot_correct, slot_count, confidence, selector), _ = jax.lax.scan(
+            totals, _ = jax.lax.scan(
                 accumulate, zeros, (micro_batches, jax.random.split(step_key, accum)))
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        updates, opt_state = tx.update(totals.grads, state.opt_state, state.params)
         metrics = {
-            "loss": loss,
-            "slot_correct": slot_correct,
-            "slot_count": slot_count,
+            "loss": totals.loss,
+            "slot_correct": totals.slot_correct,
+            "slot_count": totals.slot_count,
             "anchor_utilisation": anchor_utilisation(anchor_validity(batch["loss_mask"], anchors)),
-            "grad_norm": optax.tree.norm(grads),  # before clipping
+            "grad_norm": optax.tree.norm(totals.grads),  # before clipping
             "learning_rate": schedule(state.step),
         }
         if confidence_alpha > 0:
-            metrics["confidence_loss"] = confidence  # unweighted; `loss` holds it times confidence_alpha
+            metrics["confidence_loss"] = totals.confidence_loss  # unweighted; `loss` holds it times confidence_alpha
         if top_k:
-            metrics["selector_loss"] = selector  # unweighted; `loss` holds it times selector_alpha
+            metrics["selector_loss"] = totals.selector_loss  # unweighted; `loss` holds it times selector_alpha
         new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state,
                                jax.random.key_data(rng))
         return new_state, metrics
 
-    batch_shardings = {key: batch_sharding(mesh) for key in BATCH_KEYS}
+    batch_shardings = {key: token_sharding(mesh) for key in BATCH_KEYS}
     jitted = jax.jit(train_step, in_shardings=(spec.shardings, target_shardings, batch_shardings),
                      out_shardings=(spec.shardings, replicated(mesh)), donate_argnums=0)
     return StepFunctions(teacher, drafter_loss, jitted)
@@ -220,11 +230,11 @@ def put_batch(batch: dict[str, np.ndarray], mesh: Mesh, rows: list[int] | None =
               batch_size: int | None = None) -> dict[str, jax.Array]:
     """Host arrays holding rows `rows` (this process's: `process_rows`) of a global batch of `batch_size`
     rows -> global device arrays split over the batch axes; each device gets its rows from these arrays.
-    Default: the arrays hold the whole batch."""
+    Default: the arrays hold the whole batch. Their tokens split over the context axis (design §19)."""
     if rows is None:
         batch_size = len(batch[BATCH_KEYS[0]])
         rows = list(range(batch_size))
-    sharding = batch_sharding(mesh)
+    sharding = token_sharding(mesh)
     position = {row: i for i, row in enumerate(rows)}
 
     def rows_of(value: np.ndarray) -> jax.Array:

@@ -22,6 +22,7 @@ from ml_collections import ConfigDict
 
 from dflash_jax.data.corpus import check_input_files
 from dflash_jax.data.sources import resolve_sources
+from dflash_jax.methods import METHODS, method_for
 from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.models.dflash import LABEL_SOURCES
 from dflash_jax.models.drafter import LAYER_TYPES, REMAT_POLICIES, DrafterConfig, default_target_layer_ids
@@ -38,7 +39,7 @@ POSITION_WEIGHTS = ("decay", "dpace")
 BAD_RECORDS = ("raise", "skip")
 DTYPES = ("float32", "bfloat16", "float16")
 EVAL_CONTINUATIONS = ("generate", "data")  # config.eval_continuation
-DRAFTER_METHODS = ("dflash", "dspark", "dflash2")  # config.drafter.method (design §18)
+DRAFTER_METHODS = tuple(METHODS)  # config.drafter.method (design §18)
 # config.drafter's DFlash2 fields (design §18.4), each a positive int; DrafterConfig checks how they fit the drafter.
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
@@ -121,6 +122,9 @@ def validate_config(config: ConfigDict) -> None:
     _require(data.seq_len % data.anchor_stride == 0,
              f"config.data.seq_len ({data.seq_len}) must be a multiple of config.data.anchor_stride "
              f"({data.anchor_stride}) so the anchor grid is static (design §4)")
+    _require(data.max_anchors is None or (isinstance(data.max_anchors, int) and data.max_anchors >= 1),
+             f"config.data.max_anchors must be an int >= 1 (anchors a row keeps, design §4) or None, got "
+             f"{data.max_anchors!r}")
     _require(data.seq_len >= block_size,
              f"config.data.seq_len ({data.seq_len}) must be >= config.drafter.block_size ({block_size})")
     _require(loss.gamma > 0, f"config.loss.gamma must be > 0 (w_k = exp(-(k-1)/gamma), design §6), got {loss.gamma}")
@@ -344,6 +348,9 @@ def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> Draf
     _require(drafter.intermediate_size or target_config.intermediate_size,
              "config.drafter.intermediate_size must be set: this target has experts and no dense MLP width for the "
              "drafter to default to")
+    _require(drafter.method in METHODS,  # planning resolves a config validate_config has not seen
+             f"config.drafter.method must be one of {DRAFTER_METHODS}, got {drafter.method!r}")
+    method = method_for(drafter.method)
     fields = dict(
         hidden_size=hidden,
         intermediate_size=drafter.intermediate_size or target_config.intermediate_size,
@@ -363,8 +370,8 @@ def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> Draf
         vocab_size=target_config.vocab_size,
         max_position_embeddings=target_config.max_position_embeddings,
         method=drafter.method,
-        markov_rank=drafter.markov_rank if drafter.method == "dspark" else 0,
-        **{field: drafter[field] if drafter.method == "dflash2" else 0 for field in DFLASH2_FIELDS},
+        markov_rank=drafter.markov_rank if method.has_markov_head else 0,
+        **{field: drafter[field] if method.has_block_convolution else 0 for field in DFLASH2_FIELDS},
     )
     try:
         return DrafterConfig(**fields)
@@ -384,7 +391,7 @@ def dtype_of(name: str):
 
 
 def mesh_from_config(config: ConfigDict, devices=None):
-    """The (data, fsdp, tensor) mesh over `devices` (default: jax.devices()); fully explicit sizes may use fewer
+    """The (data, fsdp, context, tensor) mesh over `devices` (default: jax.devices()); fully explicit sizes may use fewer
     devices than there are (warned)."""
     sizes = dict(config.mesh)
     devices = list(jax.devices() if devices is None else devices)
@@ -396,6 +403,10 @@ def mesh_from_config(config: ConfigDict, devices=None):
                  f"{jax.process_count()} processes must use all of them (set one size to -1)")
         log.warning("config.mesh %s uses %d of %d devices", sizes, wanted, len(devices))
         devices = devices[:wanted]
+    context = sizes.get("context", 1)
+    _require(config.data.seq_len % context == 0,
+             f"config.data.seq_len ({config.data.seq_len}) must be a multiple of config.mesh.context ({context}), "
+             f"the devices each row's tokens are split over")
     try:
         return make_mesh(**sizes, devices=devices)
     except ValueError as error:

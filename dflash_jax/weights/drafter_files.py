@@ -31,6 +31,7 @@ from safetensors.numpy import save_file
 
 from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.models.drafter import Drafter, DrafterConfig
+from dflash_jax.models.layers import rope_type_of
 from dflash_jax.runtime.paths import as_path
 from dflash_jax.runtime.workdir import library_logs_captured, newest_readable
 from dflash_jax.weights import dflash2_layout
@@ -72,7 +73,8 @@ def zlab_config(config: DrafterConfig) -> dict:
         "rope_theta": config.rope_theta,
         "rope_scaling": rope_scaling,
         # transformers v5 / vLLM read RoPE from rope_parameters; it carries the same theta and scaling.
-        "rope_parameters": {"rope_type": "default", **(rope_scaling or {}), "rope_theta": config.rope_theta},
+        "rope_parameters": {**(rope_scaling or {}), "rope_type": rope_type_of(rope_scaling),
+                            "rope_theta": config.rope_theta},
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
         "tie_word_embeddings": False,
@@ -102,10 +104,10 @@ def serve_command(target: str, export_dir: str | Path, config: DrafterConfig) ->
     that mixes sliding and full attention layers only with its V2 model runner, which an environment variable
     selects; a DSpark block drafts block_size tokens (design §18), a DFlash or DFlash2 one block_size - 1, and
     DFlash2 is served as method "dflash" (its architecture selects the candidate walk, design §18.5)."""
-    dspark = config.method == "dspark"
-    spec = json.dumps({"method": "dspark" if dspark else "dflash", "model": str(export_dir),
-                       "num_speculative_tokens": config.block_size - (0 if dspark else 1)}, separators=(",", ":"))
-    v2_only = dspark or config.method == "dflash2" or len(set(config.layer_types)) > 1
+    method = config.drafter_method
+    spec = json.dumps({"method": method.serve_method, "model": str(export_dir),
+                       "num_speculative_tokens": method.draft_length(config.block_size)}, separators=(",", ":"))
+    v2_only = method.needs_v2_runner or len(set(config.layer_types)) > 1
     runner = "VLLM_USE_V2_MODEL_RUNNER=1 " if v2_only else ""
     return f"{runner}vllm serve {target} --speculative-config '{spec}'"
 

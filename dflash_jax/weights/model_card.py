@@ -1,5 +1,5 @@
 """The model card (README.md) written beside every drafter export: what the drafter was trained against and on,
-how well it drafts, and the commands that serve it (vLLM and SGLang), as the Hub shows it.
+how well it drafts, and the commands that serve it (vLLM and SGLang, and on TPUs), as the Hub shows it.
 
 The facts come from the training workdir: the run's config (target, data files), the exported step, and the
 newest exact τ / DDTree τ the train loop's eval hook logged to metrics.jsonl at or before that step.
@@ -14,10 +14,12 @@ from pathlib import Path
 from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.runtime.paths import as_path
 from dflash_jax.models.drafter import DrafterConfig
+from dflash_jax.models.layers import rope_type_of
 from dflash_jax.runtime.workdir import config_of_step, read_metrics
 from dflash_jax.weights.drafter_files import CARD_FILE, serve_command
 from dflash_jax.weights.hub import REPO_ID
 from dflash_jax.weights.output_dir import OWNER_FILE, write_text
+from dflash_jax.weights.tpu_serving import tpu_commands, tpu_note
 
 
 @dataclasses.dataclass
@@ -30,6 +32,7 @@ class TrainingFacts:
     tau_per_response: float | None = None  # the mean of per-response means, when the run logged it
     ddtree_tau: dict[int, float] = dataclasses.field(default_factory=dict)  # node budget -> pooled τ
     measured_on: str | None = None  # which continuations the hook scored, from the run's config
+    row_tokens: int | None = None  # config.data.seq_len: the longest context the drafter trained on
 
 
 def training_facts(workdir: str | Path, step: int) -> TrainingFacts:
@@ -38,7 +41,8 @@ def training_facts(workdir: str | Path, step: int) -> TrainingFacts:
     workdir = as_path(workdir)
     config = config_of_step(workdir, step) or {}
     facts = TrainingFacts(target=config.get("target_dir") or "TARGET",
-                          data_files=list(config.get("data", {}).get("train_files") or []), steps=step)
+                          data_files=list(config.get("data", {}).get("train_files") or []), steps=step,
+                          row_tokens=config.get("data", {}).get("seq_len"))
     continuation, length = config.get("eval_continuation"), config.get("eval_max_new_tokens")
     if continuation == "generate":
         facts.measured_on = f"the target's greedy continuations of up to {length} tokens"
@@ -78,6 +82,9 @@ def model_card(config: DrafterConfig, facts: TrainingFacts, drafter: str) -> str
             ("feature layers (`target_layer_ids`)", str(list(config.target_layer_ids))),
             ("drafter layers", f"{config.num_hidden_layers} ({', '.join(config.layer_types)})"),
             ("mask token id", str(config.mask_token_id)),
+            ("trained context", "not recorded" if facts.row_tokens is None else
+             f"rows of {facts.row_tokens:,} tokens (τ past this length is not trained for)"),
+            ("RoPE", _rope(config)),
             ("last evaluation", taus)]
     if config.method == "dspark":
         rows.insert(5, ("Markov rank", str(config.markov_rank)))
@@ -91,7 +98,7 @@ def model_card(config: DrafterConfig, facts: TrainingFacts, drafter: str) -> str
 - speculative-decoding
 ---
 
-# {_TITLES[config.method]} drafter for {facts.target}
+# {config.drafter_method.title} drafter for {facts.target}
 
 {_intro(config)}
 
@@ -107,10 +114,24 @@ mean averages each response's own τ instead.
 {serve_command(facts.target, drafter, config)}
 ```
 
-{_sglang_section(facts.target, drafter, config)}"""
+{_sglang_section(facts.target, drafter, config)}
+{_tpu_section(facts.target, drafter, config)}"""
 
 
-_TITLES = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}
+def _rope(config: DrafterConfig) -> str:
+    """The drafter's RoPE as trained, and which engines compute it so (long context: design §8.6)."""
+    scaling = dict(config.rope_scaling or {})
+    kind = rope_type_of(scaling)
+    text = f"θ {config.rope_theta:g}"
+    if kind == "yarn":
+        text += (f", YaRN ×{scaling.get('factor')} over an original window of "
+                 f"{scaling.get('original_max_position_embeddings')} positions")
+    elif kind == "linear":
+        text += f", linear ×{scaling.get('factor')}"
+    windows = (f"; sliding window {config.sliding_window} on {config.layer_types.count('sliding_attention')} of "
+               f"{config.num_hidden_layers} layers" if "sliding_attention" in config.layer_types else "")
+    return (f"{text}{windows}. vLLM 0.32 (GPU and CPU) reads both from config.json as trained; vLLM TPU 0.32 "
+            f"does not (below)")
 
 
 def _intro(config: DrafterConfig) -> str:
@@ -135,7 +156,7 @@ target's are shared)."""
 
 def _sglang_section(target: str, drafter: str, config: DrafterConfig) -> str:
     """SGLang's DFLASH algorithm serves the z-lab layout only, so a DSpark card has no SGLang command."""
-    if config.method != "dflash":
+    if not config.drafter_method.sglang_serves:
         return ""
     return f"""## Serve with SGLang
 
@@ -143,6 +164,15 @@ def _sglang_section(target: str, drafter: str, config: DrafterConfig) -> str:
 {sglang_command(target, drafter, config.block_size)}
 ```
 """
+
+
+def _tpu_section(target: str, drafter: str, config: DrafterConfig) -> str:
+    commands = tpu_commands(target, drafter, config, serve_command(target, drafter, config))
+    block = "\n".join(["", "```bash", *commands, "```", ""]) if commands else ""
+    return f"""## Serve on TPUs
+
+{tpu_note(config)}
+{block}"""
 
 
 def write_model_card(out_dir: str | Path, config: DrafterConfig, facts: TrainingFacts, drafter: str) -> Path:

@@ -42,12 +42,20 @@ def test_overview_and_unknown_command():
 
 
 def test_print_config_shows_the_file_with_its_overrides():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
     result = dflash_jax("train", "--config", TINY, "--workdir", "unused", "--config.drafter.block_size=4",
-                        "--config.drafter.num_hidden_layers=3", "--print_config")
+                        "--config.drafter.num_hidden_layers=3", f"--config.drafter.rope_scaling={json.dumps(yarn)}",
+                        "--print_config")
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads(result.stdout)
     assert (config["drafter"]["block_size"], config["drafter"]["num_hidden_layers"], config["data"]["seq_len"]) == (
         4, 3, 128)
+    assert config["drafter"]["rope_scaling"] == yarn  # a dict field takes JSON (or a Python dict literal)
+    from dflash_jax.commands.cli import _DictParser
+
+    assert _DictParser().parse("{'rope_type': 'linear', 'factor': 2.0}") == {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="expected a dict"):
+        _DictParser().parse("yarn")
 
 
 # slow: a fresh interpreter importing the package outside the checkout (make test's budget)
@@ -68,8 +76,8 @@ def test_a_packaged_recipe_is_named_without_its_path(tmp_path):
     assert json.loads(by_name.stdout) == json.loads(qwen27b.get_config().to_json_best_effort())
     assert packaged_config_path("configs/qwen27b.py") == "configs/qwen27b.py"  # a path stays a path
     with pytest.raises(UserError, match=r"^--config qwen28b: no such file, nor a packaged config \(those are: "
-                                        r"qwen27b, qwen27b_dflash2, qwen27b_dspark, qwen36_35b_a3b, qwen3_30b_a3b, "
-                                        r"qwen3_8b, tiny, toy\)$"):
+                                        r"qwen27b, qwen27b_dflash2, qwen27b_dspark, qwen27b_long, qwen36_35b_a3b, "
+                                        r"qwen36_35b_a3b_long, qwen3_30b_a3b, qwen3_8b, tiny, toy\)$"):
         packaged_config_path("qwen28b")
 
 

@@ -18,6 +18,8 @@ from dflash_jax.data import (
     Cursor,
     Document,
     RowPacker,
+    packed_length,
+    parse_object,
     place_row,
     row_capacity,
     tokenize_record,
@@ -167,15 +169,29 @@ def test_packing_never_splits_a_document_that_fits_and_is_greedy():
     assert seen == list(range(1, len(lengths) + 1))
 
 
-def test_long_document_is_split_into_rows_with_continuing_positions():
+def test_long_document_is_split_into_overlapping_rows_each_token_trained_once():
     packer = RowPacker(capacity=10)
     short, long_doc, after = synthetic_documents([4, 25, 3])
     rows = packer.add(short, Cursor(0, 0)) + packer.add(long_doc, Cursor(0, 1)) + packer.add(after, Cursor(0, 2))
     rows.append(packer.flush())
-    assert [len(r) for r in rows] == [4, 10, 10, 5 + 3]
-    assert [r.start for r in rows] == [Cursor(0, 0), Cursor(0, 1, 0), Cursor(0, 1, 10), Cursor(0, 1, 20)]
-    assert np.concatenate([r.positions[r.input_ids == 2] for r in rows]).tolist() == list(range(25))
-    assert rows[3].segment_ids.tolist() == [1] * 5 + [2] * 3
+    # Pieces of 10 starting every 5 tokens: each after the first repeats the 5 before as context (loss mask 0).
+    assert [len(r) for r in rows] == [4, 10, 10, 10, 10, 3]
+    assert [r.start for r in rows] == [Cursor(0, 0), Cursor(0, 1, 0), Cursor(0, 1, 5), Cursor(0, 1, 10),
+                                       Cursor(0, 1, 15), Cursor(0, 2)]
+    assert [r.positions.tolist() for r in rows[1:5]] == [list(range(s, s + 10)) for s in (0, 5, 10, 15)]
+    assert [r.loss_mask.tolist() for r in rows[2:5]] == [[0] * 5 + [1] * 5] * 3
+    trained = np.concatenate([r.positions[(r.input_ids == 2) & (r.loss_mask == 1)] for r in rows])
+    assert trained.tolist() == list(range(25))  # every token trained exactly once, none dropped
+    assert sum(len(r) for r in rows[1:5]) == packed_length(25, 10)
+
+
+def test_a_split_documents_prompt_stays_untrained_in_its_later_pieces():
+    # loss mask 0 on a prompt of 12 tokens, 1 after: the context rule never turns a prompt token on.
+    document = Document(np.arange(1, 31, dtype=np.int32), (np.arange(30) >= 12).astype(np.int32))
+    packer = RowPacker(capacity=10)
+    rows = packer.add(document, Cursor(0, 0)) + [packer.flush()]
+    trained = np.concatenate([r.positions[r.loss_mask == 1] for r in rows])
+    assert trained.tolist() == list(range(12, 30))
 
 
 def test_place_row_shifts_content_by_the_phase_and_pads_with_segment_zero():
@@ -220,6 +236,20 @@ def test_loader_splits_long_documents_and_counts_them(tmp_path: Path):
     assert tokens > 0 and loader.stats()["split_documents"] > 0
 
 
+def test_the_loader_counts_every_token_the_targets_positions_cut(tmp_path: Path):
+    records = completion_records(12, max_words=120)
+    path = write_jsonl(tmp_path / "corpus.jsonl", records)
+    loader = make_loader([path], seq_len=32, anchor_stride=8, batch_size=1, max_positions=40)
+    lengths = [len(tokenize_record(parse_object(r, "r"), make_chat_tokenizer(), "r")) for r in records]
+    for _ in range(20):
+        next(loader)
+    stream, read = loader.streams[0], loader.stats()["documents_read"]
+    order = np.concatenate([stream.epoch_order(epoch) for epoch in range(read // len(records) + 1)])[:read]
+    cut = [lengths[index] - 40 for index in order if lengths[index] > 40]
+    assert cut and loader.stats()["truncated_documents"] == len(cut)
+    assert loader.stats()["truncated_tokens"] == sum(cut)
+
+
 def test_every_epoch_visits_every_record_once(tmp_path: Path):
     # Row r of every batch reads its own share of the corpus: each epoch of that row is a permutation of
     # the share, and the shares of the rows split the corpus.
@@ -261,12 +291,12 @@ def test_resume_from_state_gives_identical_following_batches(tmp_path: Path):
     ]
     reference = make_loader(paths, seq_len=48, anchor_stride=8, batch_size=3)
     states, batches = [], []
-    for _ in range(60):
+    for _ in range(90):  # split documents' overlapping pieces take more rows than their tokens alone
         states.append(json.loads(json.dumps(reference.state())))
         batches.append(next(reference))
     positions = [position for state in states for position in state["rows"].values()]
     assert any(p["token_offset"] > 0 for p in positions) and min(p["epoch"] for p in states[-1]["rows"].values()) >= 2
-    for resume_at in (0, 1, 7, 23, 41, 59):
+    for resume_at in (0, 1, 7, 23, 41, 59, 89):
         resumed = make_loader(paths, seq_len=48, anchor_stride=8, batch_size=3, state=states[resume_at])
         for expected in batches[resume_at:]:
             assert batches_equal(next(resumed), expected)

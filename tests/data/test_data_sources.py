@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_jax.data import BatchLoader, merge_states, resolve_sources, tokenize_record
+from dflash_jax.data import BatchLoader, merge_states, packed_length, resolve_sources, row_capacity, tokenize_record
 from dflash_jax.data.records import parse_object
 from dflash_jax.runtime.errors import DataError
 from tests.data_fixtures import assert_same, completion_records, mixed_records, row_documents, write_jsonl
@@ -32,7 +32,7 @@ def test_every_format_gives_the_jsonl_batches_and_resumes_exactly(formats):
     tokenizer = make_qwen_tokenizer("qwen3_5")
     reference = loader(formats["jsonl"], tokenizer)
     states, batches = [], []
-    for _ in range(50):  # past one epoch
+    for _ in range(80):  # past one epoch (split documents repeat half a row as context)
         states.append(json.loads(json.dumps(reference.state())))
         batches.append(next(reference))
     assert reference.streams[0].position()["epoch"] >= 1
@@ -111,7 +111,11 @@ def test_a_weighted_mix_draws_each_source_weight_times_per_epoch(tmp_path):
 def test_corpus_tokens_count_what_an_epoch_draws(formats, tmp_path):
     tokenizer = make_qwen_tokenizer("qwen3_5")
     records = [parse_object(r, "r") for r in mixed_records()]
-    tokens = sum(len(tokenize_record(r, tokenizer, "r")) for r in records)
+    # Each document's tokens, plus the context the later pieces of one longer than a row repeat.
+    capacity = row_capacity(OPTIONS["seq_len"], OPTIONS["anchor_stride"])
+    lengths = [len(tokenize_record(r, tokenizer, "r")) for r in records]
+    tokens = sum(packed_length(length, capacity) for length in lengths)
+    assert max(lengths) > capacity and tokens > sum(lengths)  # some documents are split
     assert loader([formats["parquet"]], tokenizer).corpus_tokens() == tokens
     # Every row's share together is the corpus; a source of weight 0.5 counts half.
     mixed = loader([formats["jsonl"], f"{formats['saved']}@0.5"], tokenizer, batch_size=3)

@@ -117,6 +117,16 @@ def test_prompts_are_z_labs_and_ddtrees(sources, hub_cache):
     assert len(answered_turns(suites[4], tokenizer, kwargs, _answer, 8, None)) == 6  # mt-bench: 3 x 2 turns
 
 
+def test_longbench_rows_are_a_document_then_its_question(sources):
+    """A LongBench subset's JSONL as published: one user turn per row, the document then the question, in the
+    file's order (4 rows fit the samples); all_classes' nulls do not stop the read."""
+    (suite,) = read_benchmarks([f"longbench={sources['longbench']}"], samples=SAMPLES)
+    assert suite.rows == [0, 1, 2, 3]
+    for turns, row in zip(suite.conversations, ROWS["longbench"]):
+        assert turns == ["Read the document and answer the question after it briefly.\n\n" + row["context"]
+                         + "\n\nQuestion: " + row["input"]]
+
+
 def test_bad_benchmarks_are_refused_before_any_model_loads(sources, hub_cache, tmp_path):
     with pytest.raises(ConfigError, match=r"unknown benchmark 'gsm9k'; the benchmarks are gsm8k, math500, "):
         read_benchmarks(["gsm9k"])

@@ -79,6 +79,36 @@ def test_cli_reports_trained_and_untrained_figures_and_speed(setup, tmp_path):
     assert data["continuation"] == "data" and "speed" not in data
 
 
+def test_tau_by_context_length_splits_the_responses_by_prompt_tokens(setup, tmp_path):
+    """Prompt-only records (a raw prompt, a chat ending with the user) are continued by the target; τ per bin
+    of prompt length pools exactly the bin's responses (design §9.7)."""
+    config, export, _ = setup
+    tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    records = [{"prompt": "a b"}, {"prompt": " ".join(["a b c d"] * 6)},
+               {"messages": [{"role": "user", "content": "hello there"}]}]
+    prompts.write_text("".join(json.dumps(record) + "\n" for record in records))
+    lengths = [len(e.prompt_ids) for e in read_examples([prompts], tokenizer, 3, generate=True)]
+    assert lengths[1] > lengths[0]
+    edges = (lengths[0] + 1,)  # the first prompt alone in the first bin
+    lines = []
+    results = evaluate.run(config, workdir=None, drafter_dir=str(export), prompts=[str(prompts)],
+                           continuation="generate", max_new_tokens=12, budgets=(4,), context_edges=edges,
+                           log=lines.append)
+    for name in ("trained", "untrained"):
+        result, bins = results[name], results[name]["by_context"]
+        expected_counts = [sum(length < edges[0] for length in lengths), sum(length >= edges[0] for length in lengths)]
+        assert [b["responses"] for b in bins] == [c for c in expected_counts if c]
+        assert [b["bin"] for b in bins] == [label for label, c in zip((f"0-{edges[0]}", f"{edges[0]}+"),
+                                                                      expected_counts) if c]
+        committed = sum(b["tau"] * b["verify_steps"] for b in bins)  # pooled τ = committed tokens / steps
+        assert committed == pytest.approx(result["tau"] * result["verify_steps"])
+    assert any(line.startswith("τ by context length (prompt tokens):") for line in lines)
+    with pytest.raises(Exception, match="missing 'completion'"):  # a prompt alone has no data continuation
+        evaluate.run(config, workdir=None, drafter_dir=str(export), prompts=[str(prompts)], continuation="data",
+                     log=lines.append)
+
+
 def test_train_hook_measures_what_evaluate_measures(setup):
     """By default both score generated greedy continuations of the same prompts: the same figures."""
     config, export, _ = setup

@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 from dflash_jax.eval.ddtree import accepted_depth, build_tree
+from dflash_jax.eval.context_bins import parse_edges
 from dflash_jax.eval.exact_tau import (DraftScorer, Example, _score, evaluate_drafter, score_responses,
-                                      summarize, walk)
+                                      summarize, summarize_by_context, walk)
 from dflash_jax.commands.evaluate import placed
 from dflash_jax.eval.generate import SpeculativeGenerator, benchmark
 from dflash_jax.models.drafter import Drafter
@@ -75,6 +76,17 @@ def test_walk_statistics_on_hand_built_drafts():
     assert summary["ddtree_tau_per_response"] == {BLOCK - 1: pytest.approx(summary["tau_per_response"])}
     assert summary["greedy_agreement"] == pytest.approx(9 / 10)
     assert (summary["responses"], summary["verify_steps"]) == (2, 3)
+    # By context length (prompt tokens): A's prompt of 2 and B's of 1 on either side of an edge at 2.
+    assert [r.context_tokens for r in responses] == [2, 1]
+    low, high = summarize_by_context(responses, (2, 1024), BLOCK - 1)
+    assert (low["bin"], low["min_tokens"], low["max_tokens"], low["responses"], low["tau"]) == ("0-2", 0, 2, 1, 1.0)
+    assert (high["bin"], high["max_tokens"], high["tau"]) == ("2-1K", 1024, pytest.approx((4 + 3) / 2))
+    (both,) = summarize_by_context(responses, parse_edges(["4K"]), BLOCK - 1)
+    assert both == {"bin": "0-4K", "min_tokens": 0, "max_tokens": 4096, **summary}
+    assert summarize_by_context(responses, (2,), BLOCK - 1)[1]["bin"] == "2+"  # the open-ended last bin
+    for bad in (["4K", "2K"], ["0"], ["4M"]):
+        with pytest.raises(ValueError, match="context bin edge"):
+            parse_edges(bad)
 
 
 def test_examples_need_a_prompt_and_a_continuation():

@@ -6,6 +6,8 @@ full attention layer. Exact τ against the generator, with a trained drafter, is
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,34 +88,40 @@ def test_cached_plain_greedy_matches_uncached_greedy(target, generators, prompts
 
 
 def test_drafter_cache_matches_the_drafter_forward():
-    """The drafter with a cache drafts what it drafts without one at that anchor (stride-1 grid, §5 mask), also
-    when the context arrives in pieces with stale rows past the anchor, as in the generator."""
+    """The drafter with a cache drafts what it drafts without one at that anchor (stride-1 grid, §5 mask), with
+    the context arriving as in the generator: each step writes 5 columns from the previous anchor on, those past
+    the new anchor stale (a rejected draft's) until the next step overwrites them. The anchor moves by 1 to 5
+    (all drafts accepted: a whole ring's worth at once); the sliding layer (window 5) keeps a ring of 5 columns,
+    which the 26 positions wrap five times, the full layer every column. One compile of the step."""
     config = drafter_config()
     drafter = Drafter(config, rngs=nnx.Rngs(1))
     rng = np.random.default_rng(2)
-    length, width = 15, len(config.target_layer_ids) * config.hidden_size
-    features = jnp.asarray(rng.standard_normal((1, length, width)), jnp.float32)
+    length, width, step = 26, len(config.target_layer_ids) * config.hidden_size, 5
+    features = jnp.asarray(rng.standard_normal((1, length + step, width)), jnp.float32)
+    stale = jnp.asarray(rng.standard_normal((1, length + step, width)), jnp.float32)
     ids = rng.integers(0, VOCAB, (1, length)).astype(np.int32)
     embed = jnp.asarray(rng.standard_normal((VOCAB, config.hidden_size)), jnp.float32)
     grid = AnchorGrid(length, 1, BLOCK)
     positions = jnp.arange(length)[None]
     segments = jnp.ones((1, length), jnp.int32)
     block_ids = block_token_ids(ids, grid.anchors, BLOCK, config.mask_token_id)
-    expected = nnx.jit(lambda model: model(features, embed[block_ids], DrafterInputs.from_rows(grid, positions,
-                                                                                             segments))[0])(drafter)
+    expected = nnx.jit(lambda model: model(features[:, :length], embed[block_ids],
+                                           DrafterInputs.from_rows(grid, positions, segments))[0])(drafter)
     expected = expected.reshape(length, BLOCK, -1)
 
     draft = nnx.jit(lambda model, context, block, start, anchor, cache: model(
-        context, block, DecodeStep(jnp.int32(start), jnp.int32(anchor)), cache))
+        context, block, DecodeStep(start, anchor), cache))
     cache = drafter.init_cache(1, 32)
-    stale = jnp.asarray(rng.standard_normal((1, 5, width)), jnp.float32)
-    # (new context, where it starts, anchor): before and after the sliding window (5) is full; the rows after
-    # position 4 are first stale ones, then the committed positions that overwrite them.
-    for context, start, anchor in ((features[:, :5], 0, 1), (stale, 5, 5), (features[:, 5:10], 5, 9),
-                                   (features[:, 10:15], 10, 14)):
+    assert cache.keys.shape == (1, 1, 32, 2, 16) and cache.window_keys.shape == (1, 1, 5, 2, 16)
+    assert drafter.init_cache(1, 3).window_keys.shape == (1, 1, 3, 2, 16)  # no wider than its capacity
+    start = 0
+    for anchor in (3, 8, 9, 12, 17, 19, 24, 25):  # the first step is the prefill of a 3-token prompt
+        columns = np.arange(start, start + step)
+        context = jnp.where((columns < anchor)[None, :, None], features[:, columns], stale[:, columns])
         block = embed[block_ids[:, anchor * BLOCK:(anchor + 1) * BLOCK]]
-        hidden, cache = draft(drafter, context, block, start, anchor, cache)
+        hidden, cache = draft(drafter, context, block, jnp.int32(start), jnp.int32(anchor), cache)
         np.testing.assert_allclose(hidden[0], expected[anchor], rtol=1e-4, atol=1e-5, err_msg=f"anchor {anchor}")
+        start = anchor
 
 
 def test_speculative_output_is_plain_greedy(generators, prompts):
@@ -145,3 +153,34 @@ def test_shape_limits_are_explained(target, generators):
         generators["speculative"].generate(np.zeros(12, np.int32), 50)
     with pytest.raises(ValueError, match=r"capacity \(8\) must be >= prefill_len \(16\)"):
         SpeculativeGenerator(target, None, prefill_len=16, capacity=8)
+
+
+@pytest.mark.slow  # a 16K-token prompt through the three decoders on CPU, per family (one to three minutes each)
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_decoders_stay_lossless_past_16k_tokens_with_window_sized_sliding_caches(family, tmp_path):
+    """A prompt of 16,400 tokens: speculative and DDTree decoding commit plain greedy's tokens on both target
+    families, and the drafter cache each decoder holds keeps its window of columns (5) in the sliding layer and
+    the whole context in the full layer."""
+    from dflash_jax.eval.ddtree_decode import DDTreeGenerator
+    from tests.decode_check import tiny_hybrid_target
+
+    config = dataclasses.replace(drafter_config(), max_position_embeddings=32768)
+    if family == "dense":
+        save_qwen3(tmp_path, qwen3_config(vocab_size=VOCAB, max_position_embeddings=32768), seed=5)
+        target = load_target(tmp_path, param_dtype=jnp.float32)[0]
+    else:  # two periods of [Gated DeltaNet, gated attention]
+        target = tiny_hybrid_target(VOCAB)
+        config = dataclasses.replace(config, target_layer_ids=(0, 3), num_target_layers=4)
+    drafter = Drafter(config, rngs=nnx.Rngs(0))
+    length, new_tokens = 16400, 24
+    prompt = np.random.default_rng(3).integers(0, VOCAB, length).astype(np.int32)
+    shapes = dict(prefill_len=length, capacity=length + new_tokens + 1 + 8)
+    plain = SpeculativeGenerator(target, None, **shapes).generate(prompt, new_tokens)
+    for generator in (SpeculativeGenerator(target, drafter, **shapes),
+                      DDTreeGenerator(target, drafter, budget=8, **shapes)):
+        cache = jax.eval_shape(generator._prefill, generator._target_state, generator._drafter_state, prompt[None],
+                               np.int32(length))[1]
+        assert cache.window_keys.shape[2] == cache.window_values.shape[2] == 5
+        assert cache.keys.shape[2] == cache.values.shape[2] == shapes["capacity"]
+        output = generator.generate(prompt, new_tokens)
+        np.testing.assert_array_equal(output.tokens, plain.tokens)

@@ -22,10 +22,18 @@ from tests.drafter_fixtures import (BLOCK, FULL, HIDDEN, MASK_ID, SEQ_LEN, SLIDI
 from tests.torch_reference import ReferenceDrafter, block_ids, reference_logits
 
 
-@pytest.mark.parametrize("stride", [2, 4, 8])  # stride < block, = block, > block
-@pytest.mark.parametrize("layer_types, window", [((FULL, FULL), None), ((SLIDING, FULL), 5)])
-def test_drafter_matches_torch_reference(layer_types, window, stride):
-    config = make_config(layer_types, window)
+# A window of 4 positions scaled 4x: the rows' positions (up to 13 + a block) reach 5x past it.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 8, "beta_slow": 1}
+LINEAR = {"rope_type": "linear", "factor": 3.0}
+
+
+@pytest.mark.parametrize("stride, layer_types, window, rope_scaling", [
+    *[(stride, layers, window, None) for stride in (2, 4, 8)  # stride < block, = block, > block
+      for layers, window in [((FULL, FULL), None), ((SLIDING, FULL), 5)]],
+    (4, (SLIDING, FULL), 5, YARN), (2, (FULL, FULL), None, {**YARN, "mscale": 0.7, "mscale_all_dim": 0.3}),
+    (8, (FULL, FULL), None, LINEAR)])
+def test_drafter_matches_torch_reference(layer_types, window, stride, rope_scaling):
+    config = make_config(layer_types, window, rope_scaling=rope_scaling)
     weights = random_weights(config, seed=stride)
     reference = ReferenceDrafter(zlab_config(config))
     reference.load_state_dict({name: torch.from_numpy(w) for name, w in weights.items()}, strict=True)
@@ -120,8 +128,8 @@ def test_config_from_json_lists_is_hashable():
     assert config.layer_types == (SLIDING, FULL) and config.target_layer_ids == (1, 5, 9)
     assert hash(config) == hash(dataclasses.replace(config))
     assert [config.window(i) for i in range(2)] == [5, None]
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
-        Drafter(dataclasses.replace(config, rope_scaling={"rope_type": "yarn", "factor": 4.0}), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="rope_scaling type 'dynamic' is not supported"):
+        Drafter(dataclasses.replace(config, rope_scaling={"rope_type": "dynamic", "factor": 4.0}), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="attention_impl must be one of"):
         Drafter(config, rngs=nnx.Rngs(0), attention_impl="flash")
 

@@ -192,7 +192,7 @@ def test_config_defaults_follow_transformers():
     ({"use_sliding_window": True}, "field 'use_sliding_window' is true"),
     ({"attention_bias": True}, "field 'attention_bias' is true"),
     ({"hidden_act": "gelu"}, "field 'hidden_act' must be 'silu'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling type 'dynamic' is not supported"),
     ({"rope_parameters": 5}, "field 'rope_parameters' must be an object"),
 ])
 def test_config_errors_name_the_field(change, message):

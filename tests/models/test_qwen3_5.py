@@ -185,7 +185,7 @@ def test_layer_period_falls_back_to_whole_stack():
     ({"layer_types": [LIN] * 7}, "layer_types"),
     ({"layer_types": [LIN] * 7 + ["sliding_attention"]}, "layer_types"),
     ({"linear_num_value_heads": 5}, "linear_num_value_heads"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "dynamic"),
     ({"rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.1}}, "partial_rotary_factor"),
     ({"full_attention_interval": 0, "layer_types": None}, "full_attention_interval"),
     ({"hidden_act": "gelu"}, "hidden_act"),

@@ -98,6 +98,22 @@ def test_anchor_grid_anchors_are_the_static_grid():
         AnchorGrid(18, 4, 2)
 
 
+@pytest.mark.parametrize("seq_len, stride, max_anchors, expected_stride", [
+    (4096, 16, 512, 16),  # 256 anchors: under the cap, the stride as given
+    (4096, 8, 512, 8),  # exactly 512
+    (32768, 16, 512, 64),  # 2048 anchors -> 512
+    (131072, 16, 512, 256),
+    (33024, 16, 512, 96),  # 2064 anchors: 5 does not divide them, 6 does (344 anchors)
+    (32768, 16, None, 16),  # no cap
+])
+def test_long_rows_widen_the_stride_to_the_anchor_cap(seq_len, stride, max_anchors, expected_stride):
+    grid = AnchorGrid.for_rows(seq_len, stride, 16, max_anchors)
+    assert grid.stride == expected_stride and seq_len % grid.stride == 0
+    assert max_anchors is None or grid.num_anchors <= max_anchors
+    # Spread over the whole row: the last anchor is within one stride of the row's end.
+    assert grid.anchors[-1] == seq_len - grid.stride
+
+
 def test_slots_stop_at_document_boundaries_and_the_row_end():
     # One row: [pad, doc 1 (4 tokens, all trained), doc 2 (3 tokens, first untrained)], T = 8, anchors 0 and 4.
     loss_mask = np.array([[0, 1, 1, 1, 1, 0, 1, 1]])

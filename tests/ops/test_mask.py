@@ -14,7 +14,7 @@ import pytest
 from dflash_jax.ops.attention import grouped_attention
 from dflash_jax.ops.dflash_attention import KEY_TILE, context_reach, dflash_attention, tile_schedule
 from dflash_jax.ops.anchors import AnchorGrid
-from dflash_jax.ops.mask import dense_mask, position_mask, tile_fraction
+from dflash_jax.ops.mask import dense_mask, position_mask, tile_fraction, visible_intervals
 from tests.torch_reference import reference_mask
 
 PAD = -1
@@ -115,6 +115,12 @@ def test_tile_fraction():
     assert tile_fraction(grid, None, 16, 24) == pytest.approx(
         np.mean([[mask[r:r + 16, c:c + 24].any() for c in range(0, 128, 24)] for r in range(0, 64, 16)]))
     assert tile_fraction(grid, 8, 16, 16) < tile_fraction(grid, None, 16, 16) < 1.0
+    # Sliding windows, ragged tiles: brute force over the mask.
+    for window, q_tile, k_tile in [(8, 16, 16), (5, 12, 20), (40, 7, 9)]:
+        mask = position_mask(grid, window)
+        tiles = [[mask[r:r + q_tile, c:c + k_tile].any() for c in range(0, mask.shape[1], k_tile)]
+                 for r in range(0, mask.shape[0], q_tile)]
+        assert tile_fraction(grid, window, q_tile, k_tile) == pytest.approx(np.mean(tiles))
 
 
 # ---- chunked XLA attention against dense attention under the oracle ----
@@ -339,3 +345,12 @@ def test_program_does_not_grow_with_the_chunk_count(window):
 
     sizes = {chunk: size(chunk) for chunk in (32, 8, 5, 2, 1)}
     assert len(set(sizes.values())) == 1, sizes
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 40])
+def test_visible_intervals_are_the_position_mask(window):
+    grid = AnchorGrid(48, 4, 6)
+    starts, ends = visible_intervals(grid, window)
+    keys = np.arange(grid.seq_len + grid.num_queries)
+    inside = (keys >= starts[:, :, None]) & (keys < ends[:, :, None])
+    np.testing.assert_array_equal(inside.any(axis=1), position_mask(grid, window))

@@ -15,7 +15,7 @@ from dflash_jax.ops import splash_attention
 from dflash_jax.ops.attention import grouped_attention
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.ops.anchors import AnchorGrid
-from dflash_jax.ops.mask import dense_mask
+from dflash_jax.ops.mask import dense_mask, position_mask
 from dflash_jax.ops.splash_attention import dflash_attention_splash, splash_tile_fraction, splash_tiles
 from dflash_jax.sharding import make_mesh
 from dflash_jax.weights.drafter_files import drafter_from_torch_layout
@@ -128,7 +128,8 @@ def test_kernel_skips_exactly_the_empty_tiles(window):
     assert block_mask.shape[:2] == (1, 5) and block_mask.shape[2] <= 5
     assert (block_mask > 0).sum() / 25 == splash_tile_fraction(grid, window) < 1
     # The kernel needs every query row, padded ones included, to see at least one key.
-    assert splash_attention._padded_mask(AnchorGrid(96, 2, 4), window).any(axis=1).all()
+    grid = AnchorGrid(96, 2, 4)
+    assert splash_attention.GridMask(grid, window)[:, :].any(axis=1).all()
 
 
 def test_tile_fractions_of_the_27b_shape():
@@ -176,3 +177,16 @@ def test_drafter_on_splash_matches_xla(layer_types, window, stride, caplog):
     assert "Pallas interpreter" in caplog.text  # splash off TPU: interpreted, with a warning
     assert drafter.attention_impl == "splash"
     assert _relative_error(hidden["splash"], hidden["xla"]) < 1e-5
+
+
+@pytest.mark.parametrize("grid", [AnchorGrid(96, 2, 4), AnchorGrid(64, 8, 16), AnchorGrid(200, 8, 8)])
+@pytest.mark.parametrize("window", [None, 3, 40])
+def test_grid_mask_is_the_position_mask_padded(grid, window):
+    """The computed mask the kernel evaluates is design §5's position mask on the real queries and keys; padded
+    keys are invisible and a padded query sees exactly the last block key."""
+    computed = splash_attention.GridMask(grid, window)[:, :]
+    queries, keys = grid.num_queries, grid.seq_len + grid.num_queries
+    assert computed.shape == tuple(-(-n // 128) * 128 for n in (queries, keys))
+    np.testing.assert_array_equal(computed[:queries, :keys], position_mask(grid, window))
+    assert not computed[:, keys:].any()
+    assert (computed[queries:] == (np.arange(computed.shape[1]) == keys - 1)).all()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,8 @@ def dense(q, k, v, segments):
     return grouped_attention(q, k, v, causal_segment_mask(segments, segments), SCALE)
 
 
-@pytest.mark.parametrize("query_chunk", [64, 128, 512], ids=lambda c: f"chunk{c}")
+# 16 queries: 19 chunks, past CHUNKS_IN_FLIGHT, so the row walks its chunks' key tiles in loops (and pads to 304).
+@pytest.mark.parametrize("query_chunk", [16, 64, 128, 512], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("q_heads, kv_heads", [(6, 2), (4, 1), (2, 2)], ids=["gqa3", "mqa", "mha"])
 def test_query_chunks_equal_the_dense_oracle(query_chunk, q_heads, kv_heads):
     q, k, v = qkv(q_heads, kv_heads, seed=q_heads)
@@ -75,6 +77,15 @@ def test_query_chunks_score_only_their_causal_prefix():
     for scores in ("f32[2,2,128,2,128]", "f32[2,2,128,2,256]", "f32[2,2,44,2,300]"):
         assert scores in jaxpr
     assert f"{SEQ_LEN},{SEQ_LEN}]" not in jaxpr
+
+
+def test_long_rows_score_one_key_tile_at_a_time():
+    """Past CHUNKS_IN_FLIGHT chunks, the only scores are one chunk's against one key tile, inside the loops."""
+    q, k, v = qkv(4, 2)
+    segments = jnp.asarray(packed_segments(SEQ_LEN))
+    jaxpr = str(jax.make_jaxpr(lambda *x: causal_attention(*x, segments, SCALE, query_chunk=16))(q, k, v))
+    assert "f32[2,2,16,2,16]" in jaxpr and "while" in jaxpr
+    assert not re.search(r"f32\[[\d,]*(300|304),[\d,]*\b(300|304)\]", jaxpr)
 
 
 @pytest.mark.parametrize("q_heads, kv_heads", [(6, 2), (4, 1)], ids=["gqa3", "mqa"])

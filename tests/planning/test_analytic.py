@@ -16,8 +16,9 @@ from flax import nnx
 from dflash_jax.planning import analytic
 from dflash_jax.planning.chips import chip_named
 from dflash_jax.planning.compare import Candidate, compare_plans, format_comparison
-from dflash_jax.planning.plan import target_architecture
+from dflash_jax.planning.plan import abstract_config, target_architecture
 from dflash_jax.runtime.errors import ConfigError
+from dflash_jax.train import validate
 from dflash_jax.train.loop import train
 from dflash_jax.weights.targets import load_target
 from tests.train_fixtures import make_target, tiny_config, write_corpus
@@ -63,6 +64,26 @@ def test_a_small_target_is_replicated_and_one_too_big_for_a_device_is_split_over
     assert all(p.memory["target"] > 6 * 2**20 for p in big[1:])
 
 
+def test_a_long_row_is_split_over_context(files):
+    """Rows of 32K tokens: the context splits that leave a shard at least 4096 tokens are tried; one row on 8
+    devices splits only over context = 8 (the others leave it to (data, fsdp) shards it cannot fill), and a
+    device's temporaries fall with the split (design §19)."""
+    assert analytic.context_sizes_for(4096) == (1,) and analytic.context_sizes_for(8192) == (1, 2)
+    assert analytic.context_sizes_for(131072) == (1, 2, 4, 8, 16, 32)
+    config = _config(files, **{"data.seq_len": 32768, "data.batch_size": 1})
+    target_config = target_architecture(config)
+    predictions = analytic.predict_candidates(config, target_config, jax.devices(), 1, ("replicate",), (1,), None,
+                                              H200)
+    assert sorted(p.mesh["context"] for p in predictions) == [1, 2, 4, 8]
+    assert [(p.mesh["context"], p.mesh["fsdp"]) for p in predictions if p.fits] == [(8, 1)]
+    drafter_config = validate.resolve_drafter_config(abstract_config(config), target_config, tokenizer=None)
+    whole = {"target": 2**20, "params": 2**20}
+    held = [analytic.temporaries(config, target_config, drafter_config, 1, dict(data=1, fsdp=1, tensor=1,
+                                                                               context=context),
+                                 "replicate", whole, 2**20, "xla") for context in (1, 2, 4, 8)]
+    assert held == sorted(held, reverse=True) and held[0] > 4 * held[3]
+
+
 def test_rows_that_do_not_split_make_no_candidate_and_the_choice_is_one_line(files):
     config = _config(files, **{"data.batch_size": 2})
     predictions = analytic.predict_candidates(config, target_architecture(config), jax.devices(), 1, ("fsdp",),
@@ -70,8 +91,9 @@ def test_rows_that_do_not_split_make_no_candidate_and_the_choice_is_one_line(fil
     assert [(p.mesh["fsdp"], p.fits) for p in predictions] == [(2, True), (1, True), (8, False), (4, False)]
     assert predictions[-1].reason == "2 rows per micro-batch do not split over 4 (data, fsdp) shards"
     line = analytic.format_choice(predictions[0], predictions)
-    assert line.startswith("fsdp layout on data=1,fsdp=2,tensor=4,dcn_data=1, of 4 candidates (2 predicted not")
-    assert "\n" not in line and "next: fsdp on data=1,fsdp=1,tensor=8,dcn_data=1 at " in line
+    assert line.startswith("fsdp layout on data=1,fsdp=2,tensor=4,context=1,dcn_data=1, of 4 candidates "
+                           "(2 predicted not")
+    assert "\n" not in line and "next: fsdp on data=1,fsdp=1,tensor=8,context=1,dcn_data=1 at " in line
 
 
 @pytest.mark.slow  # three compiles of the tiny step (~30 s)
@@ -102,8 +124,37 @@ def test_compare_compiles_only_candidates_near_the_best_and_their_memory_agrees(
         assert 0.5 < plan.total_bytes / memory["total"] < 2.0, (candidate.layout, candidate.mesh)
     assert sum(c.plan is not None for c in candidates) < sum(c.prediction.fits for c in candidates)
     table = format_comparison(candidates)
-    assert table.splitlines()[2].startswith("| replicate | data=1,fsdp=8,tensor=1,dcn_data=1 |")
+    assert table.splitlines()[2].startswith("| replicate | data=1,fsdp=8,tensor=1,context=1,dcn_data=1 |")
     assert " | compiled |  |" in table and re.search(r"\| predicted \| predicted only: [\d.]+x the best", table)
+
+
+@pytest.mark.slow  # compiles of the tiny step (~30 s)
+def test_compare_moves_past_a_best_prediction_the_compiler_refuses(files, monkeypatch):
+    """A candidate predicted best whose compile does not fit a device (a TPU compiler refuses such a program:
+    plan_train_step's ConfigError) is listed with the reason, and the margin then counts from the best candidate
+    that does fit, which is compiled though its prediction is not within the margin of the refused one."""
+    import dflash_jax.planning.compare as compare
+
+    real, refused = compare.plan_train_step, []
+
+    def refuse_the_first(config, *args, **kwargs):
+        if not refused:
+            refused.append(dict(config.mesh))
+            raise ConfigError("the train step does not fit a device: the compiler says Ran out of memory on HBM")
+        return real(config, *args, **kwargs)
+
+    monkeypatch.setattr(compare, "plan_train_step", refuse_the_first)
+    config = _config(files)
+    candidates = compare_plans(config, target_architecture(config), jax.devices(), 1, LAYOUTS, (1, 2), chip=H200,
+                               margin=1.0)
+    (first,) = [c for c in candidates if "Ran out of memory" in c.reason]
+    assert first.plan is None and {k: first.mesh[k] for k in refused[0]} == refused[0]
+    fitting = [c for c in candidates if c.plan is not None and not c.reason]
+    assert fitting and candidates[0] is fitting[0]  # ranked first: the best that fits once compiled
+    best = fitting[0].prediction.roofline.per_token[0]
+    for candidate in candidates:  # margin 1.0 from the fitting one: nothing slower was compiled
+        if candidate.plan is not None:
+            assert candidate.prediction.roofline.per_token[0] <= best * (1 + 1e-9)
 
 
 def test_train_with_a_default_mesh_compiles_one_step(files, tmp_path, monkeypatch, caplog):
@@ -112,7 +163,7 @@ def test_train_with_a_default_mesh_compiles_one_step(files, tmp_path, monkeypatc
     (jax's compile log); plan_only stops there, before any weight is read."""
     monkeypatch.setattr("dflash_jax.train.startup.chip_of_kind", lambda kind: H200)
     config = _config(files, **{"data.batch_size": 2, "plan_only": True, "hbm_gib": 1.0, "target_layout": "auto"})
-    config.mesh.update(data=1, fsdp=-1, tensor=1, dcn_data=1)
+    config.mesh.update(data=1, fsdp=-1, tensor=1, dcn_data=1, context=1)
     jax.config.update("jax_log_compiles", True)
     try:
         with caplog.at_level(logging.INFO):
@@ -122,7 +173,7 @@ def test_train_with_a_default_mesh_compiles_one_step(files, tmp_path, monkeypatc
     compiles = re.findall(r"Finished XLA compilation of \S*train_step", caplog.text)
     assert len(compiles) == 1, compiles
     chosen = re.findall(r"config.mesh left at its defaults: (\w+) layout on data=1,fsdp=(\d),tensor=(\d),"
-                        r"dcn_data=1, of 12 candidates", caplog.text)
+                        r"context=1,dcn_data=1, of 12 candidates", caplog.text)
     assert len(chosen) == 1 and int(chosen[0][1]) * int(chosen[0][2]) == 8 and int(chosen[0][1]) <= 2
     assert 0 < summary["plan_temp_gib"] < summary["plan_total_gib"] < 1.0
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -152,5 +203,5 @@ def test_each_candidate_names_where_the_experts_lie(files):
     assert 7.9 < by_layout[("replicate", 1)] / by_layout[("tensor", 8)] <= 8
     table = format_comparison([Candidate(p.layout, p.mesh, None, p.reason, p) for p in predictions])
     assert table.splitlines()[0].startswith("| layout | mesh (per slice or host) | experts | memory per device |")
-    assert "| tensor | data=1,fsdp=1,tensor=8,dcn_data=1 | 256 over tensor=8 (32 a device) |" in table
+    assert "| tensor | data=1,fsdp=1,tensor=8,context=1,dcn_data=1 | 256 over tensor=8 (32 a device) |" in table
     assert analytic.expert_placement(target_architecture(_config(files)), "fsdp", predictions[0].mesh) == ""

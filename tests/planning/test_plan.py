@@ -20,7 +20,7 @@ from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.dflash_attention import tile_schedule
 from dflash_jax.ops.mask import position_mask
 from dflash_jax.planning import compare as plan_compare
-from dflash_jax.planning.chips import chip_named
+from dflash_jax.planning.chips import chip_named, chip_of_kind
 from dflash_jax.runtime.errors import UserError
 from dflash_jax.planning.collectives import Collective, replica_groups
 from dflash_jax.planning.hlo_cost import hlo_cost
@@ -107,7 +107,7 @@ def test_plan_on_simulated_devices_matches_the_shardings_and_the_flop_model(file
     assert plan.batch_bytes == 4 * 4 * config.data.seq_len  # four int32 arrays, one row per device
     parts = plan.target_bytes + plan.params_bytes + plan.opt_state_bytes + plan.batch_bytes + plan.temp_bytes
     assert parts <= plan.total_bytes <= parts + plan.code_bytes + plan.params_bytes + plan.opt_state_bytes + 2**20
-    assert plan.rows_per_device == 1 and plan.mesh == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert plan.rows_per_device == 1 and plan.mesh == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer=None)
     drafter = nnx.eval_shape(lambda: Drafter(drafter_config, rngs=nnx.Rngs(0)))
     # The causal target attention counts its T(T+1)/2 pairs here, T²/2 in the model: 0.1% of this step.
@@ -201,14 +201,35 @@ def test_plan_command_prints_the_plan_and_fails_over_the_budget(files, tmp_path)
     # One compile: the plan is printed and written (--json), then the budget it exceeds stops the command.
     result = dflash_jax(*args, "--hbm_gib", "0.001", "--json", str(tmp_path / "plan.json"), devices=4)
     written = json.loads((tmp_path / "plan.json").read_text())
-    assert written["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1} and written["prediction"] is None  # no CPU peaks
+    assert written["mesh"] == {"data": 2, "fsdp": 2, "context": 1, "tensor": 1}
+    assert written["prediction"] is None  # no CPU peaks
     assert written["memory_bytes"]["total"] > written["memory_bytes"]["budget"] == int(0.001 * 2**30)
-    assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 1}, 1 rows per (data, fsdp) shard" in result.stdout
+    assert "mesh {'data': 2, 'fsdp': 2, 'context': 1, 'tensor': 1}, 1 rows per (data, fsdp) shard" in result.stdout
     for line in ("target weights", "optimizer state", "temporaries", "generated code", "total", "FLOPs per step"):
         assert line in result.stdout
     message = user_error(result)
     assert "over the 0.0 GiB budget" in message and "largest arrays" in message
-    assert "unknown axes ['pipeline']" in user_error(dflash_jax(*args[:-1], "pipeline=4", devices=4))
+    from dflash_jax.commands import plan as plan_command
+
+    with pytest.raises(UserError, match=r"unknown axes \['pipeline'\]"):
+        plan_command._mesh_sizes("data=2,fsdp=2,pipeline=4")
+
+
+@pytest.mark.slow  # compiles a 32K-token row's step (about a minute)
+def test_plan_with_a_default_mesh_splits_a_long_row(files, tmp_path):
+    """`plan` with no mesh flags settles the mesh as `train` would (design §13.1): one 32K-token row on 8
+    devices of a known chip cannot split over (data, fsdp), so the devices go to its tokens (context) and heads
+    (tensor), and the plan written is that mesh's (design §19)."""
+    result = dflash_jax("plan", "--config", "configs/tiny.py", f"--config.target_dir={files['target']}",
+                        "--topology", "gpu:H200x8x1", "--config.data.seq_len=32768", "--config.data.batch_size=1",
+                        "--hbm_gib", "80", "--json", str(tmp_path / "plan.json"), devices=8)
+    assert result.returncode == 0, result.stderr[-3000:]
+    chosen = re.search(r"config.mesh left at its defaults: \w+ layout on data=1,fsdp=1,tensor=(\d),context=(\d),",
+                       result.stdout)
+    tensor, context = int(chosen.group(1)), int(chosen.group(2))
+    assert tensor * context == 8 and context >= 2
+    assert json.loads((tmp_path / "plan.json").read_text())["mesh"] == {"data": 1, "fsdp": 1, "context": context,
+                                                                        "tensor": tensor}
 
 
 def test_replica_groups_in_each_of_xla_forms():
@@ -365,7 +386,7 @@ def test_gpu_cluster_topology_puts_data_parallelism_across_hosts():
     cluster = gpu_cluster("gpu:H200x4x2")
     assert (cluster.chip.name, cluster.per_host, cluster.hosts) == ("H200", 4, 2)
     mesh = make_mesh(data=1, fsdp=2, tensor=2, dcn_data=2, devices=jax.devices("cpu")[:8])
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
     hosts = np.array(mesh_granules(mesh, cluster.per_host)).reshape(2, 4)
     assert (hosts == [[0] * 4, [1] * 4]).all()
     with pytest.raises(UserError, match=r"expected gpu:<chip>x<GPUs per host>x<hosts>"):
@@ -379,8 +400,25 @@ def test_slice_names_map_to_libtpu_topologies():
     assert slice_topology("v6e-64") == "v6e:8x8"
     assert slice_topology("v5e-8") == "v5e:2x4"
     assert slice_topology("v5p:4x4x4") == "v5p:4x4x4"
+    assert slice_topology("tpu7x-64") == "tpu7x:2x4x4"  # TPU7x counts TensorCores too: 32 chips
+    assert slice_topology("tpu7x-8") == "tpu7x:2x2x1"
     with pytest.raises(UserError, match="not a power-of-two slice"):
         slice_topology("v6e-48")
+
+
+def test_the_chip_table_has_the_current_chips_per_device():
+    """TPU7x and Blackwell beside the earlier chips: per device (a TPU7x chip is two devices, each with half its
+    HBM and peak), each found by its device kind, the GPUs compilable deviceless (their SMs described)."""
+    ironwood, v5p = chip_named("tpu7x"), chip_named("v5p")
+    assert chip_of_kind("TPU7x") is ironwood and chip_of_kind("TPU v5p") is v5p
+    assert ironwood.hbm_bytes == 96 * 2**30 and ironwood.bf16_flops == pytest.approx(1153.5e12)
+    assert ironwood.bf16_flops > v5p.bf16_flops and ironwood.hbm_bandwidth > v5p.hbm_bandwidth
+    for name, memory in (("B200", 180e9), ("GB200", 186e9), ("B300", 288e9)):
+        chip = chip_named(name)
+        assert chip_of_kind(f"NVIDIA {name}") is chip and chip.hbm_bytes == memory
+        assert chip.bf16_flops > 2 * chip_named("H200").bf16_flops and chip.gpu.compute_capability[0] == 10
+        assert chip.source.startswith("https://")
+    assert gpu_cluster("gpu:GB200x72x2").chip.name == "GB200"
 
 
 def _libtpu_or_skip():
@@ -407,7 +445,7 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the
     small = plan_train_step(config, target_config, validate.mesh_from_config(config, topology_devices("v5p-16")))
     config.data.batch_size = 32
     candidates = compare_plans(config, target_config, topology_devices("v5p-64"), 1, ("fsdp", "tensor"), (1,))
-    assert [c.mesh for c in candidates] == [dict(data=1, fsdp=32, tensor=1, dcn_data=1)] * 2
+    assert [c.mesh for c in candidates] == [dict(data=1, fsdp=32, tensor=1, context=1, dcn_data=1)] * 2
     plans = {c.layout: c.plan for c in candidates}
     assert all(c.plan is not None and not c.reason for c in candidates), [c.reason for c in candidates]
     times = [(t[1] / c.plan.roofline.tokens_per_step, t[0] / c.plan.roofline.tokens_per_step)
@@ -445,7 +483,24 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the
         # Counting every window position of TPU's dot-convolutions made it 2.56.
         assert 0.7 < plan.cost.flops / (plan.model_flops / 32) < 1.5 and plan.cost.custom_calls > 0
     table = format_comparison(candidates)
-    assert "| fsdp | data=1,fsdp=32,tensor=1,dcn_data=1 |" in table and "ici " in table and "best: " in table
+    assert "| fsdp | data=1,fsdp=32,tensor=1,context=1,dcn_data=1 |" in table and "ici " in table and "best: " in table
+
+
+@pytest.mark.tpu_plan
+def test_deviceless_tpu7x_plans_per_device_with_ironwoods_peaks():
+    """`--topology tpu7x-8` (4 Ironwood chips, two devices each) compiles a 27B-shaped step (its first 2 target
+    layers, T = 512) deviceless: 8 devices named TPU7x, each held to half a chip's HBM, and a roofline from the
+    chip table's TPU7x peaks."""
+    _libtpu_or_skip()
+    config, target_config = qwen27b_layers(2)
+    config.drafter.target_layer_ids, config.drafter.num_feature_layers = (0, 1), 2
+    config.data.seq_len, config.data.batch_size, config.target_layout = 512, 8, "fsdp"
+    config.mesh.update(data=1, fsdp=8, tensor=1)
+    devices = topology_devices("tpu7x-8")
+    assert len(devices) == 8 and devices[0].device_kind == "TPU7x"
+    plan = plan_train_step(config, target_config, validate.mesh_from_config(config, devices))
+    assert plan.roofline.chip is chip_named("tpu7x") and plan.hbm_bytes == 96 * 2**30
+    assert plan.total_bytes < plan.hbm_bytes and plan.backend.startswith("tpu deviceless compiler, 8 x TPU7x")
 
 
 @pytest.mark.tpu_plan

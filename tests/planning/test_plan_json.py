@@ -28,7 +28,7 @@ def test_compare_json_holds_every_figure_of_the_table(tmp_path):
     assert [(c["layout"], c["plan"] is not None) for c in record["candidates"]] == [("fsdp", True)]
     best = record["candidates"][0]
     assert record["best"] == {"layout": best["layout"], "mesh": best["mesh"]}
-    assert best["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "dcn_data": 2} and best["fits"]
+    assert best["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "context": 1, "dcn_data": 2} and best["fits"]
     # The table's row for the best candidate shows the same memory, step range and bound.
     row = next(line for line in result.stdout.splitlines() if line.startswith(f"| {best['layout']} |"))
     plan = best["plan"]

@@ -44,9 +44,10 @@ RECORDS = [
 ]
 
 
-# The mixture-of-experts targets (a Qwen3-MoE with a dense layer among its sparse ones, a Qwen3.5-MoE) in make
-# test-slow.
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_5", pytest.param("qwen3_moe", marks=pytest.mark.slow),
+# The hybrid and mixture-of-experts targets (a Qwen3-MoE with a dense layer among its sparse ones, a Qwen3.5-MoE)
+# in make test-slow (the hybrid target's cached decoding is in make test through tests/eval/test_hybrid_decoding.py).
+@pytest.fixture(scope="module", params=["qwen3", pytest.param("qwen3_5", marks=pytest.mark.slow),
+                                        pytest.param("qwen3_moe", marks=pytest.mark.slow),
                                         pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
 def target_dir(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)

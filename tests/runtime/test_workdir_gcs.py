@@ -64,6 +64,28 @@ def test_a_bucket_workdir_lock_refuses_a_second_trainer_and_the_config_history_g
         assert config_of_step(workdir, 30)["learning_rate"] == 5e-4
 
 
+def test_a_bucket_lock_is_created_by_one_trainer_and_a_stale_one_taken_over_by_one():
+    """The lock is an exclusive create (ifGenerationMatch=0), and a takeover removes only the generation judged
+    stale: of two trainers that both found the stale lock, the later one cannot remove the first one's new lock."""
+    with gcs_server() as fs:
+        fs.mkdir("runs")
+        workdir = workdir_path("gs://runs/c")
+        first, second = WorkdirLock(workdir), WorkdirLock(workdir)
+        first._holder["pid"] = os.getppid()  # a live process: our own pid would read as a previous life of ours
+        assert first._create() and not second._create()
+        assert json.loads(fs.cat("runs/c/lock.json"))["token"] == first._holder["token"]
+        fs.rm("runs/c/lock.json")
+        fs.pipe("runs/c/lock.json", json.dumps({"host": "gone", "pid": 1, "heartbeat": 0.0}).encode())
+        stale, _ = second._read_generation()
+        first.acquire()  # takes over the stale lock
+        second._remove(stale)
+        assert json.loads(fs.cat("runs/c/lock.json"))["token"] == first._holder["token"]
+        with pytest.raises(WorkdirLockedError, match=f"pid {os.getppid()}"):
+            second.acquire()
+        first.release()
+        assert not fs.exists("runs/c/lock.json")
+
+
 def test_a_bucket_model_directory_is_copied_once_and_again_when_it_changes(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path / "cache"))
     with gcs_server() as fs:

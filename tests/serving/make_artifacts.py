@@ -8,7 +8,8 @@ and exported with convert/export_drafter.py:
   full     all full-attention layers (bidirectional blocks); with the toy target, the `make demo` drafter
            (configs/toy.py as it is), or the finished run of it given as --toy_run (`make test-slow`'s demo
            keeps one, so CI trains it once)
-  sliding  all sliding-window layers (causal blocks, window W)
+  sliding  a long-context drafter: all sliding-window layers (causal blocks, window W) with YaRN RoPE (factor 4
+           over an original window of 128 positions, which the rows and the served prompts pass)
   mixed    sliding + full: exported untrained (no training run), since vLLM 0.32 on CPU refuses it
            (see check_vllm.py)
   dspark   the full drafter's config as an untrained DSpark drafter, for check_vllm_dspark.py, with the
@@ -41,6 +42,7 @@ from dflash_jax.weights.safetensors_dir import read_config  # noqa: E402
 
 TOY_TARGET, TOY_DATA = REPO / "dflash_jax/assets/toy_target", REPO / "dflash_jax/assets/toy_data"
 BLOCK_SIZE, WINDOW, TRAIN_STEPS = 8, 32, 300
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
 NUM_PROMPTS, NEW_TOKENS = 6, 64
 DRAFTERS = {"full": ("full_attention", "full_attention"), "sliding": ("sliding_attention", "sliding_attention"),
             "mixed": ("sliding_attention", "full_attention")}
@@ -265,6 +267,7 @@ def main() -> None:
     seq_len = 512 if toy else 128  # a toy record (prompt <= 192 + completion <= 128) fits one row
     runs = {name: (REPO / "configs/tiny.py", tiny_overrides(name, target, train_file, args.steps, seq_len))
             for name in ("full", "sliding")}
+    runs["sliding"][1]["drafter.rope_scaling"] = json.dumps(YARN)
     full_run = out / "run_full"
     if toy:  # the full-attention drafter is exactly the one `make demo` trains and exports
         runs["full"] = (REPO / "configs/toy.py", {"mesh.fsdp": 1})

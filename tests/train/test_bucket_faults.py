@@ -18,6 +18,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,7 +28,8 @@ import pytest
 
 from dflash_jax.commands.export import export
 from dflash_jax.runtime.storage import EXIT_STORAGE_OUTAGE
-from tests.gcs_fixture import gcs_server, nth_match, stopped, trapped
+from tests.command import SCRIPT, user_error
+from tests.gcs_fixture import held, gcs_server, nth_match, stopped, trapped
 from tests.train_fixtures import make_target, restore_last, tiny_config, write_corpus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,3 +164,42 @@ def test_an_outage_is_ridden_out_within_the_deadline_or_stops_the_run_with_74_an
         assert rerun.returncode == 0, rerun.stderr[-3000:]
         assert "resuming from gs://dflash/run/checkpoints at step" in rerun.stderr
         assert_ends_like(WORKDIR, straight, files, root / "outage_export")
+
+
+
+@pytest.mark.slow  # two pairs of train commands at once: about 70 s on 2 shared cores (make test-slow)
+@pytest.mark.parametrize("late", [0.0, 1.5], ids=["same instant", "one lock write late"])
+def test_of_two_trainers_started_at_once_on_one_bucket_workdir_one_runs_and_the_other_is_refused(files, late):
+    """The lock is an exclusive create: whether the two lock writes land together or one more than a second after
+    the other (held back by the relay), exactly one trainer runs and the other stops with one line naming it."""
+    root, workdir = files[2], f"gs://dflash/race{int(late * 10)}"
+    train = [str(SCRIPT), "train", *command(workdir, files)[3:], "--config.total_steps=2"]
+    with gcs_server() as fs, held(lock_writes_released_together(late)):
+        fs.mkdir("dflash")
+        trainers = [subprocess.Popen(train, cwd=REPO, env=environment(root), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        results = [subprocess.CompletedProcess(trainer.args, trainer.wait(timeout=900), "", trainer.stderr.read())
+                   for trainer in trainers]
+    assert sorted(result.returncode for result in results) == [0, 2], [
+        (result.returncode, result.stderr[-2000:]) for result in results]
+    refused = next(result for result in results if result.returncode)
+    winner = next(trainer for trainer, result in zip(trainers, results) if result.returncode == 0)
+    assert re.search(f"another trainer is running in this workdir \\(host .*, pid {winner.pid},",
+                     user_error(refused))
+
+
+def lock_writes_released_together(late: float):
+    """For `held`: the first lock write on its way waits for the second one, then `late` seconds more, so that
+    both trainers have found no lock before either writes one (started at once, their starts still differ)."""
+    second, writes = threading.Event(), iter(range(2))
+
+    def hold(head: str) -> None:
+        if not (head.startswith("POST /upload/") and "lock.json\"" in head):
+            return
+        if next(writes, None) == 0:
+            second.wait(timeout=120)
+            time.sleep(late)
+        else:
+            second.set()
+
+    return hold

@@ -47,6 +47,8 @@ def config(**overrides):
     ({"drafter.block_size": 1}, "config.drafter.block_size must be >= 2"),
     ({"data.seq_len": 100, "data.anchor_stride": 8}, "config.data.seq_len (100) must be a multiple of config.data.anchor_stride (8)"),
     ({"data.seq_len": 8, "data.anchor_stride": 8, "drafter.block_size": 16}, "config.data.seq_len (8) must be >= config.drafter.block_size (16)"),
+    ({"data.max_anchors": 0}, "config.data.max_anchors must be an int >= 1 (anchors a row keeps, design §4) or "
+                              "None, got 0"),
     ({"loss.gamma": 0.0}, "config.loss.gamma must be > 0"),
     ({"loss.gamma": -4.0}, "config.loss.gamma must be > 0"),
     ({"data.batch_size": None}, "give config.data.batch_size (rows per step) or config.data.rows_per_device"),
@@ -201,7 +203,7 @@ def test_the_qwen_recipes_run_on_any_slice_without_a_batch_override(devices):
         c.target_dir, c.data.train_files = "/ckpt/target", ("train.jsonl",)
         validate_config(c)
         # the recipes' mesh: fsdp over every device (-1)
-        assert dict(c.mesh) == {"data": 1, "fsdp": -1, "tensor": 1, "dcn_data": 1}
+        assert dict(c.mesh) == {"data": 1, "fsdp": -1, "tensor": 1, "dcn_data": 1, "context": 1}
         resolved = resolve_batch_size(c, devices)
         assert resolved.data.batch_size == c.data.rows_per_device * devices and c.data.batch_size is None
         validate_batch_layout(resolved, devices)

@@ -25,7 +25,7 @@ def test_gpu_step_benchmark_runs_tiny_on_two_cpu_devices(tmp_path):
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads((tmp_path / "out" / "gpu_step.json").read_text())
-    assert figures["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1} and figures["attention_impl"] == "xla"
+    assert figures["mesh"] == {"data": 1, "fsdp": 2, "context": 1, "tensor": 1} and figures["attention_impl"] == "xla"
     assert len(figures["step_s_all"]) == 2 and figures["step_s"] == pytest.approx(np.median(figures["step_s_all"]))
     config = step_config(tiny=True, remat="none", peak_tflops=1.0)
     assert figures["tokens_per_s"] == pytest.approx(config.data.batch_size * config.data.seq_len / figures["step_s"])

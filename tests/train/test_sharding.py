@@ -1,5 +1,6 @@
-"""Sharding over the (data, fsdp, tensor) mesh: a step on any mesh equals one device, activations never travel
-as whole global batches, the logical-axis table's layouts, and checkpoints move between meshes."""
+"""Sharding over the (data, fsdp, context, tensor) mesh: a step on any mesh equals one device (rows split over
+context included), activations never travel as whole global batches, the logical-axis table's layouts, and
+checkpoints move between meshes."""
 
 from __future__ import annotations
 
@@ -31,30 +32,31 @@ def files(tmp_path_factory):
             "qwen3_5_moe": make_qwen3_5_moe_target(root / "qwen3_5_moe"), "corpus": write_corpus(root / "train.jsonl")}
 
 
-def config_for(files, kind, data=1, fsdp=1, tensor=1, target_layout="fsdp"):
+def config_for(files, kind, data=1, fsdp=1, tensor=1, context=1, target_layout="fsdp", method="dflash"):
     # Qwen3.5-MoE has no dense MLP width for the drafter to copy.
     width = {"drafter.intermediate_size": 96} if kind == "qwen3_5_moe" else {}
     return tiny_config(files[kind], files["corpus"], target_layout=target_layout,
                        **{"data.batch_size": ROWS, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
-                          **width})
+                          "mesh.context": context, "drafter.method": method, **width})
 
 
-def one_step(files, kind, mesh_shape, target_layout="fsdp"):
-    """Metrics of one step and the parameters it updated, on the host."""
-    setup = build(config_for(files, kind, *mesh_shape, target_layout), mesh_of(*mesh_shape))
+def one_step(files, kind, mesh_shape, target_layout="fsdp", method="dflash"):
+    """Metrics of one step and the parameters it updated, on the host. mesh_shape: (data, fsdp, tensor[, context])."""
+    config = config_for(files, kind, *mesh_shape[:3], *mesh_shape[3:], target_layout=target_layout, method=method)
+    setup = build(config, mesh_of(*mesh_shape))
     state, metrics = setup.step.train_step(setup.state, setup.target_state, put_batch(next(setup.loader), setup.mesh))
     return jax.device_get(metrics), jax.device_get(state.params), setup.target_state
 
 
 @pytest.fixture(scope="module")
 def one_device(files):
-    """kind -> the one-device step's (metrics, parameters), each computed when a test first asks for it."""
+    """kind (and method) -> the one-device step's (metrics, parameters), each computed when a test first asks."""
     steps = {}
 
-    def get(kind):
-        if kind not in steps:
-            steps[kind] = one_step(files, kind, (1, 1, 1))[:2]
-        return steps[kind]
+    def get(kind, method="dflash"):
+        if (kind, method) not in steps:
+            steps[kind, method] = one_step(files, kind, (1, 1, 1), method=method)[:2]
+        return steps[kind, method]
     return get
 
 
@@ -70,12 +72,13 @@ def assert_same_step(one_device_step, step):
 
 
 # make test: the data and fsdp axes alone for the dense target (the tensor axis is in test_train_step's (2, 2, 2)
-# step), every axis at once for the hybrid one; the rest in make test-slow.
+# step; the hybrid target on a mesh in make test is in the layout and context tests below); the rest in make
+# test-slow.
 @pytest.mark.parametrize("kind, mesh_shape", [
-    ("qwen3", (8, 1, 1)), ("qwen3", (1, 8, 1)), ("qwen3_5", (2, 2, 2)),
+    ("qwen3", (8, 1, 1)), ("qwen3", (1, 8, 1)),
     *[pytest.param(kind, shape, marks=pytest.mark.slow)
-      for kind, shape in [("qwen3", (1, 4, 2)), ("qwen3", (2, 2, 2)), ("qwen3_5", (1, 4, 2)), ("qwen3_5", (8, 1, 1)),
-                          ("qwen3_5", (1, 8, 1))]]])
+      for kind, shape in [("qwen3", (1, 4, 2)), ("qwen3", (2, 2, 2)), ("qwen3_5", (2, 2, 2)), ("qwen3_5", (1, 4, 2)),
+                          ("qwen3_5", (8, 1, 1)), ("qwen3_5", (1, 8, 1))]]])
 def test_step_on_a_mesh_matches_one_device(files, one_device, kind, mesh_shape):
     assert_same_step(one_device(kind), one_step(files, kind, mesh_shape)[:2])
 
@@ -119,6 +122,21 @@ def test_moe_step_on_a_mesh_matches_one_device(files, one_device, kind, target_l
     split = None if target_layout == "replicate" else "tensor"
     for path, spec in specs.items():  # [layers, E, in, out]: the experts split over tensor, each expert whole there
         assert spec[1] == split and "tensor" not in spec[2:], (path, spec)
+
+
+# One row's tokens over the context axis (design §19), mesh_shape (data, fsdp, tensor, context): in make test the
+# hybrid target (the Gated DeltaNet state fold, the convolution's halo, the all-gathered attention) beside fsdp,
+# 16 tokens a shard against the drafter's 24-token window; the rest in make test-slow: the dense and MoE targets,
+# every context size (8 tokens a shard), mixed with tensor, and the other drafter methods.
+@pytest.mark.parametrize("kind, mesh_shape, method", [
+    ("qwen3_5", (1, 2, 1, 4), "dflash"),
+    *[pytest.param(kind, shape, method, marks=pytest.mark.slow) for kind, shape, method in [
+        ("qwen3", (1, 1, 1, 2), "dflash"), ("qwen3", (2, 1, 2, 2), "dflash"), ("qwen3_5", (1, 1, 1, 8), "dflash"),
+        ("qwen3_5", (2, 1, 2, 2), "dflash"), ("qwen3_moe", (1, 1, 2, 4), "dflash"),
+        ("qwen3_5_moe", (1, 2, 2, 2), "dflash"), ("qwen3_5", (1, 1, 1, 4), "dspark"),
+        ("qwen3_5", (1, 1, 1, 4), "dflash2")]]])
+def test_rows_split_over_context_match_one_device(files, one_device, kind, mesh_shape, method):
+    assert_same_step(one_device(kind, method), one_step(files, kind, mesh_shape, method=method)[:2])
 
 
 _COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-reduce|reduce-scatter)(-start)?\(")

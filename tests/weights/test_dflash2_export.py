@@ -92,5 +92,5 @@ def test_dflash2_serve_line_and_card_name_method_dflash_on_the_v2_runner():
                                      "num_speculative_tokens": config.block_size - 1}
     card = model_card(config, TrainingFacts(target="Qwen/Qwen3-8B", data_files=["a.jsonl"], steps=10),
                       "/ckpt/drafter")
-    assert "# DFlash2 drafter for Qwen/Qwen3-8B" in card and line in card and "SGLang" not in card
+    assert "# DFlash2 drafter for Qwen/Qwen3-8B" in card and line in card and "Serve with SGLang" not in card
     assert f"| selector rank / candidates | {RANK} / {TOP_K} |" in card

@@ -26,9 +26,13 @@ from tests.torch_reference import ReferenceDrafter, block_ids, reference_logits
 from tests.train_fixtures import training_workdir
 
 
-def exported(tmp_path, kind: str, seed: int = 0):
+# A YaRN drafter (a long-context recipe's): 4 positions scaled 4x, which the test rows reach 5x past.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 8, "beta_slow": 1}
+
+
+def exported(tmp_path, kind: str, seed: int = 0, rope_scaling: dict | None = None):
     """(config, fp32 weights, JAX drafter holding them, export directory)."""
-    config = make_config(*CONFIGS[kind])
+    config = make_config(*CONFIGS[kind], rope_scaling=rope_scaling)
     weights = random_weights(config, seed)
     drafter = drafter_from_torch_layout(weights, config, query_chunk_blocks=2)
     return config, weights, drafter, export_drafter(drafter, config, tmp_path / kind)
@@ -40,9 +44,10 @@ def safetensors_header(path) -> dict:
         return json.loads(handle.read(length))
 
 
-@pytest.mark.parametrize("kind", sorted(CONFIGS))
-def test_export_loads_strictly_into_torch_reference_with_same_logits(tmp_path, kind):
-    config, _, drafter, out = exported(tmp_path, kind)
+@pytest.mark.parametrize("kind, rope_scaling", [*((kind, None) for kind in sorted(CONFIGS)), ("sliding_full", YARN)])
+def test_export_loads_strictly_into_torch_reference_with_same_logits(tmp_path, kind, rope_scaling):
+    """The export read by the PyTorch reference (its config.json's RoPE scaling included) and imported back."""
+    config, _, drafter, out = exported(tmp_path, kind, rope_scaling=rope_scaling)
     reference = ReferenceDrafter(json.loads((out / "config.json").read_text()))
     state = {name: tensor.float() for name, tensor in load_file(out / "model.safetensors").items()}
     result = reference.load_state_dict(state, strict=True)
@@ -61,7 +66,8 @@ def test_export_loads_strictly_into_torch_reference_with_same_logits(tmp_path, k
     # The fp32 JAX drafter vs the bf16 export: bf16 weight rounding only.
     assert relative_error(forward(drafter, *args) @ lm_head.T, expected) < 2e-2
     # The export imported back into JAX computes what the reference computes from the same files.
-    imported, _ = load_drafter_dir(out, query_chunk_blocks=2)
+    imported, imported_config = load_drafter_dir(out, query_chunk_blocks=2)
+    assert imported_config.rope_scaling == config.rope_scaling
     assert relative_error(forward(imported, *args) @ lm_head.T, expected) < 1e-4
 
 
@@ -207,6 +213,9 @@ def test_export_cli_restores_the_latest_or_a_given_step(tmp_path):
         assert f"exported step {step} of {workdir}" in printed
         assert ("vllm serve /ckpt/target --speculative-config "
                 f"'{{\"method\":\"dflash\",\"model\":\"{out}\",\"num_speculative_tokens\":{BLOCK - 1}}}'") in printed
+        # A mixed sliding/full drafter: vLLM TPU refuses it, SGLang-JAX serves it with its window.
+        assert "on TPUs: vLLM TPU 0.32 ignores layer_types and sliding_window: it refuses this drafter" in printed
+        assert f"  SGL_JAX_DFLASH_DRAFT_PREFIX_WINDOW={config.sliding_window} python -m sgl_jax.launch_server" in printed
         drafter, loaded_config = load_drafter_dir(out)
         assert loaded_config == config
         for name, tensor in drafter_to_torch_layout(drafter).items():
@@ -260,7 +269,8 @@ def test_export_writes_a_model_card_whose_commands_parse(tmp_path):
     workdir, config, _ = training_workdir(tmp_path)
     append_config_history(workdir, ConfigDict({"target_dir": "Qwen/Qwen3-8B", "eval_continuation": "generate",
                                                "eval_max_new_tokens": 256,
-                                               "data": {"train_files": ["/data/train.jsonl"]}}), step=0)
+                                               "data": {"train_files": ["/data/train.jsonl"], "seq_len": 32768}}),
+                          step=0)
     (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
         {"step": 2, "eval/tau": 1.5, "eval/tau_per_response": 1.6, "eval/ddtree_tau_8": 1.7,
          "eval/ddtree_tau_22": 1.9, "eval/ddtree_tau_per_response_8": 1.8},
@@ -278,10 +288,11 @@ def test_export_writes_a_model_card_whose_commands_parse(tmp_path):
     assert card.startswith("---\nbase_model: Qwen/Qwen3-8B\n")
     for fact in ("`Qwen/Qwen3-8B`", "`/data/train.jsonl`", "| training steps | 4 |", f"| block size | {BLOCK} |",
                  f"{list(config.target_layer_ids)}", "exact τ 1.500 (per-response mean 1.600); DDTree τ 1.700 at 8 nodes, 1.900 at 22 nodes (step 2",
-                 "on the target's greedy continuations of up to 256 tokens)"):
+                 "on the target's greedy continuations of up to 256 tokens)",
+                 "| trained context | rows of 32,768 tokens", f"| RoPE | θ {config.rope_theta:g}; sliding window "):
         assert fact in card, fact
     commands = [block.split("```")[0].strip() for block in card.split("```bash\n")[1:]]
-    vllm, sglang = (shlex.split(command) for command in commands)
+    vllm, sglang, _ = (shlex.split(command) for command in commands)  # the third: TPUs (test_tpu_serving.py)
     # The drafter mixes sliding and full layers: vLLM serves it with its V2 model runner only.
     assert vllm[:4] == ["VLLM_USE_V2_MODEL_RUNNER=1", "vllm", "serve", "Qwen/Qwen3-8B"]
     assert vllm[4] == "--speculative-config"
