@@ -96,9 +96,12 @@ class Checkpointer:
     def resume_point(self) -> str:
         """Where a rerun resumes, in words, from what this process knows (no storage call)."""
         where = os.fspath(self._workdir / CHECKPOINTS_DIR)
+        # A save cut off mid-flight may still complete: its last requests can already sit in the store's queue
+        # (a stalled bucket answers them later), and a checkpoint is complete once its commit marker lands.
+        later = "" if self._in_flight is None else f", or from step {self._in_flight} if that save in flight completes"
         if self._complete is None:
-            return f"no checkpoint in {where} is complete: a rerun starts from step 0"
-        return f"the last complete checkpoint is step {self._complete} in {where}: a rerun resumes from it"
+            return f"no checkpoint in {where} is complete: a rerun starts from step 0{later}"
+        return f"the last complete checkpoint is step {self._complete} in {where}: a rerun resumes from it{later}"
 
     def _finished(self) -> None:
         """The save in flight has finished (the manager waited for it)."""
