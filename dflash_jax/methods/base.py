@@ -23,6 +23,13 @@ class DrafterMethod:
     has_markov_head: bool
     # design §18.4: the dynamic block convolution and the candidate selector (DrafterConfig's DFlash2 fields)
     has_block_convolution: bool
+    # The export's config.json (design §10, §18.5): "z-lab" (DFlashDraftModel), "z-lab dflash2" (its own keys
+    # beside z-lab's) or "speculators dspark" (speculators' layout naming the target); weights/drafter_files.py
+    export_layout: str
+    # The model card's opening paragraph, formatted with the drafter config's fields and draft_length
+    card_summary: str
+    # The card's rows of this method's own fields, (name, value template), placed after the layer rows
+    card_rows: tuple[tuple[str, str], ...] = ()
 
     @property
     def first_slot(self) -> int:
@@ -32,3 +39,9 @@ class DrafterMethod:
     def draft_length(self, block_size: int) -> int:
         """Tokens one block drafts."""
         return block_size - self.first_slot
+
+    def card_text(self, config) -> tuple[str, list[tuple[str, str]]]:
+        """The model card's summary and its method rows for a drafter config (models/drafter.DrafterConfig)."""
+        fields = {**vars(config), "draft_length": self.draft_length(config.block_size)}
+        return (self.card_summary.format(**fields),
+                [(name, value.format(**fields)) for name, value in self.card_rows])

@@ -93,10 +93,10 @@ def zlab_config(config: DrafterConfig) -> dict:
 def export_config(config: DrafterConfig, target: str | None = None) -> dict:
     """config.json of the export: the z-lab one (DFlash2's with its own keys), or for DSpark the speculators
     one naming `target`."""
-    zlab = zlab_config(config)
-    if config.method == "dflash2":
-        return dflash2_layout.dflash2_config(zlab, config)
-    return dspark_config(zlab, config.markov_rank, target) if config.method == "dspark" else zlab
+    layouts = {"z-lab": lambda zlab: zlab,
+               "z-lab dflash2": lambda zlab: dflash2_layout.dflash2_config(zlab, config),
+               "speculators dspark": lambda zlab: dspark_config(zlab, config.markov_rank, target)}
+    return layouts[config.drafter_method.export_layout](zlab_config(config))
 
 
 def serve_command(target: str, export_dir: str | Path, config: DrafterConfig) -> str:

@@ -86,11 +86,8 @@ def model_card(config: DrafterConfig, facts: TrainingFacts, drafter: str) -> str
              f"rows of {facts.row_tokens:,} tokens (τ past this length is not trained for)"),
             ("RoPE", _rope(config)),
             ("last evaluation", taus)]
-    if config.method == "dspark":
-        rows.insert(5, ("Markov rank", str(config.markov_rank)))
-    if config.method == "dflash2":
-        rows.insert(5, ("convolution taps / group", f"{config.conv_kernel_size} / {config.conv_group_size}"))
-        rows.insert(6, ("selector rank / candidates", f"{config.selector_rank} / {config.selector_top_k}"))
+    summary, method_rows = config.drafter_method.card_text(config)
+    rows[5:5] = method_rows
     table = "\n".join(["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)])
     return f"""---
 {base_model}tags:
@@ -100,7 +97,7 @@ def model_card(config: DrafterConfig, facts: TrainingFacts, drafter: str) -> str
 
 # {config.drafter_method.title} drafter for {facts.target}
 
-{_intro(config)}
+{summary}
 
 {table}
 
@@ -132,26 +129,6 @@ def _rope(config: DrafterConfig) -> str:
                f"{config.num_hidden_layers} layers" if "sliding_attention" in config.layer_types else "")
     return (f"{text}{windows}. vLLM 0.32 (GPU and CPU) reads both from config.json as trained; vLLM TPU 0.32 "
             f"does not (below)")
-
-
-def _intro(config: DrafterConfig) -> str:
-    if config.method == "dspark":
-        return f"""A DSpark drafter: the DFlash block-diffusion backbone drafts {config.block_size} tokens in one forward pass
-from the target's hidden states, a low-rank Markov head biases each token's logits by the token before it, and
-a confidence head estimates each token's acceptance. Trained with dflash_jax; the weights are bf16 in the
-speculators layout (`speculators_model_type: dspark`), without embedding or LM head (the target's are shared).
-vLLM serves it with `method: "dspark"` on its V2 model runner (GPU)."""
-    if config.method == "dflash2":
-        return f"""A DFlash2 drafter: the DFlash block-diffusion backbone, with a dynamic two-tap convolution within the
-block around each attention and MLP sublayer, drafts {config.block_size - 1} tokens in one forward pass from the
-target's hidden states, and a candidate selector picks each token among the {config.selector_top_k} most likely
-by the token before it. Trained with dflash_jax; the weights are bf16 in the z-lab layout (`DFlash2DraftModel`),
-without embedding or LM head (the target's are shared). vLLM serves it with `method: "dflash"` on its V2 model
-runner (GPU)."""
-    return f"""A [DFlash](https://z-lab.ai/projects/dflash) block-diffusion drafter: from the target's hidden states it drafts
-{config.block_size - 1} tokens in one forward pass, which the target verifies in one pass. Trained with
-dflash_jax; the weights are bf16 in the z-lab layout (`DFlashDraftModel`), without embedding or LM head (the
-target's are shared)."""
 
 
 def _sglang_section(target: str, drafter: str, config: DrafterConfig) -> str:

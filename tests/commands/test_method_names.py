@@ -10,8 +10,6 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "dflash_jax"
 NAMES = {"dflash", "dspark", "dflash2"}
 # The method objects themselves (the registry among them).
 OWNERS = {"methods"}
-# Modules still comparing names, to move onto the method objects (issue "One of each"); shrink only.
-NOT_YET_MIGRATED = {"weights/drafter_files.py", "weights/model_card.py"}
 
 
 def _is_name(node: ast.AST) -> bool:
@@ -43,13 +41,9 @@ def test_no_module_outside_the_methods_compares_a_method_name():
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()
-        if relative.split("/")[0] in OWNERS or relative in NOT_YET_MIGRATED:
+        if relative.split("/")[0] in OWNERS:
             continue
         if lines := name_comparisons(path.read_text()):
             found[relative] = lines
     assert not found, f"ask config.drafter_method (dflash_jax/methods) instead of comparing its name: {found}"
 
-
-def test_not_yet_migrated_list_is_current():
-    still = {relative for relative in NOT_YET_MIGRATED if name_comparisons((PACKAGE / relative).read_text())}
-    assert still == NOT_YET_MIGRATED, f"{sorted(NOT_YET_MIGRATED - still)} no longer compare names: drop them"

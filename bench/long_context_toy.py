@@ -1,0 +1,154 @@
+"""Short rows against long rows on the toy target: τ by context length (design §9.7, bench/RESULTS.md
+"Long context on the toy target").
+
+The toy target reads Python files; what it writes next depends on names defined hundreds or thousands of tokens
+earlier (imports, functions, attributes), as an agent's next lines depend on a file it read. Three drafters:
+
+- short: the demo's recipe (configs/toy.py: 328-token rows of 64-192-token prompts and their 128-token
+  continuations), its run reused with --short_run;
+- short + S: that drafter trained S more steps on the same short rows (the control: as many extra updates);
+- long + S: that drafter trained S more steps on long rows (2,048 tokens) of long records (prompts of 256-1,900
+  tokens from the drafter-train files, the target's greedy 64-token continuations as completions).
+
+Each is evaluated on the same long records from the drafter-eval files (the demo's held-out split), exact τ per
+context-length bin (`dflash-jax evaluate --context_bins`). Run from the repository root (about 20 minutes on 2
+CPU cores, the demo's run reused; 7 more without one):
+
+    make long-context-toy            # .venv/bin/python -m bench.long_context_toy --out out/long_toy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = str(REPO / "configs" / "toy.py")
+CLI = [str(Path(sys.executable).with_name("dflash-jax"))]  # the venv's console script
+LONG_ROW = 2048  # the toy target's max_position_embeddings
+NEW_TOKENS = 64  # continuation tokens of a long record: prompt + continuation fit a long row
+EDGES = ("256", "512", "1K")  # bins 0-256, 256-512, 512-1K, 1K+
+PROMPT_RANGES = ((64, 255), (256, 511), (512, 1023), (1024, LONG_ROW - NEW_TOKENS - 8))  # eval prompts per bin
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def command(*args: str) -> None:
+    log("$ dflash-jax " + " ".join(args))
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device, as `make demo`
+    subprocess.run([*CLI, *args], cwd=REPO, env=env, check=True)
+
+
+def write_long_records(out: Path, train_records: int, eval_per_bin: int, seed: int) -> tuple[Path, Path]:
+    """Long records through the toy target's own data code (tools/toy_target): prompts cut at line ends from
+    the held-out files, the target's greedy continuations as completions."""
+    train, evaluation = out / "train_long.jsonl", out / "eval_long.jsonl"
+    if train.exists() and evaluation.exists():
+        log(f"long records: reusing {train} and {evaluation}")
+        return train, evaluation
+    sys.path.insert(0, str(REPO))
+    import jax.numpy as jnp
+    from transformers import AutoTokenizer
+
+    from dflash_jax.weights.targets import load_target
+    from tools.toy_target import corpus, drafter_data
+
+    target_dir = REPO / "dflash_jax" / "assets" / "toy_target"
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model, _ = load_target(target_dir, param_dtype=jnp.float32)
+    eos = tokenizer.convert_tokens_to_ids(corpus.EOS)
+    files = {"drafter_train": [], "drafter_eval": []}
+    for relative, text in corpus.stdlib_files():
+        files.get(corpus.split_of(relative), []).append((relative, text))
+    rng = np.random.default_rng(seed)
+    started = time.monotonic()
+    prompts, _ = drafter_data.sample_prompts(files["drafter_train"], tokenizer, train_records, rng,
+                                             PROMPT_RANGES[1][0], PROMPT_RANGES[-1][1])
+    counts = drafter_data.write_regenerated(model, tokenizer, prompts, NEW_TOKENS, eos, train)
+    log(f"long train records: {counts} ({time.monotonic() - started:.0f} s)")
+    prompts = []
+    for low, high in PROMPT_RANGES:
+        prompts += drafter_data.sample_prompts(files["drafter_eval"], tokenizer, eval_per_bin, rng, low, high)[0]
+    counts = drafter_data.write_regenerated(model, tokenizer, prompts, NEW_TOKENS, eos, evaluation)
+    log(f"long eval records: {counts} ({time.monotonic() - started:.0f} s)")
+    return train, evaluation
+
+
+def train_on(workdir: Path, init_from: Path, steps: int, *overrides: str) -> Path:
+    """`steps` more steps from the exported drafter `init_from`, at the toy recipe's rate after a short warmup;
+    returns its export."""
+    exported = workdir.with_name(workdir.name + "_drafter")
+    if not (exported / "config.json").exists():
+        command("train", "--config", TOY, "--workdir", str(workdir), f"--config.drafter.init_from={init_from}",
+                f"--config.total_steps={steps}", "--config.checkpoint_every=1000000", *overrides)
+        command("export", "--workdir", str(workdir), "--out", str(exported))
+    return exported
+
+
+def evaluate(drafter: Path, prompts: Path, out: Path) -> dict:
+    if not out.exists():
+        command("evaluate", "--config", TOY, "--drafter", str(drafter), "--prompts", str(prompts),
+                "--num_prompts", "100000", "--max_new_tokens", str(NEW_TOKENS), "--budgets", "8",
+                "--context_bins", ",".join(EDGES), "--json", str(out))
+    return json.loads(out.read_text())["trained"]
+
+
+def table(results: dict[str, dict]) -> str:
+    """Markdown: exact τ per context bin for each drafter, pooled (per-response mean in brackets), and the
+    bin's count of responses."""
+    bins = [entry["bin"] for entry in next(iter(results.values()))["by_context"]]
+    lines = ["| prompt tokens | responses | " + " | ".join(f"τ {name}" for name in results) + " |",
+             "|---" * (len(results) + 2) + "|"]
+    for index, label in enumerate(bins + ["all"]):
+        entries = [result["by_context"][index] if label != "all" else result for result in results.values()]
+        cells = [f"{entry['tau']:.3f} ({entry['tau_per_response']:.3f})" for entry in entries]
+        lines.append(f"| {label} | {entries[0]['responses']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "out" / "long_toy")
+    parser.add_argument("--short_run", type=Path, default=None,
+                        help="a finished configs/toy.py workdir (make demo's out/toy_run); trained here if not given")
+    parser.add_argument("--steps", type=int, default=300, help="extra steps of the control and of the long recipe")
+    parser.add_argument("--train_records", type=int, default=320)
+    parser.add_argument("--eval_per_bin", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+
+    short_run = args.short_run or args.out / "short"
+    if not (short_run / "checkpoints").exists():
+        command("train", "--config", TOY, "--workdir", str(short_run))
+    short = args.out / "short_drafter"
+    if not (short / "config.json").exists():
+        command("export", "--workdir", str(short_run), "--out", str(short))
+    train_long, eval_long = write_long_records(args.out, args.train_records, args.eval_per_bin, args.seed)
+    control = train_on(args.out / "short_plus", short, args.steps)
+    long = train_on(args.out / "long_plus", short, args.steps, f"--config.data.seq_len={LONG_ROW}",
+                    f"--config.data.train_files={train_long}", "--config.data.batch_size=1",
+                    "--config.data.anchor_stride=8")
+
+    drafters = {"short": short, f"short + {args.steps}": control, f"long + {args.steps}": long}
+    results = {name: evaluate(drafter, eval_long, args.out / f"eval_{drafter.name}.json")
+               for name, drafter in drafters.items()}
+    markdown = table(results)
+    (args.out / "table.md").write_text(markdown + "\n")
+    log(f"exact τ (B = 8) by prompt length on the long eval records, {time.monotonic() - started:.0f} s in all:\n"
+        + markdown)
+
+
+if __name__ == "__main__":
+    main()
