@@ -109,6 +109,15 @@ demo: $(VENV)/.base-installed
 		--max_new_tokens 128 --json $(DEMO_RUN)/eval.json
 	env -u XLA_FLAGS $(VENV)/bin/dflash-jax export --workdir $(DEMO_RUN) --out out/toy_drafter$(DEMO_SUFFIX)
 
+# Short rows against long rows on the toy target: the demo's drafter, it trained further on short rows, and it
+# trained as long on 2,048-token rows of long records, exact τ of each by prompt length (bench/long_context_toy.py,
+# bench/RESULTS.md "Long context on the toy target"). About 20 minutes on 2 CPU cores with SHORT_RUN=out/toy_run
+# (make demo's run), about 27 without.
+SHORT_RUN ?=
+.PHONY: long-context-toy
+long-context-toy: $(VENV)/.installed
+	env -u XLA_FLAGS $(PY) -m bench.long_context_toy --out out/long_toy $(if $(SHORT_RUN),--short_run $(SHORT_RUN))
+
 # The real-vLLM checks (tests/serving/): the drafter export served with speculation, and `regenerate --server`
 # against a vLLM server of the toy target (greedy output equal to the JAX path's; killed and rerun, every record
 # once). Its own venv, since vLLM pins its own torch and

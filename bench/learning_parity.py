@@ -37,7 +37,8 @@ from dflash_jax.eval.exact_tau import evaluate_drafter
 from dflash_jax.eval.generate import SpeculativeGenerator, generator_shapes
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.train.loop import train
-from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE, drafter_from_torch_layout, restore_drafter
+from dflash_jax.train.checkpoint import restore_drafter
+from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE, drafter_from_torch_layout
 from dflash_jax.weights.targets import load_target
 
 REPO = Path(__file__).resolve().parents[1]

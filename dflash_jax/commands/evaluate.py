@@ -48,7 +48,7 @@ from dflash_jax.runtime import distributed
 from dflash_jax.train.loop import use_compilation_cache
 from dflash_jax.train.startup import load_config_target
 from dflash_jax.train.validate import dtype_of, mesh_from_config
-from dflash_jax.weights.drafter_files import load_drafter
+from dflash_jax.train.checkpoint import load_drafter
 from dflash_jax.weights.hub import pretrained_dir
 from dflash_jax.weights.targets import read_target_config
 

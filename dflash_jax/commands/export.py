@@ -19,8 +19,9 @@ from absl import flags
 
 from dflash_jax.commands import cli
 from dflash_jax.runtime.paths import absolute
-from dflash_jax.weights.drafter_files import (check_out_dir, export_drafter, restore_drafter, serve_command,
-                                             workdir_path)
+from dflash_jax.runtime.paths import as_path
+from dflash_jax.train.checkpoint import restore_drafter
+from dflash_jax.weights.drafter_files import check_out_dir, export_drafter, serve_command
 from dflash_jax.weights.model_card import CARD_FILE, push_to_hub, training_facts, write_model_card
 from dflash_jax.weights.output_dir import staged_output
 from dflash_jax.weights.tpu_serving import tpu_commands, tpu_note
@@ -41,7 +42,7 @@ flags.mark_flags_as_required(["workdir", "out"], flag_values=FLAGS)
 def export(workdir: str, out: str, *, step: int | None = None, overwrite: bool = False,
            push_to_hub_repo: str | None = None) -> None:
     """What the command does, with its flags as arguments; a user error raises `errors.UserError`."""
-    workdir, out = workdir_path(workdir), os.fspath(out)
+    workdir, out = as_path(workdir), os.fspath(out)
     check_out_dir(out, overwrite, inputs=[workdir])  # before the (possibly long) restore
     drafter, config, step = restore_drafter(workdir, step)
     facts = training_facts(workdir, step)

@@ -1,5 +1,6 @@
-"""Orbax checkpoints of a run (design §7); the stop request that SIGTERM/SIGINT turn into a clean save-and-exit is
-runtime/stop.py.
+"""Orbax checkpoints of a run (design §7), written and read by `Checkpointer` alone: the trainer's saves and
+resumes, and the drafter that export, evaluation and learning-parity read from a workdir (`restore_drafter`).
+The stop request that SIGTERM/SIGINT turn into a clean save-and-exit is runtime/stop.py.
 
 A checkpoint at step s holds the `TrainState` after s updates (drafter params, optimizer state, step, RNG)
 and the data loader's position (JSON) of the next batch: everything needed to continue exactly as if the
@@ -9,22 +10,28 @@ run had never stopped. The frozen target is never saved; it is reloaded from its
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from flax import nnx
 from jax.experimental.multihost_utils import sync_global_devices
+from jax.sharding import SingleDeviceSharding
 
+from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.runtime import storage
-from dflash_jax.runtime.paths import is_url
+from dflash_jax.runtime.errors import CheckpointError
+from dflash_jax.runtime.paths import as_path, is_url
+from dflash_jax.runtime.workdir import library_logs_captured, newest_readable
 from dflash_jax.train.state import TrainState
-from dflash_jax.runtime.workdir import newest_readable
-from dflash_jax.weights.drafter_files import CHECKPOINTS_DIR, workdir_path
+from dflash_jax.weights.drafter_files import CHECKPOINTS_DIR, DRAFTER_CONFIG_FILE, load_drafter_dir
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +41,14 @@ UNREADABLE_DIR = "checkpoints.unreadable"  # unreadable checkpoints a resume fel
 class Checkpointer:
     """<workdir>/checkpoints/<step>/{state, data}; keeps the newest `keep` checkpoints."""
 
-    def __init__(self, workdir: str | os.PathLike, keep: int):
-        self._workdir = workdir_path(workdir)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-        self._manager = ocp.CheckpointManager(self._workdir / CHECKPOINTS_DIR, options=options,
-                                              item_names=("state", "data"))
+    def __init__(self, workdir: str | os.PathLike, keep: int | None, *, read_only: bool = False):
+        """keep: the newest checkpoints kept; read_only: a reader of a workdir's checkpoints, which saves none."""
+        self._workdir = as_path(workdir)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only)
+        with library_logs_captured() if read_only else contextlib.nullcontext():
+            # Orbax warns that a read-only manager saves nothing: that is the point
+            self._manager = ocp.CheckpointManager(self._workdir / CHECKPOINTS_DIR, options=options,
+                                                  item_names=("state", "data"))
         # The newest step known to be complete, and the save in flight: what a stop whose grace ran out names
         # (runtime/stop.py) without asking the storage, which may be the part that no longer answers.
         self._complete: int | None = None
@@ -68,6 +78,27 @@ class Checkpointer:
             self._manager.reload()
         self._complete = step
         return step, state, data
+
+    def restore_params(self, step: int | None, abstract_params: nnx.State) -> tuple[int, nnx.State]:
+        """The drafter's parameters alone (not the optimizer state) at `step` (None: the newest readable one; an
+        unreadable `step` is an error, not a fallback), onto the shardings `abstract_params` carries."""
+        where = self._workdir / CHECKPOINTS_DIR
+        steps = sorted(self._manager.all_steps())
+        if not steps:
+            raise CheckpointError(f"{where}: no checkpoint found")
+        if step is not None and step not in steps:
+            raise CheckpointError(f"{where}: no checkpoint at step {step}; available steps: "
+                                  f"{', '.join(map(str, steps))}")
+        # TrainState.params was saved as a pytree of nnx Variables: each array sits under a final "value" key.
+        item = {"params": jax.tree.map(lambda leaf: {"value": leaf}, nnx.to_pure_dict(abstract_params))}
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+        step, restored, _ = newest_readable(where, steps if step is None else [step],
+                                            lambda at: self._manager.restore(at, args=args))
+        values = jax.tree.map(lambda variable: variable["value"], restored.state["params"],
+                              is_leaf=lambda node: isinstance(node, dict) and set(node) == {"value"})
+        nnx.replace_by_pure_dict(abstract_params, values)
+        return step, abstract_params
 
     def save(self, step: int, state: TrainState, data_state: dict[str, Any]) -> None:
         """Starts writing in the background (arrays are copied off the device first, so the caller may
@@ -140,3 +171,28 @@ def _set_aside(workdir: epath.Path, step: int) -> None:
         target = aside / f"{step}.{time.strftime('%Y%m%d-%H%M%S')}"
     (workdir / CHECKPOINTS_DIR / str(step)).rename(target)
     log.warning("moved the unreadable checkpoint step %d to %s", step, target)
+
+
+def restore_drafter(workdir: str | os.PathLike, step: int | None) -> tuple[Drafter, DrafterConfig, int]:
+    """The fp32 drafter saved at `step` (None: the newest readable one) of a `dflash-jax train` workdir, on this
+    process's CPU, and the step read."""
+    workdir = as_path(workdir)
+    config_path = workdir / DRAFTER_CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path}: not found; is {workdir} a training workdir?")
+    config = DrafterConfig(**json.loads(config_path.read_text()))
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    cpu = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])  # this process's, of several
+    params = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=cpu), params)
+    step, params = Checkpointer(workdir, None, read_only=True).restore_params(step, params)
+    return nnx.merge(graphdef, params, rest), config, step
+
+
+def load_drafter(workdir: str | os.PathLike | None, drafter_dir: str | Path | None, step: int | None
+                 ) -> tuple[Drafter, DrafterConfig, str]:
+    """(fp32 drafter, its config, where it came from) from an export directory, else a workdir checkpoint."""
+    if drafter_dir:
+        drafter, drafter_config = load_drafter_dir(drafter_dir)
+        return drafter, drafter_config, str(drafter_dir)
+    drafter, drafter_config, step = restore_drafter(workdir, step)
+    return drafter, drafter_config, f"{workdir} step {step}"

@@ -25,6 +25,7 @@ from dflash_jax.data import merge_states
 from dflash_jax.eval.train_hook import make_train_evaluator
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.runtime import distributed
+from dflash_jax.runtime.paths import as_path
 from dflash_jax.runtime.stop import StopRequest
 from dflash_jax.runtime.workdir import MetricsLog, workdir_held
 from dflash_jax.train import epochs, startup, validate
@@ -32,7 +33,6 @@ from dflash_jax.train.loss import acceptance_metrics
 from dflash_jax.train.state import TrainState
 from dflash_jax.train.step import put_batch
 from dflash_jax.train.tracking import Trackers
-from dflash_jax.weights.drafter_files import workdir_path
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
     if evaluate is None and config.eval_every:
         validate.validate_eval_files(config)
         evaluate = make_train_evaluator(config)  # logged as eval/* metrics
-    workdir = workdir_path(workdir)
+    workdir = as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     with workdir_held(workdir):
         return _train(config, workdir, evaluate)
@@ -143,7 +143,7 @@ def use_compilation_cache(config: ConfigDict, workdir: str | os.PathLike | None)
     itself leaves it alone."""
     if config.compilation_cache_dir == "off" or not (config.compilation_cache_dir or workdir):
         return
-    directory = config.compilation_cache_dir or workdir_path(workdir) / "compilation_cache"
+    directory = config.compilation_cache_dir or as_path(workdir) / "compilation_cache"
     jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
     log.debug("compilation cache: %s", directory)  # before a bad input's one error line: not on the console
 

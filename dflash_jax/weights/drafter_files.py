@@ -7,8 +7,8 @@ drafter is written in the speculators layout vLLM serves with `method: "dspark"`
 design §18.1): the same backbone tensors plus its two heads, and a speculators config.json. A DFlash2 drafter
 keeps the z-lab layout with its own architecture and keys (weights/dflash2_layout.py, design §18.5).
 `export_drafter` writes a `Drafter`; `load_drafter_dir` reads such a directory (ours or a published z-lab
-one) back into NNX. A training workdir holds drafter_config.json and Orbax checkpoints of the train state;
-`restore_drafter` reads the drafter of one of them. `load_drafter` takes either.
+one) back into NNX. A training workdir holds drafter_config.json and Orbax checkpoints of the train state,
+which train/checkpoint.py writes and reads.
 """
 
 from __future__ import annotations
@@ -23,17 +23,12 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import orbax.checkpoint as ocp
-from etils import epath
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
 from safetensors.numpy import save_file
 
 from dflash_jax.runtime.errors import CheckpointError
 from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.models.layers import rope_type_of
-from dflash_jax.runtime.paths import as_path
-from dflash_jax.runtime.workdir import library_logs_captured, newest_readable
 from dflash_jax.weights import dflash2_layout
 from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.output_dir import FILE_MODE, check_output_dir, prepare_output_dir, write_text
@@ -346,64 +341,3 @@ def drafter_from_torch_layout(tensors: Mapping[str, np.ndarray], config: Drafter
             raise ValueError(f"tensor {name} has shape {np.asarray(tensors[name]).shape}, expected {torch_shape}")
         variable.set_value(jnp.asarray(value, dtype=variable.dtype))
     return nnx.merge(graphdef, params, rest)
-
-
-def workdir_path(workdir: str | os.PathLike) -> epath.Path:
-    """A run directory as every reader and writer of it addresses it (dflash_jax/runtime/paths.py)."""
-    return as_path(workdir)
-
-
-def restore_drafter(workdir: str | os.PathLike, step: int | None) -> tuple[Drafter, DrafterConfig, int]:
-    """The fp32 drafter saved at `step` (None: the latest readable one) of a `dflash-jax train` workdir."""
-    workdir = workdir_path(workdir)
-    config_path = workdir / DRAFTER_CONFIG_FILE
-    if not config_path.is_file():
-        raise CheckpointError(f"{config_path}: not found; is {workdir} a training workdir?")
-    config = DrafterConfig(**json.loads(config_path.read_text()))
-    with library_logs_captured():  # Orbax warns that a read-only manager saves nothing: that is the point
-        manager = ocp.CheckpointManager(workdir / CHECKPOINTS_DIR, item_names=("state", "data"),
-                                        options=ocp.CheckpointManagerOptions(create=False, read_only=True))
-    steps = sorted(manager.all_steps())
-    if not steps:
-        raise CheckpointError(f"{workdir / CHECKPOINTS_DIR}: no checkpoint found")
-    if step is not None and step not in steps:
-        raise CheckpointError(f"{workdir / CHECKPOINTS_DIR}: no checkpoint at step {step}; available steps: "
-                              f"{', '.join(map(str, steps))}")
-
-    # Restore only TrainState.params (not the optimizer state) onto the host CPU. The state was saved as a
-    # pytree of nnx Variables, whose leaves sit under a final "value" key.
-    abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    cpu = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])  # this process's, of several
-    variables = [(tuple(map(str, path)), variable) for path, variable in nnx.to_flat_state(params)]
-    target: dict = {}
-    for path, variable in variables:
-        _nested(target, path)["value"] = jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=cpu)
-    item = {"params": target}
-
-    def restore_params(step: int) -> dict:
-        return manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
-
-    # The latest readable step, or exactly the one asked for (an unreadable one is an error, not a fallback).
-    step, restored, _ = newest_readable(workdir / CHECKPOINTS_DIR, steps if step is None else [step],
-                                        restore_params)
-    for path, variable in variables:
-        variable.set_value(_nested(restored.state["params"], path)["value"])
-    return nnx.merge(graphdef, params, rest), config, step
-
-
-def _nested(tree: dict, path: tuple[str, ...]) -> dict:
-    for key in path:
-        tree = tree.setdefault(key, {})
-    return tree
-
-
-def load_drafter(workdir: str | os.PathLike | None, drafter_dir: str | Path | None, step: int | None
-                 ) -> tuple[Drafter, DrafterConfig, str]:
-    """(fp32 drafter, its config, where it came from) from an export directory, else a workdir checkpoint."""
-    if drafter_dir:
-        drafter, drafter_config = load_drafter_dir(drafter_dir)
-        return drafter, drafter_config, str(drafter_dir)
-    drafter, drafter_config, step = restore_drafter(workdir, step)
-    return drafter, drafter_config, f"{workdir} step {step}"

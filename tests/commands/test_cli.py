@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from dflash_jax.commands.cli import COMMANDS
-from dflash_jax.weights.drafter_files import restore_drafter
+from dflash_jax.train.checkpoint import restore_drafter
 from dflash_jax.weights.drafter_files import load_drafter_dir
 from tests.command import dflash_jax, user_error
 from tests.train_fixtures import make_target, write_corpus

@@ -73,7 +73,7 @@ def test_exported_toy_drafter_reloads_with_the_trained_weights(demo):
     import jax.numpy as jnp
     from flax import nnx
 
-    from dflash_jax.weights.drafter_files import restore_drafter
+    from dflash_jax.train.checkpoint import restore_drafter
     from dflash_jax.weights.drafter_files import load_drafter_dir
 
     _, workdir, export = demo

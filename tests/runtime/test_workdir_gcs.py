@@ -17,7 +17,7 @@ from ml_collections import ConfigDict
 from dflash_jax.runtime.errors import OutputDirError, WorkdirLockedError
 from dflash_jax.runtime.workdir import (MetricsLog, WorkdirLock, append_config_history, config_of_step,
                                       drop_metrics_after, read_metrics)
-from dflash_jax.weights.drafter_files import workdir_path
+from dflash_jax.runtime.paths import as_path
 from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.output_dir import check_output_dir, prepare_output_dir, staged_output
 from tests.gcs_fixture import gcs_server
@@ -27,7 +27,7 @@ def test_bucket_metrics_survive_resumes_and_each_record_is_stored_when_written(t
     monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))  # where the file is staged before each upload
     with gcs_server() as fs:
         fs.mkdir("runs")
-        workdir = workdir_path("gs://runs/a")
+        workdir = as_path("gs://runs/a")
         first = MetricsLog(workdir)
         for step in (1, 2, 3):
             first.write({"step": step, "loss": 1.0 / step})
@@ -47,7 +47,7 @@ def test_bucket_metrics_survive_resumes_and_each_record_is_stored_when_written(t
 def test_a_bucket_workdir_lock_refuses_a_second_trainer_and_the_config_history_grows():
     with gcs_server() as fs:
         fs.mkdir("runs")
-        workdir = workdir_path("gs://runs/b")
+        workdir = as_path("gs://runs/b")
         lock = WorkdirLock(workdir)
         lock.acquire()
         assert json.loads(fs.cat("runs/b/lock.json"))["pid"] == os.getpid()
@@ -69,7 +69,7 @@ def test_a_bucket_lock_is_created_by_one_trainer_and_a_stale_one_taken_over_by_o
     stale: of two trainers that both found the stale lock, the later one cannot remove the first one's new lock."""
     with gcs_server() as fs:
         fs.mkdir("runs")
-        workdir = workdir_path("gs://runs/c")
+        workdir = as_path("gs://runs/c")
         first, second = WorkdirLock(workdir), WorkdirLock(workdir)
         first._holder["pid"] = os.getppid()  # a live process: our own pid would read as a previous life of ours
         assert first._create() and not second._create()

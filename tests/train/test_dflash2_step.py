@@ -19,7 +19,7 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.train.divergences import lm_head_divergences
 from dflash_jax.train.loss import lm_head_cross_entropy
 from dflash_jax.train.selector import selector_cross_entropy
-from dflash_jax.weights.drafter_files import restore_drafter
+from dflash_jax.train.checkpoint import restore_drafter
 from tests.command import dflash_jax
 from tests.train_fixtures import make_target, mesh_of, one_step, tiny_config, write_corpus
 

@@ -18,8 +18,8 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.anchors import DrafterInputs
 from dflash_jax.train.step import anchor_grid
 from dflash_jax.runtime.errors import ConfigError
-from dflash_jax.weights.drafter_files import (drafter_to_torch_layout, export_drafter, load_drafter_dir,
-                                              restore_drafter)
+from dflash_jax.train.checkpoint import restore_drafter
+from dflash_jax.weights.drafter_files import drafter_to_torch_layout, export_drafter, load_drafter_dir
 from tests.command import dflash_jax
 from tests.train_fixtures import build, make_target, mesh_of, tiny_config, write_corpus
 
