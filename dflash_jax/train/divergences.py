@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.models.dflash2 import training_candidates
-from dflash_jax.train.loss import draft_logits, label_is_argmax, lm_head_pass
+from dflash_jax.train.loss import back_through_head, draft_logits, label_is_argmax, lm_head_pass
 
 TERMS = ("ce", "kl", "rkl", "jsd", "tv")
 
@@ -84,6 +84,4 @@ def _chunk_statistics(h, kernel, th, y, terms, with_gradient, markov=None, top_k
         "tv": lambda: through_softmax(-(q < p).astype(jnp.float32)),
     }
     grad_z = sum(weight * gradients[name]() for name, weight in terms)
-    grad_h = jax.lax.dot_general(grad_z.astype(kernel.dtype), kernel, (((z.ndim - 1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
-    return outputs + (grad_h.astype(h.dtype),)
+    return outputs + (back_through_head(grad_z, kernel, h.dtype),)

@@ -167,12 +167,16 @@ def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradie
     outputs += training_candidates(logits, y, top_k) if top_k else ()
     if not with_gradient:
         return outputs
-    # d ce / d logits = softmax(logits) - onehot(label), in fp32 like the logits; then back through the head
-    # (contracting V: hidden @ kernel transposed, as autodiff of the dot above would).
+    # d ce / d logits = softmax(logits) - onehot(label), in fp32 like the logits; then back through the head.
     grad_logits = exp / total - (vocab_ids == y[..., None]).astype(jnp.float32)
-    grad_h = jax.lax.dot_general(grad_logits.astype(kernel.dtype), kernel, (((logits.ndim - 1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
-    return outputs + (grad_h.astype(h.dtype),)
+    return outputs + (back_through_head(grad_logits, kernel, h.dtype),)
+
+
+def back_through_head(grad_logits: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
+    """d loss / d h from d loss / d logits: contracting V (the logits' grad @ kernel transposed, as autodiff of
+    the head's dot would), accumulated in fp32 and returned in the hidden states' dtype."""
+    return jax.lax.dot_general(grad_logits.astype(kernel.dtype), kernel, (((grad_logits.ndim - 1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
