@@ -77,6 +77,7 @@ def _compiled(prediction: Prediction, target_config, devices: list, hbm_gib: flo
     mesh = make_mesh(**prediction.mesh, devices=devices)
     try:
         plan = plan_train_step(prediction.config, target_config, mesh, hbm_gib, chip, devices_per_host, epoch_tokens)
+        plan = plan._replace(executable=None)  # a comparison runs no step: its candidates' programs are let go
     except ConfigError as error:  # e.g. heads that tensor does not divide
         return Candidate(prediction.layout, prediction.mesh, None, str(error), prediction)
     fits = plan.hbm_bytes is None or plan.total_bytes <= plan.hbm_bytes

@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +69,10 @@ class Plan(NamedTuple):
     roofline: Roofline | None  # the predicted step time, where the chip's peaks are known (chips.py)
     largest: tuple[LargeArray, ...]  # the biggest arrays the program holds, largest first
     hbm_bytes: int | None  # the budget, if known
+    # The compiled step itself (jax.stages.Compiled) and the config it was compiled for (ConfigDict.to_dict()):
+    # a run whose settled config is that one calls this executable instead of compiling the step again.
+    executable: Any = None
+    planned_config: dict | None = None
 
 
 def slice_topology(name: str) -> str:
@@ -271,7 +275,8 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
         argument_bytes=memory.argument_size_in_bytes, temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes, total_bytes=total,
         xla_flops=float(analysis.get("flops", 0.0)) if analysis else 0.0, model_flops=model_flops, cost=cost,
         roofline=line, largest=cost.largest,
-        hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB))
+        hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB), executable=compiled,
+        planned_config=config.to_dict())
 
 
 def _size(n: float) -> str:

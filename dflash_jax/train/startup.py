@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -70,6 +69,12 @@ def settle(config: ConfigDict) -> tuple[ConfigDict, Mesh, plan.Plan | None]:
     ran. `config` is already the run's own copy."""
     budget = config.hbm_gib or plan.device_memory_gib(jax.local_devices()[0])
     report = None
+    # The mask token is a constant of the compiled step: taken from the tokenizer now, so that the step the plan
+    # compiles is the run's own, which the loop then calls (one compile a start: design §13.1).
+    if config.drafter.mask_token_id is None:
+        tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
+        config.drafter.mask_token_id = validate.resolve_mask_token_id(
+            config, tokenizer, plan.target_architecture(config).vocab_size)
     chip = chip_of_kind(jax.devices()[0].device_kind)  # the published peaks a predicted step time needs
     if budget and chip and jax.device_count() > 1 and plan_compare.is_default_mesh(config):
         # A mesh left at its defaults on accelerators: the candidates predicted without compiling, the best
@@ -154,6 +159,12 @@ def setup(given: ConfigDict, config: ConfigDict, mesh: Mesh, report: plan.Plan |
     target_graphdef, target_state = nnx.split(target)
     target_shardings = state_shardings(target_state, mesh, config.target_layout)
     step_fns = make_step(config, drafter_config, spec, target_graphdef, target_shardings, mesh)
+    if report is not None and report.executable is not None:
+        if report.planned_config == config.to_dict():
+            step_fns = step_fns._replace(train_step=report.executable)  # the plan's compile is the run's
+        else:  # config.epochs: the schedule's step count was known only once the corpus was counted
+            changed = sorted(_changed_fields(report.planned_config, config.to_dict()))
+            log.info("the step compiles again: its config changed since the plan (%s)", ", ".join(changed))
     predicted = report.roofline.step_seconds if report is not None and report.roofline is not None else None
     step_flops = flops.train_step_flops(config, target_config, drafter_config)
     peak_tflops = flops.peak_tflops(config, jax.devices()[0])
@@ -162,6 +173,18 @@ def setup(given: ConfigDict, config: ConfigDict, mesh: Mesh, report: plan.Plan |
                        start_step=start_step, checkpointer=checkpointer, batches=batches, target=target,
                        target_state=target_state, step_fns=step_fns, predicted=predicted, step_flops=step_flops,
                        peak_tflops=peak_tflops, first_slot=first_slot)
+
+
+def _changed_fields(before: dict, after: dict, prefix: str = "") -> list[str]:
+    """The dotted names of the fields whose values differ between two ConfigDict.to_dict() trees."""
+    changed = []
+    for key in sorted(set(before) | set(after), key=str):
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed += _changed_fields(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changed.append(f"{prefix}{key}")
+    return changed
 
 
 def _agreed(build: Callable[[], BatchLoader]) -> BatchLoader:
