@@ -90,6 +90,14 @@ def define_config_flag(flag_values: flags.FlagValues) -> flags.FlagHolder:
     return holder
 
 
+def mark_given_mesh(flag_values: flags.FlagValues) -> None:
+    """A mesh given by `--config.mesh.*` flags is used as given, default values or not (config.choose_mesh)."""
+    config = flag_values.config
+    overrides = config_flags.get_override_values(flag_values["config"])
+    if "choose_mesh" in config and config.choose_mesh is None and any(key.startswith("mesh.") for key in overrides):
+        config.choose_mesh = False
+
+
 def packaged_config_path(value: str) -> str:
     """`--config`'s value with a packaged recipe's name (`qwen27b`, `toy:arg`) replaced by its file; a path is
     kept as given. A bare name that is neither a file nor a packaged recipe is a UserError listing the recipes."""
@@ -149,6 +157,7 @@ def run(main: Callable[[], None], command_flags: flags.FlagValues, argv: Sequenc
             if has_config and command_flags.config is not None:  # None: optional and not given
                 command_flags.config.keys()  # a config file that failed to load raises here, not in main
                 resolve_chat_template_kwargs(command_flags.config)  # text from the command line -> a dict
+                mark_given_mesh(command_flags)
         except UserError as error:
             fail(str(error))
         except flags.Error as error:

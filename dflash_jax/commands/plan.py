@@ -89,7 +89,7 @@ def main() -> None:
         return
     chip = chip or chip_of_kind(devices[0].device_kind)
     budget = _HBM_GIB.value or config.hbm_gib or (chip.hbm_bytes / GIB if chip else None)
-    if not _MESH.value and chip is not None and len(devices) > 1 and plan_compare.is_default_mesh(config):
+    if not _MESH.value and chip is not None and len(devices) > 1 and plan_compare.chooses_mesh(config):
         # As `train` settles a mesh left at its defaults (design §13.1): the best predicted candidate, compiled.
         config, plan, choice = plan_compare.choose_mesh(config, target_config, devices, budget, chip)
         print(f"config.mesh left at its defaults: {choice}")

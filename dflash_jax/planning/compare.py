@@ -85,8 +85,11 @@ def _compiled(prediction: Prediction, target_config, devices: list, hbm_gib: flo
                      f"needs {plan.total_bytes / GIB:.1f} GiB of {plan.hbm_bytes / GIB:.1f}", prediction)
 
 
-def is_default_mesh(config: ConfigDict) -> bool:
-    """A mesh left as base_config gives it: train chooses one (design §13.1)."""
+def chooses_mesh(config: ConfigDict) -> bool:
+    """Whether train chooses the mesh (design §13.1): config.choose_mesh, or where that is None, whether the mesh
+    is left as base_config gives it."""
+    if config.get("choose_mesh") is not None:
+        return config.choose_mesh
     return dict(config.mesh) == dict(base_config().mesh)
 
 

@@ -183,6 +183,10 @@ def base_config() -> ConfigDict:
     # context > 1 splits each row's tokens into that many contiguous shards, one per device (design §19): for
     # rows whose activations outgrow a device; data.seq_len must be a multiple of it.
     config.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1, context=1))
+    # On accelerators, train chooses the mesh and layout (design §13.1) when this is True, or when it is None and
+    # the mesh is left as above by the recipe and by the command line (a --config.mesh.* flag, even one giving a
+    # default value, makes the mesh given); False: the mesh as given, always.
+    config.choose_mesh = placeholder(bool)
     # Several processes (multi-host pods), joined by jax.distributed.initialize before anything else:
     # "auto" = when JAX_COORDINATOR_ADDRESS is set (with JAX_NUM_PROCESSES, JAX_PROCESS_ID); "on" = always,
     # JAX detecting the rest (Cloud TPU pod slices, Slurm, Open MPI); "off" = one process.

@@ -76,7 +76,7 @@ def settle(config: ConfigDict) -> tuple[ConfigDict, Mesh, plan.Plan | None]:
         config.drafter.mask_token_id = validate.resolve_mask_token_id(
             config, tokenizer, plan.target_architecture(config).vocab_size)
     chip = chip_of_kind(jax.devices()[0].device_kind)  # the published peaks a predicted step time needs
-    if budget and chip and jax.device_count() > 1 and plan_compare.is_default_mesh(config):
+    if budget and chip and jax.device_count() > 1 and plan_compare.chooses_mesh(config):
         # A mesh left at its defaults on accelerators: the candidates predicted without compiling, the best
         # compiled (design §13.1), so that a start or a resume compiles one step.
         config, report, choice = plan_compare.choose_mesh(config, plan.target_architecture(config), jax.devices(),

@@ -56,6 +56,23 @@ def test_print_config_shows_the_file_with_its_overrides():
     assert _DictParser().parse("{'rope_type': 'linear', 'factor': 2.0}") == {"rope_type": "linear", "factor": 2.0}
     with pytest.raises(ValueError, match="expected a dict"):
         _DictParser().parse("yarn")
+    assert config["choose_mesh"] is None  # no --config.mesh.* flag: chosen on accelerators when left at defaults
+
+
+def test_a_mesh_given_on_the_command_line_is_used_as_given_even_at_its_default_values():
+    """`--config.mesh.fsdp=-1` is the default value, but given: the run uses it rather than choosing a mesh."""
+    from dflash_jax.planning.compare import chooses_mesh
+    from dflash_jax.train.config import base_config
+
+    result = dflash_jax("train", "--config", TINY, "--workdir", "unused", "--config.mesh.fsdp=-1", "--print_config")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout)["choose_mesh"] is False
+    config = base_config()
+    assert chooses_mesh(config)
+    config.choose_mesh = False
+    assert not chooses_mesh(config)
+    config.choose_mesh, config.mesh.tensor = True, 2
+    assert chooses_mesh(config)  # chosen although the recipe set a mesh
 
 
 # slow: a fresh interpreter importing the package outside the checkout (make test's budget)
