@@ -27,7 +27,7 @@ def get_config():
 
     The recipe is SpecForge's Qwen3.6-27B online DFlash recipe: rows of 4096 tokens with 512 anchors (here a
     static grid of stride 8, design §4, where SpecForge samples 512 anchor positions), 6 epochs, AdamW at lr
-    6e-4 with 4% warmup then cosine, clipping 1.0, γ = 7, on target-regenerated data (README, step 0).
+    6e-4 with 4% warmup then cosine, clipping 1.0, γ = 7, on target-regenerated data (README, step 1: docs/data.md).
     Departures and their reasons: AdamW's b2 is 0.999, as speculators trains (torch's default); the batch is
     one row per device (data.rows_per_device), so the config runs on any slice size, its global batch growing
     with the slice. The position weights are D-PACE (the trainer's default, as SpecForge's `loss_type: dpace` and

@@ -3,9 +3,9 @@ full-attention layers, 32/8 heads x 128, I=12288, B=16, γ=7: the shape of z-lab
 
 The recipe is SpecForge's Qwen3-8B online DFlash recipe: rows of 3072 tokens, 4 rows per GPU, 512 anchors (here a
 static grid of stride 6, design §4, where SpecForge samples 512 anchor positions), 6 epochs, AdamW at lr 6e-4
-with 4% warmup then cosine, clipping 1.0, γ = 7, on target-regenerated data (README, step 0). Departures and
-their reasons: AdamW's b2 is 0.999, as speculators trains (torch's default); the batch is 4 rows per device
-(data.rows_per_device) rather than per GPU of an 8-GPU job, so the config runs on any slice size, its global
+with 4% warmup then cosine, clipping 1.0, γ = 7, on target-regenerated data (README, step 1: docs/data.md).
+Departures and their reasons: AdamW's b2 is 0.999, as speculators trains (torch's default); the batch is 4 rows per
+device (data.rows_per_device) rather than per GPU of an 8-GPU job, so the config runs on any slice size, its global
 batch growing with the slice. The position weights are D-PACE (the trainer's default, as in speculators and
 SpecForge), chosen by the toy measurement in bench/RESULTS.md.
 

@@ -8,7 +8,7 @@
 # (76) is rerun here, a few times (launch/retry.sh). Installs the pinned package set on first use
 # (launch/install.sh gpu).
 # Several hosts: run it on each with JAX_COORDINATOR_ADDRESS=<host 0>:<port>, JAX_NUM_PROCESSES=<hosts> and
-# JAX_PROCESS_ID=<0..hosts-1> set, and a workdir every host sees (see README, "Multi-host pods").
+# JAX_PROCESS_ID=<0..hosts-1> set, and a workdir every host sees (see docs/training.md, "Multi-host pods").
 set -euo pipefail
 config=${1:?usage: launch/gpu.sh CONFIG WORKDIR [--config.key=value ...]}
 workdir=${2:?usage: launch/gpu.sh CONFIG WORKDIR [--config.key=value ...]}

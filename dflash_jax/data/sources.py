@@ -8,7 +8,7 @@ An entry is `PATH` or `PATH@WEIGHT`, PATH one of
   else every JSONL and Parquet file under it, in sorted order;
 - a Hugging Face dataset id (`HuggingFaceH4/ultrachat_200k:train_sft`; the split defaults to `train`): its
   snapshot in the local Hugging Face cache, never downloaded here (download it first on a machine with internet
-  access; see the README's real workflow), loaded with `datasets.load_dataset` (splits from the file names;
+  access; see docs/data.md, step 1), loaded with `datasets.load_dataset` (splits from the file names;
   its Arrow cache is built once per machine).
 WEIGHT (default 1) says how many times an epoch draws each record of the entry's sources: 2 = twice, 0.5 = a
 different half each epoch (data/corpus.py). Every problem is one DataError naming the entry.

@@ -531,7 +531,8 @@ def test_deviceless_tpu_flops_of_a_35b_a3b_shaped_step_count_the_active_experts(
 
 def test_compare_ranks_by_the_time_a_token_takes_not_the_step():
     """With the batch given per device, 32 (data, fsdp) shards take twice the rows of 16: a step 1.5 times as
-    long is the faster run. The roofline figures are the v5p-64 27B comparison's (README "Scaling")."""
+    long is the faster run. The roofline figures are the v5p-64 27B comparison's (docs/scaling_and_launching.md,
+    step 6)."""
     chip = chip_named("H200")
 
     def candidate(fsdp: int, tensor: int, seconds: float):

@@ -1,4 +1,4 @@
-"""What a run does when its workdir is damaged or contested (README "Failure handling"): a corrupt latest
+"""What a run does when its workdir is damaged or contested (docs/failure_handling.md): a corrupt latest
 checkpoint is skipped with one warning line and the resume equals one from the previous checkpoint; no
 readable checkpoint, or an export of an unreadable step, is one error line; the workdir's lock refuses a
 live second trainer and takes over from a dead one; every accepted start is appended to the config history
