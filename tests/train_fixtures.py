@@ -167,6 +167,7 @@ class Setup(NamedTuple):
 
 def build(config: ConfigDict, mesh: Mesh) -> Setup:
     """Target, tokenizer, drafter config, initial state, step functions and loader, as `train` builds them."""
+    config = validate.run_config(config)
     validate.validate_config(config)
     attention_impl = resolve_attention_impl(config.attention_impl)
     target, target_config = load_config_target(config, mesh, config.target_layout, attention_impl)

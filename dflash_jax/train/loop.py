@@ -48,20 +48,21 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
     The run holds the workdir's lock throughout (runtime/workdir.py): a second trainer there is refused. A
     refused start (bad config, data, or a resume that does not fit the checkpoint) writes no run files.
     """
+    config = validate.run_config(config)  # the run's own copy: the caller's config stays as given
     validate.validate_config(config)
     validate.validate_data_files(config)
+    given = config.copy_and_resolve_references()  # as given and checked, for the history; settled below
     if evaluate is None and config.eval_every:
         validate.validate_eval_files(config)
         evaluate = make_train_evaluator(config)  # logged as eval/* metrics
     workdir = as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     with workdir_held(workdir):
-        return _train(config, workdir, evaluate)
+        return _train(given, config, workdir, evaluate)
 
 
-def _train(config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None) -> dict[str, Any]:
-    given = config  # as the user gave it, for the history; the layout, rows per device and epochs resolve below
-    config = config.copy_and_resolve_references()  # in a copy: the caller's config stays as given
+def _train(given: ConfigDict, config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None
+           ) -> dict[str, Any]:
     config, mesh, report = startup.settle(config)
     if config.plan_only:
         return startup.plan_summary(report)

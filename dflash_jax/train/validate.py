@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
+from ml_collections.config_dict import placeholder
 
 from dflash_jax.data.corpus import check_input_files
 from dflash_jax.data.sources import resolve_sources
@@ -104,10 +105,24 @@ def parse_loss_terms(value: Any) -> tuple[tuple[str, float], ...]:
     return tuple(sorted((name, float(weight)) for name, weight in parsed.items()))
 
 
+def run_config(config: ConfigDict) -> ConfigDict:
+    """The run's own copy of the user's config (the caller's is left as given), with the fields a command line
+    gives as text in their parsed forms: data.chat_template_kwargs a dict, loss.terms {name: weight}. ConfigError
+    for text that does not parse."""
+    kwargs = parse_chat_template_kwargs(config.data.chat_template_kwargs, "config.data.chat_template_kwargs")
+    terms = dict(parse_loss_terms(config.loss.terms))
+    values = config.to_dict()
+    # Placeholders of any type, as base_config declares them, so that they hold plain dicts (not ConfigDicts).
+    values["data"]["chat_template_kwargs"] = placeholder(object)
+    values["loss"]["terms"] = placeholder(object)
+    run = ConfigDict(values)
+    run.data.chat_template_kwargs, run.loss.terms = kwargs, terms
+    return run
+
+
 def validate_config(config: ConfigDict) -> None:
-    """Checks that need nothing but the config. Raises ConfigError."""
+    """Checks that need nothing but the config (the run's own: `run_config`). Raises ConfigError."""
     check_fields(config)
-    resolve_chat_template_kwargs(config)
     data, loss, optim = config.data, config.loss, config.optim
     block_size = config.drafter.block_size
     _require(bool(config.target_dir), "config.target_dir is required: a Hugging Face target checkpoint directory")
@@ -134,7 +149,6 @@ def validate_config(config: ConfigDict) -> None:
              f"config.loss.dpace_alpha must lie in [0, 1] (D-PACE smoothing, design §6), got {loss.dpace_alpha}")
     _require(loss.labels in LABEL_SOURCES, f"config.loss.labels must be one of {LABEL_SOURCES}, got {loss.labels!r}")
     terms = parse_loss_terms(loss.terms)
-    loss.terms = dict(terms)
     _require(loss.position_weights != "dpace" or set(dict(terms)) == {"ce"},
              f"config.loss.position_weights='dpace' is defined for the 'ce' term alone, but config.loss.terms is "
              f"{dict(terms)}; set config.loss.position_weights=decay")

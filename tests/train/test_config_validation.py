@@ -18,8 +18,8 @@ from configs import qwen3_8b, qwen27b, qwen27b_dflash2, qwen27b_dspark, tiny
 from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.qwen3 import Qwen3Config
-from dflash_jax.train.validate import (check_overrides, resolve_drafter_config, validate_batch_layout, validate_config,
-                                      validate_eval_files)
+from dflash_jax.train.validate import (check_overrides, resolve_drafter_config, run_config, validate_batch_layout,
+                                      validate_config, validate_eval_files)
 from tests.tokenizer_fixture import make_chat_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,16 +124,20 @@ def test_target_dependent_errors_name_their_field(overrides, message):
     assert message in str(error.value)
 
 
-def test_loss_terms_resolve_to_a_mapping():
-    c = config(**{"loss.terms": "kl", "loss.position_weights": "decay"})
-    validate_config(c)
-    assert c.loss.terms == {"kl": 1.0}
-    c = config(**{"loss.terms": '{"tv": 0.9, "ce": 0.1}', "loss.position_weights": "decay"})
-    validate_config(c)
-    assert c.loss.terms == {"ce": 0.1, "tv": 0.9}
-    c = config()
-    validate_config(c)
-    assert c.loss.terms == {"ce": 1.0}
+def test_the_run_config_parses_text_fields_and_leaves_the_callers_config_as_given():
+    """`run_config` is the run's own copy: loss terms and chat template kwargs given as text (the command line's
+    form) become mappings there, and validation rewrites nothing."""
+    given = config(**{"loss.terms": "kl", "loss.position_weights": "decay",
+                      "data.chat_template_kwargs": '{"enable_thinking": false}'})
+    run = run_config(given)
+    validate_config(run)
+    assert run.loss.terms == {"kl": 1.0} and run.data.chat_template_kwargs == {"enable_thinking": False}
+    assert given.loss.terms == "kl" and given.data.chat_template_kwargs == '{"enable_thinking": false}'
+    run = run_config(config(**{"loss.terms": '{"tv": 0.9, "ce": 0.1}', "loss.position_weights": "decay"}))
+    assert run.loss.terms == {"ce": 0.1, "tv": 0.9}
+    assert run_config(config()).loss.terms == {"ce": 1.0}
+    with pytest.raises(ConfigError, match="config.loss.terms"):
+        run_config(config(**{"loss.terms": "nope"}))
 
 
 def test_evaluation_during_training_needs_eval_files():
@@ -230,8 +234,9 @@ def test_qwen27b_dflash2_is_speculators_dflash2_recipe():
     departures the recipe names: full-attention layers, the cosine decay."""
     config = qwen27b_dflash2.get_config()
     config.target_dir, config.data.train_files = "/ckpt/target", ("train.jsonl",)
+    config = run_config(config)
     validate_config(config)
-    assert (dict(config.loss.terms), config.loss.position_weights, config.loss.gamma) == ({"kl": 1.0}, "decay", 4.0)
+    assert (config.loss.terms, config.loss.position_weights, config.loss.gamma) == ({"kl": 1.0}, "decay", 4.0)
     assert (config.data.seq_len // config.data.anchor_stride, config.data.seq_len, config.epochs) == (512, 8192, 20)
     optim = config.optim
     assert (optim.name, optim.learning_rate, optim.muon_learning_rate, optim.weight_decay) == ("muon", 1e-3, 1e-3, 0.01)

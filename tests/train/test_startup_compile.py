@@ -1,6 +1,6 @@
 """A start compiles the train step once (design §13.1): where a memory budget makes the run plan its step before
 reading any weight, the executable the plan compiled is the one the loop calls. Counted from JAX's compile log on
-8 simulated CPU devices with config.hbm_gib set; with config.epochs (the schedule's step count known only once
+8 simulated CPU devices with config.hbm_gib set (and the caller's config is left as given); with config.epochs (the schedule's step count known only once
 the corpus is counted) the step compiles again, and the log says why."""
 
 from __future__ import annotations
@@ -50,7 +50,10 @@ def test_a_start_with_a_memory_budget_compiles_the_step_once(tmp_path, caplog):
                  "checkpoint_every": 1000}
     config = tiny_config(target, corpus, total_steps=2, **overrides)
     config.mesh.update(data=2, fsdp=4)
+    config.loss.terms = "ce"  # one name, which the run's own copy normalises to {"ce": 1.0}
+    given = config.to_dict()
     assert _train_counting_compiles(config, tmp_path / "given_steps", caplog) == 1
+    assert config.to_dict() == given  # the run settles its own copy: the caller's config is left as given
     assert "plan:" in caplog.text and "compiles again" not in caplog.text
 
     caplog.clear()
