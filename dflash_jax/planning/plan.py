@@ -15,7 +15,7 @@ compiled HLO with loop bodies times their trip counts: hlo_cost.py) by the chip'
 The target's architecture is read from config.target_dir's config.json (no weights), or, without a
 target_dir, from the config file's `target_config()` (configs/qwen27b.py). Over the budget (--hbm_gib,
 default the device kind's memory) it fails naming the step's largest arrays. `dflash-jax train` runs the same
-check before loading any weights when the devices report their memory; config.plan_only=True stops it there.
+check before loading any weights when the devices report their memory (or config.hbm_gib gives it).
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ RENAMED = {
     "weight_decay": "optim.weight_decay", "adam_b1": "optim.b1", "adam_b2": "optim.b2",
     "clip_grad_norm": "optim.clip_grad_norm",
 }
+# Fields that are gone, name -> what does their work now (one line for a config file or flag still setting one).
+REMOVED = {"plan_only": "`dflash-jax plan --config <file>` prints the plan without training"}
 
 
 def base_config() -> ConfigDict:
@@ -173,8 +175,7 @@ def base_config() -> ConfigDict:
     config.remat = "none"
     # The ahead-of-time plan (dflash_jax/planning/plan.py): the step compiled from abstract arrays before any weight is
     # read; it must fit config.hbm_gib per device (None = the device's own memory when it reports one).
-    # plan_only=True prints the plan and stops.
-    config.plan_only = False
+    # `dflash-jax plan` prints the plan without training.
     config.hbm_gib = placeholder(float)
 
     # Mesh: one of the sizes may be -1 (take the remaining devices). dcn_data > 1 spans the data axis over that

@@ -64,8 +64,6 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
 def _train(given: ConfigDict, config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None
            ) -> dict[str, Any]:
     config, mesh, report = startup.settle(config)
-    if config.plan_only:
-        return startup.plan_summary(report)
     return run_loop(startup.setup(given, config, mesh, report, workdir), evaluate)
 
 

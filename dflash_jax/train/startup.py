@@ -89,7 +89,7 @@ def settle(config: ConfigDict) -> tuple[ConfigDict, Mesh, plan.Plan | None]:
 
     # The step compiled from abstract arrays first (dflash_jax/planning/plan.py), where there is a budget to hold
     # it to: a run that cannot fit stops before any weight is read.
-    if config.plan_only or budget:
+    if budget:
         report = report or plan.plan_train_step(config, plan.target_architecture(config), mesh, budget)
         log.info("plan:\n%s", plan.format_plan(report))
         plan.check_budget(report)
@@ -107,11 +107,6 @@ def load_config_target(config: ConfigDict, mesh: Mesh, target_layout: str, atten
     return load_target(config.target_dir, param_dtype=validate.dtype_of(config.target_dtype), mesh=mesh,
                        attention_impl=attention_impl, target_layout=target_layout,
                        delta_rule_dtype=config.target_matmul_dtype)
-
-
-def plan_summary(report: plan.Plan) -> dict[str, float]:
-    """What `train` returns for config.plan_only."""
-    return {"plan_total_gib": report.total_bytes / plan.GIB, "plan_temp_gib": report.temp_bytes / plan.GIB}
 
 
 def setup(given: ConfigDict, config: ConfigDict, mesh: Mesh, report: plan.Plan | None,

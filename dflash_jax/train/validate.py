@@ -30,7 +30,7 @@ from dflash_jax.models.drafter import LAYER_TYPES, REMAT_POLICIES, DrafterConfig
 from dflash_jax.ops.backends import ATTENTION_CHOICES
 from dflash_jax.ops.gated_delta import MATMUL_CHOICES
 from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
-from dflash_jax.train.config import RENAMED, base_config, field_paths
+from dflash_jax.train.config import REMOVED, RENAMED, base_config, field_paths
 from dflash_jax.train.divergences import TERMS as LOSS_TERMS
 
 log = logging.getLogger(__name__)
@@ -246,6 +246,8 @@ def validate_method(drafter: ConfigDict) -> None:
 
 def unknown_field_message(path: str, known: Iterable[str]) -> str:
     """One line for a config field that does not exist: its new name if it moved, else the nearest valid one."""
+    if path in REMOVED:
+        return f"config.{path} was removed: {REMOVED[path]}"
     if path in RENAMED:
         return f"config.{path} is now config.{RENAMED[path]} (fields are grouped: drafter, data, loss, optim, mesh)"
     nearest = difflib.get_close_matches(path, list(known), n=1, cutoff=0.5)

@@ -286,6 +286,8 @@ def test_unknown_or_renamed_override_names_the_field_to_use():
         check_overrides(["--config.loss.gama=4"])
     with pytest.raises(ConfigError, match=r"^config.no_such_thing is not a config field \(fields are listed in "):
         check_overrides(["--config.no_such_thing=1"])
+    with pytest.raises(ConfigError, match=r"^config.plan_only was removed: `dflash-jax plan --config <file>` prints "):
+        check_overrides(["--config.plan_only=True"])
 
 
 def test_a_config_file_with_an_old_field_name_is_refused():
