@@ -37,7 +37,9 @@ RENAMED = {
     "clip_grad_norm": "optim.clip_grad_norm",
 }
 # Fields that are gone, name -> what does their work now (one line for a config file or flag still setting one).
-REMOVED = {"plan_only": "`dflash-jax plan --config <file>` prints the plan without training"}
+REMOVED = {"plan_only": "`dflash-jax plan --config <file>` prints the plan without training",
+           "drafter.hidden_size": "the drafter's width is the target's hidden_size (fc reads n x H target features "
+                                  "and the target's embedding and LM head are shared)"}
 
 
 def base_config() -> ConfigDict:
@@ -63,7 +65,6 @@ def base_config() -> ConfigDict:
     config.drafter.num_key_value_heads = 8
     config.drafter.head_dim = 128
     config.drafter.intermediate_size = placeholder(int)
-    config.drafter.hidden_size = placeholder(int)
     config.drafter.layer_types = ("full_attention",) * 5
     config.drafter.sliding_window = placeholder(int)
     config.drafter.num_feature_layers = 5  # feature ids default to design §2's spread over the target

@@ -345,10 +345,6 @@ def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> Draf
     hidden = target_config.hidden_size
     num_target_layers = target_config.num_hidden_layers
     width = drafter.num_feature_layers * hidden
-    _require(drafter.hidden_size in (None, hidden),
-             f"config.drafter.hidden_size ({drafter.hidden_size}) must equal the target's hidden_size ({hidden}): "
-             f"fc maps the n*H = {drafter.num_feature_layers}*{hidden} = {width} concatenated target features to "
-             f"the drafter width, and the target's embedding and LM head are reused as-is")
     if drafter.target_layer_ids is None:
         layer_ids = default_target_layer_ids(num_target_layers, drafter.num_feature_layers)
     else:
