@@ -6,15 +6,19 @@ earlier (imports, functions, attributes), as an agent's next lines depend on a f
 
 - short: the demo's recipe (configs/toy.py: 328-token rows of 64-192-token prompts and their 128-token
   continuations), its run reused with --short_run;
-- short + S: that drafter trained S more steps on the same short rows (the control: as many extra updates);
-- long + S: that drafter trained S more steps on long rows (2,048 tokens) of long records (prompts of 256-1,900
-  tokens from the drafter-train files, the target's greedy 64-token continuations as completions).
+- short + S: that drafter trained S more steps on the same short rows, at a tenth of the demo's rates (the
+  control: as many more updates);
+- long + S: that drafter trained S more steps, at the same rates, on long rows (2,048 tokens): one document a row,
+  1,500-2,000 tokens of a drafter-train file, trained on every position past its first line. The labels are the
+  target's own greedy tokens (config.loss.labels = "target"), so raw files serve as well as regenerated ones,
+  and anchors spread over the whole row train the drafter at every context length up to 2,048.
 
-Each is evaluated on the same long records from the drafter-eval files (the demo's held-out split), exact τ per
-context-length bin (`dflash-jax evaluate --context_bins`). Run from the repository root (about 20 minutes on 2
-CPU cores, the demo's run reused; 7 more without one):
+Each is evaluated on the same long records from the drafter-eval files (the demo's held-out split): prompts of
+64-2,000 tokens, `--eval_per_bin` in each of the bins 0-256, 256-512, 512-1K and 1K+, with the target's greedy
+64-token continuations; exact τ (B = 8) per bin (`dflash-jax evaluate --context_bins`). Run from the repository
+root (about 20 minutes on 2 CPU cores with the demo's run reused, 8 more without):
 
-    make long-context-toy            # .venv/bin/python -m bench.long_context_toy --out out/long_toy
+    make long-context-toy SHORT_RUN=out/toy_run   # bench.long_context_toy --out out/long_toy --short_run ...
 """
 
 from __future__ import annotations
@@ -33,9 +37,13 @@ REPO = Path(__file__).resolve().parents[1]
 TOY = str(REPO / "configs" / "toy.py")
 CLI = [str(Path(sys.executable).with_name("dflash-jax"))]  # the venv's console script
 LONG_ROW = 2048  # the toy target's max_position_embeddings
-NEW_TOKENS = 64  # continuation tokens of a long record: prompt + continuation fit a long row
+NEW_TOKENS = 64  # continuation tokens of an evaluation record
 EDGES = ("256", "512", "1K")  # bins 0-256, 256-512, 512-1K, 1K+
 PROMPT_RANGES = ((64, 255), (256, 511), (512, 1023), (1024, LONG_ROW - NEW_TOKENS - 8))  # eval prompts per bin
+DOCUMENT_TOKENS = (1500, LONG_ROW - 8)  # a long training row's document
+# The continuations' rates: a tenth of the demo's (3e-3, Muon's matrices 3e-2), so that S steps adapt the
+# trained drafter instead of restarting its schedule at full rate.
+RATES = ("--config.optim.learning_rate=3e-4", "--config.optim.muon_learning_rate=3e-3")
 
 
 def log(message: str) -> None:
@@ -50,9 +58,10 @@ def command(*args: str) -> None:
 
 
 def write_long_records(out: Path, train_records: int, eval_per_bin: int, seed: int) -> tuple[Path, Path]:
-    """Long records through the toy target's own data code (tools/toy_target): prompts cut at line ends from
-    the held-out files, the target's greedy continuations as completions."""
-    train, evaluation = out / "train_long.jsonl", out / "eval_long.jsonl"
+    """Documents for the long rows, and evaluation records through the toy target's own data code
+    (tools/toy_target): prompts cut at line ends from the drafter-eval files, the target's greedy continuations
+    as completions."""
+    train, evaluation = out / "train_documents.jsonl", out / "eval_long.jsonl"
     if train.exists() and evaluation.exists():
         log(f"long records: reusing {train} and {evaluation}")
         return train, evaluation
@@ -65,17 +74,22 @@ def write_long_records(out: Path, train_records: int, eval_per_bin: int, seed: i
 
     target_dir = REPO / "dflash_jax" / "assets" / "toy_target"
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    model, _ = load_target(target_dir, param_dtype=jnp.float32)
-    eos = tokenizer.convert_tokens_to_ids(corpus.EOS)
     files = {"drafter_train": [], "drafter_eval": []}
     for relative, text in corpus.stdlib_files():
         files.get(corpus.split_of(relative), []).append((relative, text))
     rng = np.random.default_rng(seed)
     started = time.monotonic()
-    prompts, _ = drafter_data.sample_prompts(files["drafter_train"], tokenizer, train_records, rng,
-                                             PROMPT_RANGES[1][0], PROMPT_RANGES[-1][1])
-    counts = drafter_data.write_regenerated(model, tokenizer, prompts, NEW_TOKENS, eos, train)
-    log(f"long train records: {counts} ({time.monotonic() - started:.0f} s)")
+    documents, _ = drafter_data.sample_prompts(files["drafter_train"], tokenizer, train_records, rng,
+                                               *DOCUMENT_TOKENS)
+    lines = []
+    for document in documents:  # its first line the prompt, the rest trained (a cut at a line end, as the toy's)
+        first = drafter_data.cut_points(document["prompt"])[0]
+        lines.append(json.dumps({"prompt": document["prompt"][:first], "completion": document["prompt"][first:],
+                                 "source": document["source"]}) + "\n")
+    train.write_text("".join(lines))
+    log(f"{len(lines)} long training documents ({time.monotonic() - started:.0f} s)")
+    model, _ = load_target(target_dir, param_dtype=jnp.float32)
+    eos = tokenizer.convert_tokens_to_ids(corpus.EOS)
     prompts = []
     for low, high in PROMPT_RANGES:
         prompts += drafter_data.sample_prompts(files["drafter_eval"], tokenizer, eval_per_bin, rng, low, high)[0]
@@ -85,12 +99,11 @@ def write_long_records(out: Path, train_records: int, eval_per_bin: int, seed: i
 
 
 def train_on(workdir: Path, init_from: Path, steps: int, *overrides: str) -> Path:
-    """`steps` more steps from the exported drafter `init_from`, at the toy recipe's rate after a short warmup;
-    returns its export."""
+    """`steps` more steps from the exported drafter `init_from` at RATES; returns its export."""
     exported = workdir.with_name(workdir.name + "_drafter")
     if not (exported / "config.json").exists():
         command("train", "--config", TOY, "--workdir", str(workdir), f"--config.drafter.init_from={init_from}",
-                f"--config.total_steps={steps}", "--config.checkpoint_every=1000000", *overrides)
+                f"--config.total_steps={steps}", "--config.checkpoint_every=1000000", *RATES, *overrides)
         command("export", "--workdir", str(workdir), "--out", str(exported))
     return exported
 
@@ -98,7 +111,8 @@ def train_on(workdir: Path, init_from: Path, steps: int, *overrides: str) -> Pat
 def evaluate(drafter: Path, prompts: Path, out: Path) -> dict:
     if not out.exists():
         command("evaluate", "--config", TOY, "--drafter", str(drafter), "--prompts", str(prompts),
-                "--num_prompts", "100000", "--max_new_tokens", str(NEW_TOKENS), "--budgets", "8",
+                "--num_prompts", "100000", "--continuation", "data", "--max_new_tokens", str(NEW_TOKENS),
+                "--budgets", "8",
                 "--context_bins", ",".join(EDGES), "--json", str(out))
     return json.loads(out.read_text())["trained"]
 
@@ -122,7 +136,7 @@ def main() -> None:
     parser.add_argument("--short_run", type=Path, default=None,
                         help="a finished configs/toy.py workdir (make demo's out/toy_run); trained here if not given")
     parser.add_argument("--steps", type=int, default=300, help="extra steps of the control and of the long recipe")
-    parser.add_argument("--train_records", type=int, default=320)
+    parser.add_argument("--train_records", type=int, default=300, help="long training documents")
     parser.add_argument("--eval_per_bin", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -138,8 +152,7 @@ def main() -> None:
     train_long, eval_long = write_long_records(args.out, args.train_records, args.eval_per_bin, args.seed)
     control = train_on(args.out / "short_plus", short, args.steps)
     long = train_on(args.out / "long_plus", short, args.steps, f"--config.data.seq_len={LONG_ROW}",
-                    f"--config.data.train_files={train_long}", "--config.data.batch_size=1",
-                    "--config.data.anchor_stride=8")
+                    f"--config.data.train_files={train_long}", "--config.data.batch_size=1")
 
     drafters = {"short": short, f"short + {args.steps}": control, f"long + {args.steps}": long}
     results = {name: evaluate(drafter, eval_long, args.out / f"eval_{drafter.name}.json")

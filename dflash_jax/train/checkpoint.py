@@ -44,9 +44,9 @@ class Checkpointer:
     def __init__(self, workdir: str | os.PathLike, keep: int | None, *, read_only: bool = False):
         """keep: the newest checkpoints kept; read_only: a reader of a workdir's checkpoints, which saves none."""
         self._workdir = as_path(workdir)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only)
         with library_logs_captured() if read_only else contextlib.nullcontext():
             # Orbax warns that a read-only manager saves nothing: that is the point
+            options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only)
             self._manager = ocp.CheckpointManager(self._workdir / CHECKPOINTS_DIR, options=options,
                                                   item_names=("state", "data"))
         # The newest step known to be complete, and the save in flight: what a stop whose grace ran out names
