@@ -110,9 +110,9 @@ demo: $(VENV)/.base-installed
 	env -u XLA_FLAGS $(VENV)/bin/dflash-jax export --workdir $(DEMO_RUN) --out out/toy_drafter$(DEMO_SUFFIX)
 
 # Short rows against long rows on the toy target: the demo's drafter, it trained further on short rows, and it
-# trained as long on 2,048-token rows of long records, exact τ of each by prompt length (bench/long_context_toy.py,
-# bench/RESULTS.md "Long context on the toy target"). About 20 minutes on 2 CPU cores with SHORT_RUN=out/toy_run
-# (make demo's run), about 27 without.
+# trained as long on 2,048-token rows (documents alone, and documents mixed with the short records), exact τ of
+# each by prompt length (bench/long_context_toy.py, bench/RESULTS.md "Long context on the toy target"). About 20
+# minutes on 2 CPU cores with SHORT_RUN=out/toy_run (make demo's run), about 28 without.
 SHORT_RUN ?=
 .PHONY: long-context-toy
 long-context-toy: $(VENV)/.installed

@@ -2,16 +2,18 @@
 "Long context on the toy target").
 
 The toy target reads Python files; what it writes next depends on names defined hundreds or thousands of tokens
-earlier (imports, functions, attributes), as an agent's next lines depend on a file it read. Three drafters:
+earlier (imports, functions, attributes), as an agent's next lines depend on a file it read. Four drafters:
 
 - short: the demo's recipe (configs/toy.py: 328-token rows of 64-192-token prompts and their 128-token
   continuations), its run reused with --short_run;
 - short + S: that drafter trained S more steps on the same short rows, at a tenth of the demo's rates (the
   control: as many more updates);
-- long + S: that drafter trained S more steps, at the same rates, on long rows (2,048 tokens): one document a row,
-  1,500-2,000 tokens of a drafter-train file, trained on every position past its first line. The labels are the
-  target's own greedy tokens (config.loss.labels = "target"), so raw files serve as well as regenerated ones,
-  and anchors spread over the whole row train the drafter at every context length up to 2,048.
+- long documents + S: that drafter trained S more steps, at the same rates, on long rows (2,048 tokens): one
+  document a row, 1,500-2,000 tokens of a drafter-train file, trained on every position past its first line.
+  The labels are the target's own greedy tokens (config.loss.labels = "target"), so raw files serve as well as
+  regenerated ones, and anchors spread over the whole row train the drafter at every context length up to 2,048;
+- long mixed + S: the same, its long rows drawn from the documents and from the demo's short records packed
+  several to a row (each source once an epoch), the recipe a long-context run would use.
 
 Each is evaluated on the same long records from the drafter-eval files (the demo's held-out split): prompts of
 64-2,000 tokens, `--eval_per_bin` in each of the bins 0-256, 256-512, 512-1K and 1K+, with the target's greedy
@@ -43,6 +45,7 @@ PROMPT_RANGES = ((64, 255), (256, 511), (512, 1023), (1024, LONG_ROW - NEW_TOKEN
 DOCUMENT_TOKENS = (1500, LONG_ROW - 8)  # a long training row's document
 # The continuations' rates: a tenth of the demo's (3e-3, Muon's matrices 3e-2), so that S steps adapt the
 # trained drafter instead of restarting its schedule at full rate.
+SHORT_RECORDS = REPO / "dflash_jax" / "assets" / "toy_data" / "train.jsonl"  # the demo's rows
 RATES = ("--config.optim.learning_rate=3e-4", "--config.optim.muon_learning_rate=3e-3")
 
 
@@ -151,10 +154,16 @@ def main() -> None:
         command("export", "--workdir", str(short_run), "--out", str(short))
     train_long, eval_long = write_long_records(args.out, args.train_records, args.eval_per_bin, args.seed)
     control = train_on(args.out / "short_plus", short, args.steps)
-    long = train_on(args.out / "long_plus", short, args.steps, f"--config.data.seq_len={LONG_ROW}",
-                    f"--config.data.train_files={train_long}", "--config.data.batch_size=1")
+    long_rows = (f"--config.data.seq_len={LONG_ROW}", "--config.data.batch_size=1")
+    documents = train_on(args.out / "long_plus", short, args.steps, *long_rows,
+                         f"--config.data.train_files={train_long}")
+    # The short records packed into long rows beside the documents (each source once an epoch): short contexts
+    # keep their share of the updates.
+    mixed = train_on(args.out / "long_mixed_plus", short, args.steps, *long_rows,
+                     f"--config.data.train_files=('{SHORT_RECORDS}', '{train_long}')")
 
-    drafters = {"short": short, f"short + {args.steps}": control, f"long + {args.steps}": long}
+    drafters = {"short": short, f"short + {args.steps}": control, f"long documents + {args.steps}": documents,
+                f"long mixed + {args.steps}": mixed}
     results = {name: evaluate(drafter, eval_long, args.out / f"eval_{drafter.name}.json")
                for name, drafter in drafters.items()}
     markdown = table(results)
