@@ -67,7 +67,9 @@ def base_config() -> ConfigDict:
     config.drafter.intermediate_size = placeholder(int)
     config.drafter.layer_types = ("full_attention",) * 5
     config.drafter.sliding_window = placeholder(int)
-    config.drafter.num_feature_layers = 5  # feature ids default to design §2's spread over the target
+    # The target layers fc reads: target_layer_ids, or num_feature_layers of them spread as design §2 spreads
+    # them (None: 5; given ids, None is their number).
+    config.drafter.num_feature_layers = placeholder(int)
     config.drafter.target_layer_ids = placeholder(tuple)
     config.drafter.rope_theta = placeholder(float)
     config.drafter.rope_scaling = placeholder(dict)  # else the target's; on the command line as JSON (design §8.6)

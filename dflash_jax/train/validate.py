@@ -226,7 +226,7 @@ def validate_config(config: ConfigDict) -> None:
         _require(isinstance(window, int) and window >= 1,
                  f"config.drafter.layer_types has a sliding_attention layer but config.drafter.sliding_window is "
                  f"{window!r}; set a positive window (e.g. 2048)")
-    _require(drafter.num_feature_layers >= 1,
+    _require(drafter.num_feature_layers is None or drafter.num_feature_layers >= 1,
              f"config.drafter.num_feature_layers must be >= 1, got {drafter.num_feature_layers}")
     validate_method(drafter)
 
@@ -339,19 +339,23 @@ def resolve_mask_token_id(config: ConfigDict, tokenizer, vocab_size: int) -> int
     return int(mask_token_id)
 
 
+DEFAULT_FEATURE_LAYERS = 5  # target layers fc reads when the config names neither ids nor a count (design §2)
+
+
 def resolve_drafter_config(config: ConfigDict, target_config, tokenizer) -> DrafterConfig:
     """The drafter's full architecture: config values, with None taken from the target (design §3, §11)."""
     drafter = config.drafter
     hidden = target_config.hidden_size
     num_target_layers = target_config.num_hidden_layers
-    width = drafter.num_feature_layers * hidden
+    count = drafter.num_feature_layers
     if drafter.target_layer_ids is None:
-        layer_ids = default_target_layer_ids(num_target_layers, drafter.num_feature_layers)
+        layer_ids = default_target_layer_ids(num_target_layers, DEFAULT_FEATURE_LAYERS if count is None else count)
     else:
         layer_ids = tuple(int(i) for i in drafter.target_layer_ids)  # DrafterConfig checks their range
-        _require(len(layer_ids) == drafter.num_feature_layers,
-                 f"config.drafter.target_layer_ids has {len(layer_ids)} ids but config.drafter.num_feature_layers is "
-                 f"{drafter.num_feature_layers}: fc would read {len(layer_ids)}*H, not n*H = {width} columns")
+        if count is not None and count != len(layer_ids):
+            raise ConfigError(f"config.drafter.target_layer_ids has {len(layer_ids)} ids but config.drafter."
+                              f"num_feature_layers is {count}: fc would read {len(layer_ids)}*H, not {count}*H = "
+                              f"{count * hidden} columns (leave num_feature_layers unset: it is the number of ids)")
     # vLLM captures sorted(set(ids)) and concatenates them in that order (design §10, §12.5): a drafter trained
     # on repeated or unsorted ids could not be served, so refuse it before training rather than at export.
     _require(list(layer_ids) == sorted(set(layer_ids)),

@@ -343,3 +343,16 @@ def test_qwen27b_dspark_is_speculators_dspark_recipe():
     assert params["markov_head/w1"] == params["markov_head/w2"] == 248320 * 256
     assert params["confidence_head/kernel"] == 5120 + 256
     assert abs(sum(params.values()) / 1e9 - 1.91) < 0.01, sum(params.values())  # 0.13 B of it the Markov head
+
+
+def test_the_feature_layer_count_follows_the_ids_or_defaults_to_five():
+    """config.drafter.num_feature_layers unset: the number of target_layer_ids when they are given, else five
+    spread over the target (design §2); given beside ids, it must agree with them."""
+    from dflash_jax.models.drafter import default_target_layer_ids
+
+    tokenizer = make_chat_tokenizer()
+    given = resolve_drafter_config(config(**{"drafter.num_feature_layers": None,
+                                             "drafter.target_layer_ids": (1, 5, 9)}), TARGET, tokenizer)
+    assert given.target_layer_ids == (1, 5, 9)
+    spread = resolve_drafter_config(config(**{"drafter.num_feature_layers": None}), TARGET, tokenizer)
+    assert spread.target_layer_ids == tuple(default_target_layer_ids(12, 5))
