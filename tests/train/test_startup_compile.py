@@ -41,7 +41,7 @@ def _train_counting_compiles(config, workdir, caplog) -> int:
     return compiles.train_steps
 
 
-@pytest.mark.slow  # two tiny runs on 8 simulated devices, each compiling its step (make test-slow)
+@pytest.mark.slow  # three tiny runs on 8 simulated devices, each compiling its step (make test-slow)
 def test_a_start_with_a_memory_budget_compiles_the_step_once(tmp_path, caplog):
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, as make test sets)")
@@ -55,6 +55,10 @@ def test_a_start_with_a_memory_budget_compiles_the_step_once(tmp_path, caplog):
     assert _train_counting_compiles(config, tmp_path / "given_steps", caplog) == 1
     assert config.to_dict() == given  # the run settles its own copy: the caller's config is left as given
     assert "plan:" in caplog.text and "compiles again" not in caplog.text
+    caplog.clear()  # a resume runs the plan's executable on the restored state
+    config.total_steps = 3
+    assert _train_counting_compiles(config, tmp_path / "given_steps", caplog) == 1
+    assert "resuming from" in caplog.text and "at step 2" in caplog.text
 
     caplog.clear()
     config = tiny_config(target, corpus, total_steps=None, epochs=0.01, **overrides)
