@@ -1,7 +1,8 @@
 """A start compiles the train step once (design §13.1): where a memory budget makes the run plan its step before
-reading any weight, the executable the plan compiled is the one the loop calls. Counted from JAX's compile log on
-8 simulated CPU devices with config.hbm_gib set (and the caller's config is left as given); with config.epochs (the schedule's step count known only once
-the corpus is counted) the step compiles again, and the log says why."""
+reading any weight, the executable the plan compiled is the one the loop calls, on a fresh start and on a resume.
+Counted from JAX's compile log on 8 simulated CPU devices with config.hbm_gib set (and the caller's config is
+left as given); with config.epochs (the schedule's step count known only once the corpus is counted) the step
+compiles again, and the log says why."""
 
 from __future__ import annotations
 
