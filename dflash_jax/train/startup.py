@@ -69,18 +69,18 @@ def settle(config: ConfigDict) -> tuple[ConfigDict, Mesh, plan.Plan | None]:
     ran. `config` is already the run's own copy."""
     budget = config.hbm_gib or plan.device_memory_gib(jax.local_devices()[0])
     report = None
+    target_config = plan.target_architecture(config)  # config.json alone: no weights are read here
     # The mask token is a constant of the compiled step: taken from the tokenizer now, so that the step the plan
     # compiles is the run's own, which the loop then calls (one compile a start: design §13.1).
     if config.drafter.mask_token_id is None:
         tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
         config.drafter.mask_token_id = validate.resolve_mask_token_id(
-            config, tokenizer, plan.target_architecture(config).vocab_size)
+            config, tokenizer, target_config.vocab_size)
     chip = chip_of_kind(jax.devices()[0].device_kind)  # the published peaks a predicted step time needs
     if budget and chip and jax.device_count() > 1 and plan_compare.chooses_mesh(config):
         # A mesh left at its defaults on accelerators: the candidates predicted without compiling, the best
         # compiled (design §13.1), so that a start or a resume compiles one step.
-        config, report, choice = plan_compare.choose_mesh(config, plan.target_architecture(config), jax.devices(),
-                                                          budget, chip)
+        config, report, choice = plan_compare.choose_mesh(config, target_config, jax.devices(), budget, chip)
         log.info("config.mesh left at its defaults: %s", choice)
     mesh = validate.mesh_from_config(config)
     batch_shards = int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
@@ -90,7 +90,7 @@ def settle(config: ConfigDict) -> tuple[ConfigDict, Mesh, plan.Plan | None]:
     # The step compiled from abstract arrays first (dflash_jax/planning/plan.py), where there is a budget to hold
     # it to: a run that cannot fit stops before any weight is read.
     if budget:
-        report = report or plan.plan_train_step(config, plan.target_architecture(config), mesh, budget)
+        report = report or plan.plan_train_step(config, target_config, mesh, budget)
         log.info("plan:\n%s", plan.format_plan(report))
         plan.check_budget(report)
         config.target_layout = report.target_layout  # "auto" settled by the plan
