@@ -28,6 +28,7 @@ def compilation_cache(tmp_path_factory):
     directory = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "xla_cache"
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_compilation_cache_max_size", 2**32)
-    # The commands the tests start share it too (the train command takes --config.compilation_cache_dir).
+    # The commands the tests start share it too: left unset, their config.compilation_cache_dir is JAX's own
+    # setting, this one (train/loop.py use_compilation_cache).
     os.environ.update(JAX_COMPILATION_CACHE_DIR=str(directory), JAX_COMPILATION_CACHE_MAX_SIZE=str(2**32))
     return directory

@@ -296,10 +296,8 @@ def main() -> None:
         distributed.initialize(config.distributed)  # before any other JAX call
         if jax.process_index() > 0:  # process 0 speaks for the job; the others warn and fail
             logging.getLogger("dflash_jax").setLevel(logging.WARNING)
-        if config.compilation_cache_dir is None:  # JAX's own setting (JAX_COMPILATION_CACHE_DIR), else the cache root
-            config.compilation_cache_dir = (jax.config.jax_compilation_cache_dir
-                                            or os.fspath(cache_root() / "compilation_cache"))
-        use_compilation_cache(config, workdir=None)  # a rerun loads each bucket's programs instead of compiling
+        # A rerun loads each bucket's programs instead of compiling them (no workdir: under the cache root).
+        use_compilation_cache(config, workdir=cache_root())
         summary = run(config, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value, batch_size=_BATCH.value,
                       temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value,
                       progress=not _QUIET.value)

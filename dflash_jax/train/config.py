@@ -222,8 +222,9 @@ def base_config() -> ConfigDict:
     config.stop_grace_seconds = 25.0
     config.peak_tflops_per_device = placeholder(float)  # for MFU; None = look up the device kind
     # XLA's persistent compilation cache (set by the train command): a rerun with the same shapes, such as a
-    # resume after preemption, loads the compiled step instead of compiling it again. None =
-    # <workdir>/compilation_cache; "off" = no cache; else a directory (local or gs://).
+    # resume after preemption, loads the compiled step instead of compiling it again. None = JAX's own setting
+    # (JAX_COMPILATION_CACHE_DIR) if any, else <workdir>/compilation_cache; "off" = no cache; else a directory
+    # (local or gs://).
     config.compilation_cache_dir = placeholder(str)
     # (first, last): a jax.profiler trace of steps first..last (counted from 1), written under
     # <workdir>/profile for TensorBoard's profile plugin or Perfetto; None = no trace.

@@ -136,13 +136,18 @@ def run_loop(run: startup.TrainingRun, evaluate: EvaluateFn | None) -> dict[str,
 
 
 def use_compilation_cache(config: ConfigDict, workdir: str | os.PathLike | None) -> None:
-    """XLA's persistent compilation cache in config.compilation_cache_dir (default <workdir>/compilation_cache;
-    without a workdir, as `evaluate --drafter`, none unless that is set). The setting is process-wide and read
+    """XLA's persistent compilation cache in config.compilation_cache_dir; left unset, JAX's own setting
+    (JAX_COMPILATION_CACHE_DIR) where there is one, else <workdir>/compilation_cache (without a workdir, as
+    `evaluate --drafter`, none). "off" turns it off, JAX's setting included. The setting is process-wide and read
     once, at the first compilation, so the train and evaluate commands set it before anything compiles; `train`
     itself leaves it alone."""
-    if config.compilation_cache_dir == "off" or not (config.compilation_cache_dir or workdir):
+    if config.compilation_cache_dir == "off":
+        jax.config.update("jax_compilation_cache_dir", None)
         return
-    directory = config.compilation_cache_dir or as_path(workdir) / "compilation_cache"
+    directory = config.compilation_cache_dir or jax.config.jax_compilation_cache_dir or (
+        as_path(workdir) / "compilation_cache" if workdir else None)
+    if directory is None:
+        return
     jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
     log.debug("compilation cache: %s", directory)  # before a bad input's one error line: not on the console
 

@@ -54,12 +54,12 @@ def straight(files, tmp_path_factory):
 
 
 def train_command(target_dir: Path, train_file: Path, workdir: Path, *extra: str) -> list[str]:
-    """The train command of SETTINGS; the session's compilation cache lets later launches of the same
-    program (the second pair of processes, the one-process resume) skip XLA's compile."""
+    """The train command of SETTINGS; the session's compilation cache (JAX_COMPILATION_CACHE_DIR, which the
+    command uses when its config names none) lets later launches of the same program (the second pair of
+    processes, the one-process resume) skip XLA's compile."""
     return [sys.executable, "-m", "dflash_jax.train", "--config", str(REPO / "configs" / "tiny.py"),
             "--workdir", str(workdir), f"--config.target_dir={target_dir}", f"--config.data.train_files={train_file}",
-            *(f"--config.{key}={value}" for key, value in SETTINGS.items()),
-            f"--config.compilation_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}", *extra]
+            *(f"--config.{key}={value}" for key, value in SETTINGS.items()), *extra]
 
 
 def assert_each_process_built_only_its_rows(outputs: list[str], records: int) -> None:

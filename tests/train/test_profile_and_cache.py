@@ -24,7 +24,9 @@ def test_train_command_caches_compilations_and_traces_the_requested_steps(tmp_pa
                f"--config.data.train_files={train_file}", "--config.data.seq_len=64", "--config.drafter.block_size=8",
                "--config.drafter.sliding_window=24", "--config.total_steps=4", "--config.mesh.fsdp=1",
                "--config.profile_steps=(2, 3)"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+    # Without JAX's own cache setting (the test session's), the command's default is <workdir>/compilation_cache.
+    env = {key: value for key, value in os.environ.items() if key != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_DISABLE_MOST_OPTIMIZATIONS="1",
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONPATH=str(REPO))  # cache even quick compiles
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
