@@ -17,7 +17,7 @@ import numpy as np
 from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
-from ml_collections import ConfigDict
+from ml_collections import ConfigDict, FrozenConfigDict
 from transformers import AutoTokenizer
 
 from dflash_jax.data import BatchLoader, Prefetcher
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 class TrainingRun:
     """Everything the steps of a run need, built by `setup`."""
 
-    config: ConfigDict  # resolved: mesh, batch size, target layout and total steps settled
+    config: FrozenConfigDict  # settled (mesh, batch size, target layout, total steps) and read-only
     workdir: epath.Path
     main: bool  # of several processes (runtime/distributed.py), the one that writes the run files
     mesh: Mesh
@@ -164,7 +164,8 @@ def setup(given: ConfigDict, config: ConfigDict, mesh: Mesh, report: plan.Plan |
     step_flops = flops.train_step_flops(config, target_config, drafter_config)
     peak_tflops = flops.peak_tflops(config, jax.devices()[0])
     first_slot = drafter_config.drafter_method.first_slot
-    return TrainingRun(config=config, workdir=workdir, main=main, mesh=mesh, rows=rows, spec=spec, state=state,
+    # The settled config, read-only from here: the loop reads it alone (design §7).
+    return TrainingRun(config=FrozenConfigDict(config.to_dict()), workdir=workdir, main=main, mesh=mesh, rows=rows, spec=spec, state=state,
                        start_step=start_step, checkpointer=checkpointer, batches=batches, target=target,
                        target_state=target_state, step_fns=step_fns, predicted=predicted, step_flops=step_flops,
                        peak_tflops=peak_tflops, first_slot=first_slot)
