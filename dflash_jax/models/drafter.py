@@ -33,7 +33,7 @@ from dflash_jax.models.dspark_heads import ConfidenceHead, MarkovHead
 from dflash_jax.models.layers import (MLP, Linear, RMSNorm, apply_rope, decoder_layer_params,
                                       rope_frequencies)
 from dflash_jax.ops.backends import resolve_attention_impl
-from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs
+from dflash_jax.ops.anchors import AnchorGrid, DrafterInputs, check_block_size
 from dflash_jax.ops.dflash_attention import cached_dflash_attention, dflash_attention
 from dflash_jax.ops.splash_attention import dflash_attention_splash
 from dflash_jax.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, constrain
@@ -124,8 +124,7 @@ class DrafterConfig:
                 not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"DrafterConfig.sliding_window must be a positive int when layer_types has a "
                              f"sliding_attention layer, got {self.sliding_window!r}")
-        if self.block_size < 2:
-            raise ValueError(f"DrafterConfig.block_size must be >= 2, got {self.block_size}")
+        check_block_size(self.block_size, "DrafterConfig.block_size")
         if not self.target_layer_ids:
             raise ValueError("DrafterConfig.target_layer_ids must name at least one target layer")
         out_of_range = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]

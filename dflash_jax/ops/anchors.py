@@ -17,6 +17,13 @@ import numpy as np
 from flax import struct
 
 
+def check_block_size(block_size: int, name: str) -> None:
+    """The one limit on a block's size, wherever a size is given (the config, DrafterConfig, AnchorGrid): an
+    anchor slot plus at least one drafted slot. ValueError naming `name`."""
+    if block_size < 2:
+        raise ValueError(f"{name} must be >= 2 (the anchor slot plus at least one drafted slot), got {block_size}")
+
+
 @dataclasses.dataclass(frozen=True)
 class AnchorGrid:
     """Static anchors a_j = j*stride, j < seq_len/stride, each heading a block of block_size slots."""
@@ -33,9 +40,7 @@ class AnchorGrid:
         if self.seq_len % self.stride:
             raise ValueError(f"AnchorGrid.seq_len ({self.seq_len}) must be a multiple of "
                              f"AnchorGrid.stride ({self.stride})")
-        if self.block_size < 2:
-            raise ValueError(f"AnchorGrid.block_size must be >= 2 (an anchor slot plus at least one drafted "
-                             f"slot), got {self.block_size}")
+        check_block_size(self.block_size, "AnchorGrid.block_size")
 
     @classmethod
     def for_rows(cls, seq_len: int, anchor_stride: int, block_size: int, max_anchors: int | None) -> AnchorGrid:

@@ -27,6 +27,7 @@ from dflash_jax.methods import METHODS, method_for
 from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.models.dflash import LABEL_SOURCES
 from dflash_jax.models.drafter import LAYER_TYPES, REMAT_POLICIES, DrafterConfig, default_target_layer_ids
+from dflash_jax.ops.anchors import check_block_size
 from dflash_jax.ops.backends import ATTENTION_CHOICES
 from dflash_jax.ops.gated_delta import MATMUL_CHOICES
 from dflash_jax.sharding import TARGET_LAYOUTS, make_mesh
@@ -129,8 +130,10 @@ def validate_config(config: ConfigDict) -> None:
     _require(bool(data.train_files), "config.data.train_files is required: one or more data files, globs, "
                                      "directories or dataset ids (--config.data.train_files=a.jsonl or a tuple "
                                      "in the config file)")
-    _require(block_size >= 2, f"config.drafter.block_size must be >= 2 (the anchor slot plus at least one drafted "
-                              f"slot), got {block_size}")
+    try:
+        check_block_size(block_size, "config.drafter.block_size")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     _require(data.bad_records in BAD_RECORDS,
              f"config.data.bad_records must be one of {BAD_RECORDS}, got {data.bad_records!r}")
     _require(data.anchor_stride >= 1, f"config.data.anchor_stride must be >= 1, got {data.anchor_stride}")
