@@ -103,6 +103,7 @@ def figures(markdown: str) -> set[str]:
 
 
 def normalise_spaces(text: str) -> str:
+    text = re.sub(r"(\d)[ \t]*\n[ \t]*(?=\S)", r"\1 ", text)  # a figure wrapped between its number and unit
     text = text.replace("\u2009", " ").replace("\u00a0", " ").replace("\u202f", " ").replace("–", "-")
     for long, short in LONG_UNITS.items():
         text = re.sub(rf"(\d) {long}\b", rf"\1 {short}", text)
