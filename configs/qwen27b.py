@@ -7,7 +7,7 @@ of each head, untied LM head. 26,895,998,464 text parameters.
 """
 
 from dflash_jax.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen3_5Config
-from dflash_jax.train.config import base_config, placeholder
+from dflash_jax.train.config import base_config
 
 
 def target_config() -> Qwen3_5Config:
@@ -52,7 +52,6 @@ def get_config():
     config.loss.gamma = 7.0
     config.data.seq_len = 4096
     config.data.anchor_stride = 8  # N = 512 anchors per row
-    config.data.batch_size = placeholder(int)  # given per device instead (an int field still, for overrides)
     config.data.rows_per_device = 1
     config.epochs = 6  # total_steps follows from the corpus's size (train/epochs.py)
     config.optim.b2 = 0.999

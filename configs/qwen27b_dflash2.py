@@ -27,7 +27,7 @@ Departures and their reasons:
 """
 
 from dflash_jax.configs.qwen27b import target_config  # noqa: F401 (the target's shapes, for plans and tests)
-from dflash_jax.train.config import base_config, placeholder
+from dflash_jax.train.config import base_config
 
 
 def get_config():
@@ -51,7 +51,6 @@ def get_config():
     config.loss.gamma = 4.0
     config.data.seq_len = 8192
     config.data.anchor_stride = 16  # N = 512 anchors per row
-    config.data.batch_size = placeholder(int)  # given per device instead (an int field still, for overrides)
     config.data.rows_per_device = 1
     config.epochs = 20
     config.optim.name = "muon"

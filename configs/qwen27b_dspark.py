@@ -27,7 +27,7 @@ Departures and their reasons:
 """
 
 from dflash_jax.configs import qwen27b
-from dflash_jax.train.config import base_config, placeholder
+from dflash_jax.train.config import base_config
 
 target_config = qwen27b.target_config  # the target's text-model shapes (configs/qwen27b.py)
 
@@ -56,7 +56,6 @@ def get_config():
     config.loss.gamma = 4.0
     config.data.seq_len = 8192
     config.data.anchor_stride = 16  # N = 512 anchors per row
-    config.data.batch_size = placeholder(int)  # given per device instead (an int field still, for overrides)
     config.data.rows_per_device = 1
     config.epochs = 20  # total_steps follows from the corpus's size (train/epochs.py)
     config.optim.name = "muon"

@@ -20,7 +20,7 @@ on v5p-64 with a copy of the target per chip, if the hardware reaches the roofli
 
 from dflash_jax.models.moe_config import MoeSettings
 from dflash_jax.models.qwen3 import Qwen3Config
-from dflash_jax.train.config import base_config, placeholder
+from dflash_jax.train.config import base_config
 
 LAYERS = 48
 
@@ -49,7 +49,6 @@ def get_config():
     config.loss.gamma = 7.0
     config.data.seq_len = 3072
     config.data.anchor_stride = 6  # N = 512 anchors per row
-    config.data.batch_size = placeholder(int)  # given per device instead (an int field still, for overrides)
     config.data.rows_per_device = 1
     config.epochs = 6  # total_steps follows from the corpus's size (train/epochs.py)
     config.optim.b2 = 0.999

@@ -15,7 +15,7 @@ SpecForge), chosen by the toy measurement in bench/RESULTS.md.
 """
 
 from dflash_jax.models.qwen3 import Qwen3Config
-from dflash_jax.train.config import base_config, placeholder
+from dflash_jax.train.config import base_config
 
 
 def target_config() -> Qwen3Config:
@@ -40,7 +40,6 @@ def get_config():
     config.loss.gamma = 7.0
     config.data.seq_len = 3072
     config.data.anchor_stride = 6  # N = 512 anchors per row
-    config.data.batch_size = placeholder(int)  # given per device instead (an int field still, for overrides)
     config.data.rows_per_device = 4
     config.epochs = 6  # total_steps follows from the corpus's size (train/epochs.py)
     config.optim.b2 = 0.999

@@ -101,9 +101,10 @@ def base_config() -> ConfigDict:
     # speculators' default (DataArgs.max_anchors, per packed row), SpecForge's num_anchors and the DFlash paper's
     # blocks per sequence; the 4K-row recipes already hold 512, so only rows past 512 x S change.
     config.data.max_anchors = 512
-    config.data.batch_size = 8  # rows per step (global, split over the data and fsdp mesh axes)
-    # Or rows per device instead (batch_size None): batch_size = rows_per_device x the mesh's data x fsdp size,
-    # so one config runs on a slice of any size. A given batch_size takes precedence (warned).
+    # Rows a step: data.batch_size (global, split over the data and fsdp mesh axes), or rows per device,
+    # batch_size = rows_per_device x the mesh's data x fsdp size, so that one config runs on a slice of any size.
+    # Neither given: one row per device. A given batch_size takes precedence (warned).
+    config.data.batch_size = placeholder(int)
     config.data.rows_per_device = placeholder(int)
     config.data.shuffle_seed = 0
     config.data.bad_records = "raise"  # or "skip": log and count bad JSONL records instead of stopping

@@ -174,12 +174,10 @@ def validate_config(config: ConfigDict) -> None:
     _require(config.total_steps is None or config.total_steps >= 1,
              f"config.total_steps must be >= 1, got {config.total_steps}")
     _require(config.epochs is None or config.epochs > 0, f"config.epochs must be > 0, got {config.epochs}")
-    _require(data.batch_size is not None or data.rows_per_device is not None,
-             "give config.data.batch_size (rows per step) or config.data.rows_per_device")
     if data.batch_size is not None and data.rows_per_device is not None:
         log.warning("config.data.batch_size = %d takes precedence over config.data.rows_per_device = %d",
                     data.batch_size, data.rows_per_device)
-    rows = data.batch_size if data.batch_size is not None else data.rows_per_device
+    rows = data.batch_size if data.batch_size is not None else rows_per_device(config)
     _require(rows >= 1, f"config.data.{'batch_size' if data.batch_size is not None else 'rows_per_device'} must be "
                         f">= 1, got {rows}")
     for path in ("grad_accum_steps", "loss.vocab_chunk", "loss.row_chunk",
@@ -297,13 +295,18 @@ def validate_eval_files(config: ConfigDict) -> None:
              f"config.eval_every = {config.eval_every} needs config.data.eval_files (JSONL records to measure τ on)")
 
 
+def rows_per_device(config: ConfigDict) -> int:
+    """config.data.rows_per_device, one when unset (the batch when data.batch_size is not given)."""
+    return 1 if config.data.rows_per_device is None else config.data.rows_per_device
+
+
 def resolve_batch_size(config: ConfigDict, num_batch_shards: int) -> ConfigDict:
-    """`config` itself when it gives data.batch_size; else, with data.rows_per_device, a copy whose batch_size is
-    that many rows for each of the mesh's `num_batch_shards` (data x fsdp) devices."""
+    """`config` itself when it gives data.batch_size; else a copy whose batch_size is data.rows_per_device (one
+    when unset) rows for each of the mesh's `num_batch_shards` (data x fsdp) devices."""
     if config.data.batch_size is not None:
         return config
     resolved = config.copy_and_resolve_references()
-    resolved.data.batch_size = config.data.rows_per_device * num_batch_shards
+    resolved.data.batch_size = rows_per_device(config) * num_batch_shards
     resolved.data.rows_per_device = None
     return resolved
 

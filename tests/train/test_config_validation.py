@@ -51,7 +51,6 @@ def config(**overrides):
                               "None, got 0"),
     ({"loss.gamma": 0.0}, "config.loss.gamma must be > 0"),
     ({"loss.gamma": -4.0}, "config.loss.gamma must be > 0"),
-    ({"data.batch_size": None}, "give config.data.batch_size (rows per step) or config.data.rows_per_device"),
     ({"data.batch_size": None, "data.rows_per_device": 0}, "config.data.rows_per_device must be >= 1, got 0"),
     ({"loss.position_weights": "dpac"}, "config.loss.position_weights must be one of"),
     ({"loss.dpace_alpha": 1.5}, "config.loss.dpace_alpha must lie in [0, 1]"),
@@ -215,6 +214,19 @@ def test_the_qwen_recipes_run_on_any_slice_without_a_batch_override(devices):
     for module, (seq_len, rows_per_device) in ((qwen3_8b, (3072, 4)), (qwen27b, (4096, 1))):
         data = module.get_config().data
         assert (data.seq_len, data.rows_per_device) == (seq_len, rows_per_device)
+
+
+def test_a_batch_left_unset_is_one_row_per_device():
+    """The base config gives neither data.batch_size nor data.rows_per_device: a step takes one row per (data,
+    fsdp) device, with no warning of precedence."""
+    from dflash_jax.train.config import base_config
+    from dflash_jax.train.validate import resolve_batch_size
+
+    c = base_config()
+    c.target_dir, c.data.train_files, c.total_steps = "/ckpt/target", ("train.jsonl",), 10
+    validate_config(c)
+    assert (c.data.batch_size, c.data.rows_per_device) == (None, None)
+    assert resolve_batch_size(c, 16).data.batch_size == 16
 
 
 def test_qwen27b_drafter_is_the_spec_one():
