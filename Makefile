@@ -146,10 +146,9 @@ test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
 
 # vLLM TPU (tpu-inference) reading and running the `dflash` exports (tests/serving_tpu/): its config handling,
 # weight loader and JAX DFlash model on CPU, against the project's draft logits. Its own venv on Python 3.12 (all
-# that vllm-tpu is built for): a pyenv 3.12 where there is one, else python3.12 from PATH.
+# that vllm-tpu is built for): PYTHON312, as for make venv-py312 above.
 VLLM_TPU_VENV := .venv-vllm-tpu
 VLLM_TPU_PY := $(VLLM_TPU_VENV)/bin/python
-PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 
 .PHONY: test-vllm-tpu
 
