@@ -46,8 +46,8 @@ class OpenAIServer:
     def prompt_ids(self, path: str, body: dict) -> list[int]:
         if path == "/v1/completions":
             return list(body["prompt"])
-        text = self.tokenizer.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True,
-                                                  **(body.get("chat_template_kwargs") or {}))
+        text = self.tokenizer.apply_chat_template(body["messages"], tools=body.get("tools"), tokenize=False,
+                                                  add_generation_prompt=True, **(body.get("chat_template_kwargs") or {}))
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _answer(self, path: str, body: dict) -> tuple[int, dict | None]:

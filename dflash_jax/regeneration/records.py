@@ -3,7 +3,10 @@
 Input, one JSON object per line, in the training formats (data/records.py), where the responses are optional
 and are replaced anyway:
   {"prompt": "...", ["completion": "..."]}     raw text: the completion is the target's continuation
-  {"messages": [{"role", "content"}, ...]}      chat: every assistant turn is the target's response
+  {"messages": [{"role", "content"}, ...], ["tools": [...]]}
+                                                chat: every assistant turn is the target's response, the tools
+                                                rendered into its prompt as training renders them
+  {"conversations": [{"from", "value"}, ...]}   ShareGPT chat, written back as "messages"
 A conversation's assistant turns are generated in order, each from the conversation before it with the
 earlier turns already regenerated, so the whole conversation is the target's own; a conversation that does
 not end with an assistant turn gets one. Other keys of the record (and of user/system messages) are kept.
@@ -17,35 +20,29 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from dflash_jax.data.records import CompletionRecord, parse_object
+from dflash_jax.data.tokenize import check_chat_tokenizer, render_chat
 from dflash_jax.runtime.errors import DataError
-from dflash_jax.data.tokenize import check_chat_tokenizer
 
 
 def parse_prompt_record(line: str, where: str) -> dict[str, Any]:
-    """One JSONL line as a validated record object. Raises DataError(where, reason)."""
+    """One JSONL line as a record object, read as training reads it (data/records.py: OpenAI or ShareGPT chats,
+    content parts, tool calls and tools; raw prompts): a chat as {"messages", ["tools"]} in the OpenAI form, a
+    raw one as {"prompt"}, and the record's other keys kept. Raises DataError(where, reason)."""
     try:
-        record = json.loads(line)
+        obj = json.loads(line)
     except json.JSONDecodeError as error:
         raise DataError(where, f"invalid JSON: {error}") from None
-    if not isinstance(record, dict):
-        raise DataError(where, f"expected a JSON object, got {type(record).__name__}")
-    if ("messages" in record) == ("prompt" in record):
-        raise DataError(where, f"a prompt record needs exactly one of 'messages' and 'prompt'; found keys "
-                               f"{sorted(record)}")
-    if "prompt" in record:
-        if not isinstance(record["prompt"], str) or not record["prompt"]:
-            raise DataError(where, "'prompt' must be a non-empty string")
-        return record
-    messages = record["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise DataError(where, "'messages' must be a non-empty list of {'role', 'content'} objects")
-    for i, message in enumerate(messages):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise DataError(where, f"messages[{i}] must be an object with string 'role' and 'content'")
-    if all(m["role"] == "assistant" for m in messages):
+    record = parse_object(obj, where, prompt_only=True)
+    rest = {key: value for key, value in obj.items() if key not in _RECORD_KEYS and value is not None}
+    if isinstance(record, CompletionRecord):
+        return {"prompt": record.prompt, **rest}
+    if all(m["role"] == "assistant" for m in record.messages):
         raise DataError(where, "the conversation has only assistant turns, so there is nothing to respond to")
-    return record
+    return {"messages": list(record.messages), **({"tools": list(record.tools)} if record.tools else {}), **rest}
+
+
+_RECORD_KEYS = ("prompt", "completion", "messages", "conversations", "tools")
 
 
 class Regeneration:
@@ -55,6 +52,7 @@ class Regeneration:
     def __init__(self, record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, where: str,
                  chat_template_kwargs: dict | None = None):
         self.record, self.tokenizer, self.where = record, tokenizer, where
+        self.tools = record.get("tools")  # the chat's tool definitions, rendered into every prompt
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.responses: list[str] = []
         if "messages" in record:
@@ -82,10 +80,11 @@ class Regeneration:
         return self.messages is None and self.done and not self.responses[0]
 
     def prompt(self) -> list[int]:
-        if self.messages is None:
-            return self.tokenizer(self.record["prompt"], add_special_tokens=False)["input_ids"]
-        text = self.tokenizer.apply_chat_template(self.conversation(), tokenize=False, add_generation_prompt=True,
-                                                  **self.template_kwargs)
+        """The token ids to continue: a raw prompt's own; a chat rendered as training renders it (its tools
+        included), with the template's generation prompt."""
+        text = self.record["prompt"] if self.messages is None else render_chat(
+            self.tokenizer, self.conversation(), self.where, self.template_kwargs, tools=self.tools,
+            add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def conversation(self) -> list[dict[str, Any]]:

@@ -98,6 +98,8 @@ def regenerate_record(server: Server, regeneration: Regeneration, index: int, sa
         else:
             path = "/v1/chat/completions"
             body["messages"] = regeneration.conversation()
+            if regeneration.tools:  # rendered into the prompt as training renders it; the answer stays raw text
+                body["tools"], body["tool_choice"] = regeneration.tools, "none"
             if sampling.chat_template_kwargs:
                 body["chat_template_kwargs"] = sampling.chat_template_kwargs
         try:

@@ -223,7 +223,7 @@ def test_setup_errors_are_one_line(tmp_path):
     with pytest.raises(ValueError, match="--temperature must be >= 0"):
         regenerate.run(config, [str(prompts)], str(tmp_path / "out.jsonl"), max_new_tokens=4, batch_size=8,
                        temperature=-1)
-    with pytest.raises(ValueError, match=r"prompts.jsonl:2: a prompt record needs exactly one of 'messages' and "):
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: record is missing 'prompt'"):
         regenerate.run(config, [str(prompts)], str(tmp_path / "out.jsonl"), max_new_tokens=4, batch_size=8,
                        progress=False)
 
