@@ -27,11 +27,12 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.attention import MASKED_SCORE, grouped_attention, to_head_major
 from dflash_jax.ops.mask import block_rule, context_rule, validate_window
-from dflash_jax.sharding import constrain, context_shards
+from dflash_jax.sharding import CONTEXT_AXIS, constrain, context_shards
 
 # Widest context key tile. A layer's tiles are as wide as its widest chunk reach split into the fewest tiles of
 # at most KEY_TILE: a sliding layer's windowed chunks then fill their tiles exactly, and any chunk scores less
@@ -78,19 +79,22 @@ class TileSchedule:
 
 @functools.lru_cache(maxsize=64)
 def tile_schedule(grid: AnchorGrid, window: int | None, query_chunk_blocks: int,
-                  key_tile: int = KEY_TILE) -> TileSchedule:
+                  key_tile: int = KEY_TILE, first_block: int = 0) -> TileSchedule:
     """The pairs covering each chunk's context reach (the last chunk may be shorter: it is moved back to end at
-    the last row). A chunk with nothing to see (the block at anchor 0) has no pair."""
-    blocks = min(query_chunk_blocks, grid.num_anchors)
+    the last row). A chunk with nothing to see (the block at anchor 0) has no pair. first_block: the queries are
+    those of blocks first_block.. only (a shard's own blocks in its frame, `_attention_over_context`); rows count
+    from there."""
+    blocks = min(query_chunk_blocks, grid.num_anchors - first_block)
     chunk_rows = blocks * grid.block_size
-    firsts = range(0, grid.num_anchors, blocks)
+    queries = (grid.num_anchors - first_block) * grid.block_size
+    firsts = range(first_block, grid.num_anchors, blocks)
     reaches = [context_reach(grid, window, first, min(first + blocks, grid.num_anchors)) for first in firsts]
     widest = max(stop - start for start, stop in reaches)
     width = math.ceil(widest / math.ceil(widest / key_tile)) if widest else 0  # the fewest tiles for the widest
     pairs = []
     for first, (start, stop) in zip(firsts, reaches):
-        row_low = first * grid.block_size
-        row_start = min(row_low, grid.num_queries - chunk_rows)
+        row_low = (first - first_block) * grid.block_size
+        row_start = min(row_low, queries - chunk_rows)
         for key_low in range(start, stop, max(width, 1)):
             pairs.append((row_start, row_low, min(key_low, grid.seq_len - width), key_low))
     columns = np.asarray(pairs, dtype=np.int32).reshape(-1, 4).T
@@ -136,6 +140,10 @@ def dflash_attention(
         raise ValueError(f"query_chunk_blocks and key_tile must be >= 1, got {query_chunk_blocks} and {key_tile}")
     validate_window(window)
 
+    shards = context_shards()
+    if shards > 1 and grid.num_anchors % shards == 0:  # each shard holds its own anchors' blocks (design §19)
+        return _attention_over_context(q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, anchor_segment_ids,
+                                       grid, window, float(scale), query_chunk_blocks, key_tile, shards)
     batch, _, q_heads, head_dim = q.shape
     kv_heads = k_ctx.shape[2]
     layer = _Layer(grid, window, float(scale), query_chunk_blocks, key_tile)
@@ -145,6 +153,60 @@ def dflash_attention(
                 context_segment_ids, jnp.repeat(anchor_segment_ids, grid.block_size, axis=1)]
     out = _whole_rows(_attention(layer, *map(_whole_rows, operands)))
     return out.swapaxes(1, 2).reshape(batch, grid.num_queries, q_heads, head_dim)
+
+
+def _attention_over_context(q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, anchor_segment_ids, grid: AnchorGrid,
+                            window: int | None, scale: float, query_chunk_blocks: int, key_tile: int,
+                            shards: int) -> jax.Array:
+    """`dflash_attention` of rows split over the context axis (design §19): each shard attends for the blocks of
+    its own anchors (anchors lie every S tokens, so shard i of L = T/N tokens holds blocks [i·L/S, (i+1)·L/S)).
+    Its keys are its own context positions and the `halo` before them that its blocks can see: on a sliding layer
+    the last ⌈(W − 1)/S⌉·S positions of the shards before it (collective permutes), on the full layer the whole
+    prefix (one all-gather). In that frame, which starts `halo` positions before the shard, the shard's anchors
+    are halo + j·S whatever the shard: one static grid of halo + L positions whose queries start at block
+    halo / S serves every shard, and its schedule is the unsplit attention's. Positions before the row's start
+    carry the segment BEFORE_THE_ROW, which no query has."""
+    length = grid.seq_len // shards
+    prefix = (shards - 1) * length
+    halo = prefix if window is None else min(math.ceil((window - 1) / grid.stride) * grid.stride, prefix)
+    layer = _Layer(AnchorGrid(halo + length, grid.stride, grid.block_size), window, scale, query_chunk_blocks,
+                   key_tile, first_block=halo // grid.stride, split=True)
+
+    def local(q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, anchor_segment_ids):
+        batch, rows, q_heads, head_dim = q.shape
+        k_ctx, v_ctx = (with_halo(x, halo, CONTEXT_AXIS, 0) for x in (k_ctx, v_ctx))
+        context_segment_ids = with_halo(context_segment_ids, halo, CONTEXT_AXIS, BEFORE_THE_ROW)
+        operands = [to_head_major(q, k_ctx.shape[2]), *(x.swapaxes(1, 2) for x in (k_ctx, v_ctx, k_blk, v_blk)),
+                    context_segment_ids, jnp.repeat(anchor_segment_ids, grid.block_size, axis=1)]
+        out = _attention(layer, *operands)
+        return out.swapaxes(1, 2).reshape(batch, rows, q_heads, head_dim)
+
+    row = PartitionSpec(None, CONTEXT_AXIS)
+    return jax.shard_map(local, in_specs=(row,) * 7, out_specs=row, axis_names={CONTEXT_AXIS})(
+        q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, anchor_segment_ids)
+
+
+def with_halo(x: jax.Array, width: int, axis: str, fill) -> jax.Array:
+    """[b, width + L, ...]: the `width` positions (axis 1) before this shard's first, from the shards before it
+    (`fill` before the row's start), then the shard's own L. One all-gather where the halo is the whole prefix,
+    else a collective permute per shard it reaches into, each sending only the positions needed."""
+    if width == 0:
+        return x
+    shards, index, length = jax.lax.axis_size(axis), jax.lax.axis_index(axis), x.shape[1]
+    if width >= (shards - 1) * length:
+        whole = jax.lax.all_gather(x, axis, axis=1, tiled=True)
+        padded = jnp.concatenate([jnp.full((x.shape[0], width, *x.shape[2:]), fill, x.dtype), whole], axis=1)
+        return jax.lax.dynamic_slice_in_dim(padded, index * length, width + length, axis=1)
+    pieces = []
+    for back in range(math.ceil(width / length), 0, -1):  # from the farthest shard to the one just before
+        take = min(length, width - (back - 1) * length)
+        piece = jax.lax.ppermute(x[:, length - take:], axis, [(i, i + back) for i in range(shards - back)])
+        pieces.append(jnp.where(index >= back, piece, jnp.full_like(piece, fill)))
+    return jnp.concatenate([*pieces, x], axis=1)
+
+
+# The segment id of a split row's frame positions before the row's start (`_attention_over_context`): no token's.
+BEFORE_THE_ROW = np.iinfo(np.int32).min
 
 
 def _whole_rows(x: jax.Array) -> jax.Array:
@@ -160,17 +222,29 @@ def _whole_rows(x: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class _Layer:
-    """What the attention holds static: the grid, the layer's window and scale, and how it tiles the context."""
+    """What the attention holds static: the grid, the layer's window and scale, and how it tiles the context;
+    the queries are those of blocks first_block.. of the grid; split: run on one shard of a row
+    (`_attention_over_context`), where nothing is gathered whole."""
 
     grid: AnchorGrid
     window: int | None
     scale: float
     query_chunk_blocks: int
     key_tile: int
+    first_block: int = 0
+    split: bool = False
 
     @property
     def schedule(self) -> TileSchedule:
-        return tile_schedule(self.grid, self.window, self.query_chunk_blocks, self.key_tile)
+        return tile_schedule(self.grid, self.window, self.query_chunk_blocks, self.key_tile, self.first_block)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.grid.num_anchors - self.first_block
+
+    def query_table(self, table: np.ndarray) -> np.ndarray:
+        """A per-query table of the grid (anchor, slot), from the first held block's rows."""
+        return table[self.first_block * self.grid.block_size:]
 
 
 # The operands from here on are head-major: q [b, Hkv, N*B, group, D]; k_ctx, v_ctx [b, Hkv, T, D]; k_blk, v_blk
@@ -183,7 +257,7 @@ def _attention(layer: _Layer, q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids
 def _forward(layer: _Layer, q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, query_segment_ids):
     """The output [b, Hkv, N*B, group, D] in q.dtype and each row's log-sum-exp [b, Hkv, N*B, group] (fp32)."""
     grid, schedule = layer.grid, layer.schedule
-    by_block = (*q.shape[:2], grid.num_anchors, grid.block_size)
+    by_block = (*q.shape[:2], layer.num_blocks, grid.block_size)
     scores = _block_scores(layer, q, k_blk)
     row_max = jnp.max(scores, axis=-1)
     weights = jnp.exp(scores - row_max[..., None])
@@ -223,8 +297,8 @@ def _attention_backward(layer: _Layer, residuals, d_out):
     scale), products in the operands' dtype with fp32 accumulation."""
     q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, query_segment_ids, out, log_sum_exp = residuals
     grid, schedule, scale = layer.grid, layer.schedule, layer.scale
-    d_out = _whole_rows(d_out)
-    by_block = (*q.shape[:2], grid.num_anchors, grid.block_size)
+    d_out = d_out if layer.split else _whole_rows(d_out)
+    by_block = (*q.shape[:2], layer.num_blocks, grid.block_size)
     d_row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
 
     def d_scores(probs, d_out, values, d_row):
@@ -274,7 +348,7 @@ def _block_scores(layer: _Layer, q, k_blk) -> jax.Array:
     """[b, Hkv, N, B, group, B] fp32: each row's scores against its own block's slots (k' <= k on sliding
     layers)."""
     grid = layer.grid
-    by_block = (*q.shape[:2], grid.num_anchors, grid.block_size)
+    by_block = (*q.shape[:2], layer.num_blocks, grid.block_size)
     scores = jnp.einsum("bhnqgd,bhnkd->bhnqgk", q.reshape(*by_block, *q.shape[3:]), k_blk.reshape(*by_block, -1),
                         preferred_element_type=jnp.float32) * layer.scale
     if layer.window is None:
@@ -293,7 +367,8 @@ def _pair_scores(layer: _Layer, q, k_ctx, context_segment_ids, query_segment_ids
     scores = jnp.einsum("bhqgd,bhkd->bhqgk", q_chunk, k_tile, preferred_element_type=jnp.float32) * layer.scale
     # Each row's anchor and slot read from constant tables: computing them from the row index would repeat
     # integer divisions in every fusion over the scores.
-    anchors, slots = (jax.lax.dynamic_slice_in_dim(jnp.asarray(table), row_start, schedule.chunk_rows)
+    anchors, slots = (jax.lax.dynamic_slice_in_dim(jnp.asarray(layer.query_table(table)), row_start,
+                                                   schedule.chunk_rows)
                       for table in (grid.query_anchors, grid.query_slots))
     rows = row_start + jnp.arange(schedule.chunk_rows)
     keys = key_start + jnp.arange(schedule.width)

@@ -10,6 +10,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from dflash_jax.ops.attention import grouped_attention
 from dflash_jax.ops.dflash_attention import KEY_TILE, context_reach, dflash_attention, tile_schedule
@@ -354,3 +355,38 @@ def test_visible_intervals_are_the_position_mask(window):
     keys = np.arange(grid.seq_len + grid.num_queries)
     inside = (keys >= starts[:, :, None]) & (keys < ends[:, :, None])
     np.testing.assert_array_equal(inside.any(axis=1), position_mask(grid, window))
+
+
+# ---- rows split over the context axis (design §19) ----
+
+def _split_segments(seq_len: int) -> np.ndarray:
+    """Documents crossing every split of the row into 2-8 shards, and a row whose last quarter (a whole shard at 4
+    shards, two at 8) is padding."""
+    first = np.repeat([0, 1, 2, 3], [seq_len * 3 // 8 + 1, seq_len // 4 + 3, 5, seq_len - seq_len * 5 // 8 - 9])
+    second = np.repeat([4, 5, PAD], [seq_len // 2 - 3, seq_len // 4 + 3, seq_len // 4])
+    return np.stack([first, second, np.full(seq_len, 6)]).astype(np.int32)
+
+
+# make test: the full layer (the prefix all-gathered) and a sliding layer wider than a shard (halo from three
+# shards); make test-slow: the other splits and a halo narrower than a shard.
+@pytest.mark.parametrize("shards, window, chunk, key_tile", [
+    (4, None, 3, 7), (8, 20, 3, 5),
+    *[pytest.param(*case, marks=pytest.mark.slow) for case in [(2, None, 2, KEY_TILE), (8, None, 1, 5),
+                                                               (4, 5, 2, KEY_TILE), (2, 9, 3, 4)]]])
+def test_dflash_attention_on_rows_split_over_context_equals_one_device(shards, window, chunk, key_tile):
+    """Each shard attends for its own anchors' blocks against its halo and its own context (forward and
+    gradients); a sliding layer's halo comes by collective permutes, the full layer's prefix by one all-gather."""
+    grid = AnchorGrid(64, 4, 4)
+    inputs = _attention_inputs(grid, seed=shards)
+    segments = jnp.asarray(_split_segments(grid.seq_len))
+    cotangent = jax.random.normal(jax.random.key(7), inputs[0].shape)
+    attend = _chunked(grid, window, chunk, key_tile)
+    expected_out, expected_grads = _output_and_grads(attend, inputs, segments, cotangent)
+    with jax.set_mesh(Mesh(np.array(jax.devices()[:shards]), ("context",))):
+        out, grads = _output_and_grads(attend, inputs, segments, cotangent)
+        hlo = jax.jit(attend).lower(*inputs, segments).compile().as_text()
+    np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
+    for name, grad, expected_grad in zip(("q", "k_ctx", "v_ctx", "k_blk", "v_blk"), grads, expected_grads):
+        np.testing.assert_allclose(grad, expected_grad, rtol=1e-4, atol=1e-5, err_msg=name)
+    gathers = "all-gather" in hlo
+    assert gathers == (window is None) and ("collective-permute" in hlo) == (window is not None)
