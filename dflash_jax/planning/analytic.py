@@ -238,7 +238,9 @@ def _context_collectives(config: ConfigDict, target_config, drafter_config, rows
                          params: float) -> dict[Collective, float]:
     """Bytes a device sends over the context axis a step (all-gathers: (N − 1) x its shard): the target's K/V at
     each full-attention layer, each Gated DeltaNet layer's state map (M, B: [heads, dk, dk + dv] fp32), the
-    drafter's context K/V at each of its layers forward and twice backward, and the gradients' all-reduce."""
+    drafter's context K/V forward and twice backward (rematerialised, and the gradient's way back): gathered
+    whole at its full layer, a halo of ⌈(W − 1)/S⌉·S positions by collective permutes at a sliding one (design
+    §19), and the gradients' all-reduce."""
     t, d = target_config, drafter_config
     shard = rows * config.data.seq_len // context
     types = getattr(t, "layer_types", None) or ("full_attention",) * t.num_hidden_layers
@@ -249,9 +251,21 @@ def _context_collectives(config: ConfigDict, target_config, drafter_config, rows
     if full < len(types):
         width = t.linear_key_head_dim * (t.linear_key_head_dim + t.linear_value_head_dim) * 4
         gather += (len(types) - full) * rows * t.linear_num_value_heads / tensor * width
-    gather += 3 * d.num_hidden_layers * shard * 2 * d.num_key_value_heads * d.head_dim / tensor * item
-    return {Collective("all-gather", ("context",), False): (context - 1) * gather,
-            Collective("all-reduce", ("context",), False): 2 * (context - 1) / context * params}
+    position = 2 * d.num_key_value_heads * d.head_dim / tensor * item  # a context position's K and V
+    stride, prefix = anchor_grid(config).stride, (context - 1) * config.data.seq_len // context
+    permute = 0.0
+    for layer in range(d.num_hidden_layers):
+        window = d.window(layer)
+        halo = prefix if window is None else min(math.ceil((window - 1) / stride) * stride, prefix)
+        if halo == prefix:
+            gather += 3 * shard * position
+        else:
+            permute += 3 * rows * halo * position
+    collectives = {Collective("all-gather", ("context",), False): (context - 1) * gather,
+                   Collective("all-reduce", ("context",), False): 2 * (context - 1) / context * params}
+    if permute:
+        collectives[Collective("collective-permute", ("context",), False)] = permute
+    return collectives
 
 
 def format_choice(chosen: Prediction, predictions: list[Prediction]) -> str:
