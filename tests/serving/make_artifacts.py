@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from dflash_jax.weights.safetensors_dir import read_config  # noqa: E402
 
 TOY_TARGET, TOY_DATA = REPO / "dflash_jax/assets/toy_target", REPO / "dflash_jax/assets/toy_data"
-BLOCK_SIZE, WINDOW, TRAIN_STEPS = 8, 32, 300
+BLOCK_SIZE, WINDOW, TRAIN_STEPS = 8, 32, 150
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
 NUM_PROMPTS, NEW_TOKENS = 6, 64
 DRAFTERS = {"full": ("full_attention", "full_attention"), "sliding": ("sliding_attention", "sliding_attention"),
