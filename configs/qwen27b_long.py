@@ -17,8 +17,9 @@ Each choice and its source:
   the row length.
 
 On a v5p-64 slice one 131,072-token row of this recipe fits a chip without splitting it (deviceless plan of the
-27B step with its 2048 anchors: 54.5 GiB of 95 in the fsdp layout, bench/RESULTS.md "Long rows"); chips of less memory split the row over
-`--config.mesh.context` (docs/scaling_and_launching.md, design §19), which `plan` chooses by itself.
+27B step with its 2048 anchors: 54.5 GiB of 95 in the fsdp layout, bench/RESULTS.md "Long rows"); chips of less
+memory split the row over `--config.mesh.context` (docs/scaling_and_launching.md, design §19), which `plan`
+chooses by itself.
 """
 
 from dflash_jax.configs import qwen27b

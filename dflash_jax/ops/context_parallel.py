@@ -1,11 +1,13 @@
-"""A long row split over a mesh axis (design §19): the pieces of the targets' forward that cross shard boundaries.
+"""A long row split over a mesh axis (design §19): the pieces of the targets' forward that cross shard boundaries,
+and the halo (`previous_tail`, `with_halo`) the drafter's attention reads too (ops/dflash_attention.py).
 
 Each function runs inside `jax.shard_map` over the row's axis (`axis`, e.g. "context"): every device holds one
 contiguous shard of T/N tokens of the same rows, shard i holding positions [i·T/N, (i+1)·T/N). What crosses a
 boundary:
 
 - the short causal convolution of a Gated DeltaNet layer reads the K−1 inputs before a shard's first token:
-  `previous_tail`, a halo from the shard before (one collective permute, not a gather of the row);
+  `previous_tail`, a halo from the shard before (one collective permute of K−1 positions, not a gather of the
+  row);
 - the gated delta rule's state: a shard cannot start before it knows the state at its first token.
   `gated_delta_rule_over_context` computes each shard's state map S_out = M·S_in + B (M is [dk, dk] per
   head) and its outputs' dependence on S_in in one local run, gathers the N small maps, and folds those of the
@@ -16,6 +18,8 @@ boundary:
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +39,25 @@ def on_row_shards(function, *arrays: jax.Array) -> jax.Array:
 
 
 def previous_tail(x: jax.Array, width: int, axis: str, fill) -> jax.Array:
-    """The last `width` positions (axis 1) of the previous shard's x; the first shard gets `fill`."""
-    shards = jax.lax.axis_size(axis)
-    tail = jax.lax.ppermute(x[:, -width:], axis, [(i, i + 1) for i in range(shards - 1)])
-    return jnp.where(jax.lax.axis_index(axis) == 0, jnp.full_like(tail, fill), tail)
+    """[b, width, ...]: the `width` positions (axis 1) before this shard's first, from the shards before it
+    (`fill` before the row's start). One collective permute per shard it reaches into, each sending only the
+    positions needed; one all-gather where it is the whole prefix."""
+    shards, index, length = jax.lax.axis_size(axis), jax.lax.axis_index(axis), x.shape[1]
+    if width >= (shards - 1) * length:
+        whole = jax.lax.all_gather(x, axis, axis=1, tiled=True)
+        padded = jnp.concatenate([jnp.full((x.shape[0], width, *x.shape[2:]), fill, x.dtype), whole], axis=1)
+        return jax.lax.dynamic_slice_in_dim(padded, index * length, width, axis=1)
+    pieces = []
+    for back in range(math.ceil(width / length), 0, -1):  # from the farthest shard to the one just before
+        take = min(length, width - (back - 1) * length)
+        piece = jax.lax.ppermute(x[:, length - take:], axis, [(i, i + back) for i in range(shards - back)])
+        pieces.append(jnp.where(index >= back, piece, jnp.full_like(piece, fill)))
+    return jnp.concatenate(pieces, axis=1)
+
+
+def with_halo(x: jax.Array, width: int, axis: str, fill) -> jax.Array:
+    """[b, width + L, ...]: this shard's x after the `width` positions before it (`previous_tail`)."""
+    return jnp.concatenate([previous_tail(x, width, axis, fill), x], axis=1) if width else x
 
 
 def gated_delta_rule_over_context(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,

@@ -27,10 +27,10 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.attention import MASKED_SCORE, grouped_attention, to_head_major
+from dflash_jax.ops.context_parallel import on_row_shards, with_halo
 from dflash_jax.ops.mask import block_rule, context_rule, validate_window
 from dflash_jax.sharding import CONTEXT_AXIS, constrain, context_shards
 
@@ -167,8 +167,7 @@ def _attention_over_context(q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, 
     halo / S serves every shard, and its schedule is the unsplit attention's. Positions before the row's start
     carry the segment BEFORE_THE_ROW, which no query has."""
     length = grid.seq_len // shards
-    prefix = (shards - 1) * length
-    halo = prefix if window is None else min(math.ceil((window - 1) / grid.stride) * grid.stride, prefix)
+    halo = halo_positions(window, grid.stride, (shards - 1) * length)
     layer = _Layer(AnchorGrid(halo + length, grid.stride, grid.block_size), window, scale, query_chunk_blocks,
                    key_tile, first_block=halo // grid.stride, split=True)
 
@@ -181,28 +180,14 @@ def _attention_over_context(q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, 
         out = _attention(layer, *operands)
         return out.swapaxes(1, 2).reshape(batch, rows, q_heads, head_dim)
 
-    row = PartitionSpec(None, CONTEXT_AXIS)
-    return jax.shard_map(local, in_specs=(row,) * 7, out_specs=row, axis_names={CONTEXT_AXIS})(
-        q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, anchor_segment_ids)
+    return on_row_shards(local, q, k_ctx, v_ctx, k_blk, v_blk, context_segment_ids, anchor_segment_ids)
 
 
-def with_halo(x: jax.Array, width: int, axis: str, fill) -> jax.Array:
-    """[b, width + L, ...]: the `width` positions (axis 1) before this shard's first, from the shards before it
-    (`fill` before the row's start), then the shard's own L. One all-gather where the halo is the whole prefix,
-    else a collective permute per shard it reaches into, each sending only the positions needed."""
-    if width == 0:
-        return x
-    shards, index, length = jax.lax.axis_size(axis), jax.lax.axis_index(axis), x.shape[1]
-    if width >= (shards - 1) * length:
-        whole = jax.lax.all_gather(x, axis, axis=1, tiled=True)
-        padded = jnp.concatenate([jnp.full((x.shape[0], width, *x.shape[2:]), fill, x.dtype), whole], axis=1)
-        return jax.lax.dynamic_slice_in_dim(padded, index * length, width + length, axis=1)
-    pieces = []
-    for back in range(math.ceil(width / length), 0, -1):  # from the farthest shard to the one just before
-        take = min(length, width - (back - 1) * length)
-        piece = jax.lax.ppermute(x[:, length - take:], axis, [(i, i + back) for i in range(shards - back)])
-        pieces.append(jnp.where(index >= back, piece, jnp.full_like(piece, fill)))
-    return jnp.concatenate([*pieces, x], axis=1)
+def halo_positions(window: int | None, stride: int, prefix: int) -> int:
+    """How many context positions before a shard its blocks can see, in whole strides (anchors stay on the
+    grid): ⌈(W − 1)/S⌉·S on a sliding layer (slot 0 of an anchor a sees from a − W + 1), at most the `prefix`
+    before the shard; the full layer the whole prefix."""
+    return prefix if window is None else min(math.ceil((window - 1) / stride) * stride, prefix)
 
 
 # The segment id of a split row's frame positions before the row's start (`_attention_over_context`): no token's.

@@ -24,6 +24,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from dflash_jax.ops.backends import resolve_attention_impl
+from dflash_jax.ops.dflash_attention import halo_positions
 from dflash_jax.planning.chips import Chip
 from dflash_jax.planning.collectives import Collective
 from dflash_jax.planning.hlo_cost import HloCost
@@ -255,8 +256,7 @@ def _context_collectives(config: ConfigDict, target_config, drafter_config, rows
     stride, prefix = anchor_grid(config).stride, (context - 1) * config.data.seq_len // context
     permute = 0.0
     for layer in range(d.num_hidden_layers):
-        window = d.window(layer)
-        halo = prefix if window is None else min(math.ceil((window - 1) / stride) * stride, prefix)
+        halo = halo_positions(d.window(layer), stride, prefix)
         if halo == prefix:
             gather += 3 * shard * position
         else:

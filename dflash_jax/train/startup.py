@@ -165,10 +165,10 @@ def setup(given: ConfigDict, config: ConfigDict, mesh: Mesh, report: plan.Plan |
     peak_tflops = flops.peak_tflops(config, jax.devices()[0])
     first_slot = drafter_config.drafter_method.first_slot
     # The settled config, read-only from here: the loop reads it alone (design §7).
-    return TrainingRun(config=FrozenConfigDict(config.to_dict()), workdir=workdir, main=main, mesh=mesh, rows=rows, spec=spec, state=state,
-                       start_step=start_step, checkpointer=checkpointer, batches=batches, target=target,
-                       target_state=target_state, step_fns=step_fns, predicted=predicted, step_flops=step_flops,
-                       peak_tflops=peak_tflops, first_slot=first_slot)
+    return TrainingRun(config=FrozenConfigDict(config.to_dict()), workdir=workdir, main=main, mesh=mesh, rows=rows,
+                       spec=spec, state=state, start_step=start_step, checkpointer=checkpointer, batches=batches,
+                       target=target, target_state=target_state, step_fns=step_fns, predicted=predicted,
+                       step_flops=step_flops, peak_tflops=peak_tflops, first_slot=first_slot)
 
 
 def _changed_fields(before: dict, after: dict, prefix: str = "") -> list[str]:
