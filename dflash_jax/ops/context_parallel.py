@@ -44,7 +44,7 @@ def previous_tail(x: jax.Array, width: int, axis: str, fill) -> jax.Array:
     positions needed; one all-gather where it is the whole prefix."""
     shards, index, length = jax.lax.axis_size(axis), jax.lax.axis_index(axis), x.shape[1]
     if width >= (shards - 1) * length:
-        whole = jax.lax.all_gather(x, axis, axis=1, tiled=True)
+        whole = _gather_rows(x, axis)
         padded = jnp.concatenate([jnp.full((x.shape[0], width, *x.shape[2:]), fill, x.dtype), whole], axis=1)
         return jax.lax.dynamic_slice_in_dim(padded, index * length, width, axis=1)
     pieces = []
@@ -53,6 +53,15 @@ def previous_tail(x: jax.Array, width: int, axis: str, fill) -> jax.Array:
         piece = jax.lax.ppermute(x[:, length - take:], axis, [(i, i + back) for i in range(shards - back)])
         pieces.append(jnp.where(index >= back, piece, jnp.full_like(piece, fill)))
     return jnp.concatenate(pieces, axis=1)
+
+
+def _gather_rows(x: jax.Array, axis: str) -> jax.Array:
+    """x's shards joined along axis 1. Its gradient is a reduce-scatter, which XLA:CPU promotes from bf16 to f32
+    and, inside a shard_map beside other mesh axes, aborts on (its reducer carries a sharding annotation): on CPU
+    the gather runs in f32, on every other platform in x's own dtype."""
+    gather = lambda value: jax.lax.all_gather(value, axis, axis=1, tiled=True)
+    return jax.lax.platform_dependent(x, cpu=lambda value: gather(value.astype(jnp.float32)).astype(value.dtype),
+                                      default=gather)
 
 
 def with_halo(x: jax.Array, width: int, axis: str, fill) -> jax.Array:

@@ -390,3 +390,19 @@ def test_dflash_attention_on_rows_split_over_context_equals_one_device(shards, w
         np.testing.assert_allclose(grad, expected_grad, rtol=1e-4, atol=1e-5, err_msg=name)
     gathers = "all-gather" in hlo
     assert gathers == (window is None) and ("collective-permute" in hlo) == (window is not None)
+
+
+def test_bf16_gradients_of_a_split_full_layer_compile_beside_a_tensor_axis():
+    """The full layer's prefix gather in bf16 on a (context, tensor) mesh: its gradient (a reduce-scatter) once
+    aborted XLA:CPU's compiler; the gradients equal one device's within bf16's precision."""
+    grid = AnchorGrid(64, 4, 4)
+    inputs = tuple(x.astype(jnp.bfloat16) for x in _attention_inputs(grid, seed=3))
+    segments = jnp.asarray(_split_segments(grid.seq_len))
+    cotangent = jax.random.normal(jax.random.key(7), inputs[0].shape).astype(jnp.bfloat16)
+    attend = _chunked(grid, None, 3, 7)
+    _, expected_grads = _output_and_grads(attend, inputs, segments, cotangent)
+    with jax.set_mesh(Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("context", "tensor"))):
+        _, grads = _output_and_grads(attend, inputs, segments, cotangent)
+    for name, grad, expected_grad in zip(("q", "k_ctx", "v_ctx", "k_blk", "v_blk"), grads, expected_grads):
+        np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(expected_grad, np.float32),
+                                   rtol=0.05, atol=0.05, err_msg=name)
