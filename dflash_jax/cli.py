@@ -1,5 +1,8 @@
-"""The `dflash-jax` console script's entry (pyproject.toml): the command line is commands/cli.py."""
+"""The `dflash-jax` console script's entry (pyproject.toml): the command line is commands/cli.py, started by
+commands/entry.py."""
 
-from dflash_jax.commands.cli import main
+from dflash_jax.commands import entry
 
-__all__ = ["main"]
+
+def main() -> None:
+    entry.run()

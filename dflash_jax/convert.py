@@ -1,6 +1,6 @@
 """`python -m dflash_jax.convert`: the `convert` command (commands/convert.py)."""
 
-from dflash_jax.commands import cli
+from dflash_jax.commands import entry
 
 if __name__ == "__main__":
-    cli.run_module("convert")
+    entry.run("convert")

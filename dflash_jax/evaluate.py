@@ -1,6 +1,6 @@
 """`python -m dflash_jax.evaluate`: the `evaluate` command (commands/evaluate.py)."""
 
-from dflash_jax.commands import cli
+from dflash_jax.commands import entry
 
 if __name__ == "__main__":
-    cli.run_module("evaluate")
+    entry.run("evaluate")

@@ -1,6 +1,6 @@
 """`python -m dflash_jax.export`: the `export` command (commands/export.py)."""
 
-from dflash_jax.commands import cli
+from dflash_jax.commands import entry
 
 if __name__ == "__main__":
-    cli.run_module("export")
+    entry.run("export")

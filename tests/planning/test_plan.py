@@ -32,7 +32,7 @@ from dflash_jax.sharding import auto_target_layout, make_mesh
 from dflash_jax.train import epochs, validate
 from dflash_jax.weights.targets import load_target
 from tests.command import dflash_jax, user_error
-from tests.planning_fixtures import qwen27b_layers
+from tests.planning_fixtures import narrowed, qwen27b_layers
 from tests.train_fixtures import make_target, mesh_of, tiny_config, write_corpus
 
 
@@ -428,14 +428,14 @@ def _libtpu_or_skip():
 
 @pytest.mark.tpu_plan
 def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the_layouts():
-    """A 27B-shaped step (every 27B width, one period of 4 target layers, T = 1024, 64 anchors, one row per
-    chip) on v5p slices of 8 and 32 chips: with the activations pinned to their rows, a chip's temporaries
+    """A 27B-shaped step (one period of 4 target layers with the 27B's attention heads at a narrower width and
+    vocabulary, T = 1024, 64 anchors, one row per chip) on v5p slices of 8 and 32 chips: with the activations pinned to their rows, a chip's temporaries
     are its own rows' activations plus one layer's gathered weights, whatever the number of chips. On 32 chips
     `plan --compare` (fsdp and tensor layouts, fsdp = 32) ranks both by predicted time per token: the fsdp layout
     all-gathers the target's weights over ICI every step on top of the drafter's, the tensor layout (a whole copy
     per chip at tensor = 1) only the drafter's; nothing crosses DCN on one slice."""
     _libtpu_or_skip()
-    config, target_config = qwen27b_layers(4)
+    config, target_config = narrowed(*qwen27b_layers(4))
     config.drafter.target_layer_ids = (0, 1, 2)
     config.drafter.num_feature_layers = 3
     config.data.seq_len = 1024
@@ -470,17 +470,13 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the
                 for layout, plan in plans.items()}
     whole = plans["tensor"].target_bytes  # tensor = 1: the whole target on each chip
     # Both layouts gather the FSDP-sharded drafter's weights; the fsdp layout moves the target's on top, once:
-    # every weight but the embedding table, which is looked up by rows (models/layers.py), 31/32 of each
-    # (measured 15.1 GB against 9.5 GB per chip, the target 8.1 GB of which the table 2.5 GB; 15.6 against 5.8 GB
-    # before, when the LM head was gathered in every loss chunk and hlo_cost counted libtpu's unrolled loops
-    # twice).
+    # every weight but the embedding table, which is looked up by rows (models/layers.py), 31/32 of each.
     moved_once = (whole - 2 * target_config.vocab_size * target_config.hidden_size) * 31 / 32
     assert 0.95 * moved_once <= gathered["fsdp"] - gathered["tensor"] <= 1.1 * moved_once, (gathered, whole)
     for plan in plans.values():
         assert plan.roofline.link_bytes["dcn"] == 0 and plan.roofline.link_bytes["ici"] > 0
-        # The compiler's count leaves out the splash kernels and adds padded and masked work (measured 1.33 here;
-        # 0.95 for the 4-layer step at T = 4096, 512 anchors); the CPU tests hold it to the model within 5%.
-        # Counting every window position of TPU's dot-convolutions made it 2.56.
+        # The compiler's count leaves out the splash kernels and adds padded and masked work; the CPU tests hold
+        # it to the model within 5%. Counting every window position of TPU's dot-convolutions made it 2.56.
         assert 0.7 < plan.cost.flops / (plan.model_flops / 32) < 1.5 and plan.cost.custom_calls > 0
     table = format_comparison(candidates)
     assert "| fsdp | data=1,fsdp=32,tensor=1,context=1,dcn_data=1 |" in table and "ici " in table and "best: " in table
@@ -489,10 +485,10 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the
 @pytest.mark.tpu_plan
 def test_deviceless_tpu7x_plans_per_device_with_ironwoods_peaks():
     """`--topology tpu7x-8` (4 Ironwood chips, two devices each) compiles a 27B-shaped step (its first 2 target
-    layers, T = 512) deviceless: 8 devices named TPU7x, each held to half a chip's HBM, and a roofline from the
+    layers, narrowed, T = 512) deviceless: 8 devices named TPU7x, each held to half a chip's HBM, and a roofline from the
     chip table's TPU7x peaks."""
     _libtpu_or_skip()
-    config, target_config = qwen27b_layers(2)
+    config, target_config = narrowed(*qwen27b_layers(2))
     config.drafter.target_layer_ids, config.drafter.num_feature_layers = (0, 1), 2
     config.data.seq_len, config.data.batch_size, config.target_layout = 512, 8, "fsdp"
     config.mesh.update(data=1, fsdp=8, tensor=1)
