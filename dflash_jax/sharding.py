@@ -70,6 +70,9 @@ ROWS_KV_HEADS = ("activation_batch", "activation_length", "activation_kv_heads",
 ROWS_MLP = ("activation_batch", "activation_length", "activation_mlp")  # [b, T, I]
 ROWS_VOCAB = ("activation_batch", "activation_length", "activation_vocab")  # [b, T, V chunk]
 ROWS = ("activation_batch", "activation_length")  # [b, T] (labels, per-token losses)
+# A row's drafted slots by context shard, [b, C, R/C, ...] (train/step.py): the loss's chunks stay on a shard.
+SHARD_ROWS_EMBED = ("activation_batch", "activation_length", None, "activation_embed")
+SHARD_ROWS_VOCAB = ("activation_batch", "activation_length", None, "activation_vocab")
 # The frozen LM head [H, V] as the labels and the loss read it: gathered whole over fsdp once per step, the
 # vocabulary split over tensor, so that neither loop over its chunks gathers it again (design §13).
 LM_HEAD = ("activation_embed", "activation_vocab")

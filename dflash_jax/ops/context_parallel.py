@@ -27,15 +27,22 @@ from jax.sharding import PartitionSpec
 
 from dflash_jax.ops.attention import default_query_chunk, tiled_causal_attention, to_head_major
 from dflash_jax.ops.gated_delta import chunked_gated_delta_rule
-from dflash_jax.sharding import CONTEXT_AXIS
+from dflash_jax.sharding import BATCH_AXES, CONTEXT_AXIS
 
 
 def on_row_shards(function, *arrays: jax.Array) -> jax.Array:
     """function(*shards) run on each device's shard of `arrays` (rows [B, T, ...], their tokens split over the
-    current mesh's context axis), its result [B, T/N, ...] joined back into rows. Only the context axis is
-    manual: the batch and head splits of the other axes stay the partitioner's."""
-    row = PartitionSpec(None, CONTEXT_AXIS)
-    return jax.shard_map(function, in_specs=(row,) * len(arrays), out_specs=row, axis_names={CONTEXT_AXIS})(*arrays)
+    current mesh's context axis and, where they divide, the rows over the batch axes), its result
+    [B/(data·fsdp), T/N, ...] joined back into rows. The batch axes are manual too: left to the partitioner, it
+    gathered every row onto each device of a data group before the shard_map (the whole batch's attention on
+    every device). The heads' split over tensor stays the partitioner's."""
+    sizes = jax.sharding.get_abstract_mesh().shape
+    batch = tuple(axis for axis in BATCH_AXES if sizes.get(axis, 1) > 1)
+    if arrays[0].shape[0] % math.prod(sizes[axis] for axis in batch):
+        batch = ()
+    row = PartitionSpec(batch or None, CONTEXT_AXIS)
+    return jax.shard_map(function, in_specs=(row,) * len(arrays), out_specs=row,
+                         axis_names={CONTEXT_AXIS, *batch})(*arrays)
 
 
 def previous_tail(x: jax.Array, width: int, axis: str, fill) -> jax.Array:
@@ -86,7 +93,7 @@ def gated_delta_rule_over_context(q: jax.Array, k: jax.Array, v: jax.Array, g: j
     values = jnp.concatenate([v.astype(jnp.float32), jnp.zeros((batch, length, heads, key_dim), jnp.float32)], -1)
     identity = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (batch, heads, key_dim, key_dim))
     start = jnp.concatenate([jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32), identity], -1)
-    start = jax.lax.pcast(start, (axis,), to="varying")  # the same on every shard, carried beside varying values
+    start = _varying(start)  # the same on every shard, carried beside varying values
     out, final = chunked_gated_delta_rule(q, k, values, g, beta, resets, start, matmul_dtype=matmul_dtype)
     from_zero, carried = out[..., :value_dim], out[..., value_dim:]  # O⁰ [B, T, H, dv], P [B, T, H, dk]
     maps = jax.lax.all_gather((final[..., value_dim:], final[..., :value_dim]), axis)  # (M, B), each [N, ...]
@@ -97,9 +104,15 @@ def gated_delta_rule_over_context(q: jax.Array, k: jax.Array, v: jax.Array, g: j
         after = jnp.einsum("bhkj,bhjv->bhkv", transition, state, precision=jax.lax.Precision.HIGHEST) + offset
         return jnp.where(shard < index, after, state)
 
-    state = jax.lax.pcast(jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32), (axis,), to="varying")
+    state = _varying(jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32))
     state = jax.lax.fori_loop(0, jax.lax.axis_size(axis), fold, state)
     return from_zero + jnp.einsum("bthk,bhkv->bthv", carried, state, precision=jax.lax.Precision.HIGHEST)
+
+
+def _varying(x: jax.Array) -> jax.Array:
+    """x, the same on every shard, typed as varying over the shard_map's manual axes (the context axis and, where
+    the rows split over them, the batch axes: on_row_shards), as a loop's carry beside varying values must be."""
+    return jax.lax.pcast(x, jax.sharding.get_abstract_mesh().manual_axes, to="varying")
 
 
 def causal_attention_over_context(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, scale: float,

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.models.dflash2 import training_candidates
-from dflash_jax.sharding import ROWS, ROWS_EMBED, ROWS_VOCAB, constrain
+from dflash_jax.sharding import ROWS, ROWS_EMBED, ROWS_VOCAB, SHARD_ROWS_VOCAB, constrain
 
 
 def position_weights(block_size: int, gamma: float, from_anchor: bool = False) -> np.ndarray:
@@ -155,8 +155,8 @@ def _logit_statistics(h: jax.Array, kernel: jax.Array, y: jax.Array, with_gradie
     """One row chunk: (ce, correct), the selector's candidates if top_k, and, if with_gradient, d ce / d h.
     h: [..., c, H]; y: [..., c]."""
     logits = draft_logits(h, kernel, markov)
-    if logits.ndim == 3:  # [b, c, V]: the vocabulary splits over `tensor` under a mesh
-        logits = constrain(logits, ROWS_VOCAB)
+    if logits.ndim in (3, 4):  # [b, c, V] or a context-split row's [b, C, c, V]: the vocabulary over `tensor`
+        logits = constrain(logits, ROWS_VOCAB if logits.ndim == 3 else SHARD_ROWS_VOCAB)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     label_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)

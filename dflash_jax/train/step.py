@@ -38,8 +38,8 @@ from dflash_jax.models.dflash import TargetContext, target_context
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.ops.anchors import (DrafterInputs, anchor_utilisation, anchor_validity, slot_mask,
                                     slot_tokens)
-from dflash_jax.sharding import (BATCH_AXES, TARGET_LAYOUTS, batch_sharding, layout_rules, replicated,
-                                 token_sharding)
+from dflash_jax.sharding import (BATCH_AXES, CONTEXT_AXIS, SHARD_ROWS_EMBED, TARGET_LAYOUTS, batch_sharding,
+                                 constrain, layout_rules, replicated, token_sharding)
 from dflash_jax.train.confidence import confidence_loss
 from dflash_jax.train.config import anchor_grid
 from dflash_jax.train.loss import (dflash_loss, dpace_weights, lm_head_cross_entropy, position_weights,
@@ -95,6 +95,15 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
     # The fused loss against the target's distribution (design §18), also for the confidence target 1 − TV.
     distribution = terms != (("ce", 1.0),) or confidence_alpha > 0
 
+    # The drafted slots of a row as the loss walks them in chunks: [b, R]; on a row split over context, whose
+    # drafter attends by anchor on each shard (design §19), [b, C, R/C], each shard's slots its own, so that a
+    # chunk never reaches into another shard's (slicing the split axis gathered every shard's slots).
+    context = mesh.shape[CONTEXT_AXIS]
+    shards = context if context > 1 and grid.num_anchors % context == 0 else 1
+
+    def slot_rows(rows: int) -> tuple[int, ...]:
+        return (rows, -1) if shards == 1 else (rows, shards, -1)
+
     def trained_slots(batch: dict[str, jax.Array]) -> jax.Array:
         return slot_mask(batch["loss_mask"], batch["segment_ids"], anchors, block, from_anchor=from_anchor)
 
@@ -118,18 +127,21 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
         drafted = hidden.reshape(rows, grid.num_anchors, block, -1)
         if not from_anchor:
             drafted = drafted[:, :, 1:]  # DFlash's slot 0 is never trained
-        drafted = drafted.reshape(rows, -1, drafted.shape[-1])
+        drafted = drafted.reshape(*slot_rows(rows), drafted.shape[-1])
+        if shards > 1:
+            drafted = constrain(drafted, SHARD_ROWS_EMBED)
         markov = None
         if method.has_markov_head:  # e_k = W1[x_{a+k}], the data token before slot k's label; bias added per row chunk
-            prev_ids = slot_tokens(batch["input_ids"], anchors, block).reshape(rows, -1)
+            prev_ids = slot_tokens(batch["input_ids"], anchors, block).reshape(slot_rows(rows))
             prev_embeddings = drafter.markov_head.prev_embeddings(prev_ids).astype(drafter.dtype)
             markov = (prev_embeddings, drafter.markov_head.w2[...].astype(drafter.dtype))
         if distribution:  # ce is then the weighted sum of the terms per slot
             ce, tv, correct, *candidates = lm_head_divergences(
                 drafted, teacher.label_hidden.reshape(drafted.shape), teacher.lm_head,
-                teacher.labels.reshape(rows, -1), terms, config.loss.row_chunk, markov, top_k)
+                teacher.labels.reshape(slot_rows(rows)), terms, config.loss.row_chunk, markov, top_k)
         else:
-            ce, correct, *candidates = lm_head_cross_entropy(drafted, teacher.lm_head, teacher.labels.reshape(rows, -1),
+            ce, correct, *candidates = lm_head_cross_entropy(drafted, teacher.lm_head,
+                                                             teacher.labels.reshape(slot_rows(rows)),
                                                              config.loss.row_chunk, markov, top_k)
         mask = trained_slots(batch)
 
@@ -144,9 +156,10 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
         out = slot_loss(ce, correct)
         loss, confidence, selector = out.loss, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
         if top_k:  # DFlash2: the selector after x_{a+k-1}, the data's token before slot k's label
-            predecessors = slot_tokens(batch["input_ids"], anchors, block)[:, :, :-1].reshape(rows, -1)
+            predecessors = slot_tokens(batch["input_ids"], anchors, block)[:, :, :-1].reshape(slot_rows(rows))
             selected = slot_loss(*selector_cross_entropy(drafter.candidate_selector, drafted, teacher.lm_head,
-                                                         candidates, predecessors, teacher.labels.reshape(rows, -1),
+                                                         candidates, predecessors,
+                                                         teacher.labels.reshape(slot_rows(rows)),
                                                          config.loss.row_chunk))
             loss, selector = loss + selector_alpha * selected.loss, selected.loss
             out = out._replace(slot_correct=selected.slot_correct)

@@ -156,14 +156,17 @@ def float_collectives(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
     ("qwen3", (1, 8, 1), "fsdp"), ("qwen3_5", (1, 4, 2), "fsdp"),
     pytest.param("qwen3_5", (2, 2, 2), "fsdp", marks=pytest.mark.slow),
     ("qwen3_moe", (1, 8, 1), "replicate"),  # experts whole on every device: each dispatches its own rows
-    pytest.param("qwen3_5_moe", (1, 4, 2), "fsdp", marks=pytest.mark.slow)])
+    pytest.param("qwen3_5_moe", (1, 4, 2), "fsdp", marks=pytest.mark.slow),
+    # rows split over context beside data (design §19): each data group's rows stay its own inside the split
+    # attention and the gated delta rule, and the loss's chunks stay on their context shard
+    pytest.param("qwen3_5", (2, 2, 1, 2), "fsdp", marks=pytest.mark.slow)])
 def test_no_collective_moves_a_global_batch_of_activations(files, kind, mesh_shape, target_layout):
     """Regression test for the activations' sharding constraints: without them the partitioner shards
     activations along the hidden axis (where the FSDP weights are split) and all-reduces or all-gathers
     [global batch, T, ...] arrays onto every device. Weights may be gathered (that is FSDP), activations of
     other devices' rows never. (The embedding lookup gathers the integer token ids of its fsdp group, not
-    floats: `models/layers.py`.)"""
-    setup = build(config_for(files, kind, *mesh_shape, target_layout), mesh_of(*mesh_shape))
+    floats: `models/layers.py`.) mesh_shape: (data, fsdp, tensor[, context])."""
+    setup = build(config_for(files, kind, *mesh_shape, target_layout=target_layout), mesh_of(*mesh_shape))
     batch = put_batch(next(setup.loader), setup.mesh)
     hlo = setup.step.train_step.lower(setup.state, setup.target_state, batch).compile().as_text()
     collectives = float_collectives(hlo)
