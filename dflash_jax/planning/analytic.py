@@ -23,6 +23,7 @@ import jax
 from flax import nnx
 from ml_collections import ConfigDict
 
+from dflash_jax.ops.attention import QUERY_CHUNK
 from dflash_jax.ops.backends import resolve_attention_impl
 from dflash_jax.ops.dflash_attention import halo_positions
 from dflash_jax.planning.chips import Chip
@@ -172,7 +173,7 @@ def temporaries(config: ConfigDict, target_config, drafter_config, rows: int, si
     layer's activations on the block tokens (one residual stream a layer under remat) and the context's k/v;
     the LM head's chunk of fp32 logits. Attention scores are materialised only by the "xla" implementation.
     Split over context, a device holds 1/context of the tokens and queries, and its target layer the whole
-    row's K/V (gathered), scored by its own queries."""
+    row's K/V (gathered), scored by its own queries one [chunk, chunk] tile at a time."""
     tensor, context = sizes["tensor"], sizes.get("context", 1)
     row = config.data.seq_len
     length = row // context  # a device's tokens
@@ -184,10 +185,12 @@ def temporaries(config: ConfigDict, target_config, drafter_config, rows: int, si
     q_width, kv_width = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
     wide = max(2 * t.intermediate_size, q_width + 2 * kv_width) / tensor
     target = rows * length * (hidden * (len(d.target_layer_ids) + 1) + 2 * hidden + wide) * target_item
-    if attention_impl == "xla" or context > 1:  # a split row attends in XLA (design §19)
-        target += rows * t.num_attention_heads / tensor * length * row * 4
-    if context > 1:
+    if context > 1:  # a split row attends to the gathered row one [chunk, chunk] tile at a time (design §19)
+        chunk = min(QUERY_CHUNK, length)
+        target += rows * t.num_attention_heads / tensor * chunk * chunk * 4 * 2  # a tile's scores and weights
         target += rows * row * 2 * kv_width / tensor * target_item
+    elif attention_impl == "xla":
+        target += rows * t.num_attention_heads / tensor * length * row * 4
     if layout == "fsdp":
         target += whole["target"] / (t.num_hidden_layers * tensor)
     moe = getattr(t, "moe", None)
