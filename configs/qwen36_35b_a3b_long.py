@@ -15,7 +15,8 @@ Each choice and its source:
 
 On v5p-64 a 65,536-token row fits a chip without splitting it (deviceless plan, mesh at its defaults:
 `dflash-jax plan --config qwen36_35b_a3b_long --topology v5p-64`, tensor layout on fsdp 16 x tensor 2, 50.15 of
-95 GiB, 1.17-2.4 s a step; bench/RESULTS.md "Long rows"). Chips whose memory a row outgrows split it over
+95 GiB, 1.17-2.4 s a step; bench/RESULTS.md "Long rows"); at 131,072 tokens the plan splits each row over
+context = 2 (fsdp 16, 87.17 of 95 GiB). Chips whose memory a row outgrows split it over
 `--config.mesh.context` (docs/scaling_and_launching.md, design §19), which `plan` and `train` choose by themselves
 for a mesh left at its defaults.
 """

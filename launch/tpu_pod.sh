@@ -89,10 +89,11 @@ create() {
   fi
 }
 
-install() {  # this checkout (no .git, venvs, outputs or local libtpu) to every worker, its install, then --setup
+install() {  # this checkout (no .git, venvs, outputs, caches or the planners' local libtpu and CUDA plugin) to every
+  # worker, its install, then --setup
   local archive=${TMPDIR:-/tmp}/dflash_jax-$name.tar.gz
   run tar -czf "$archive" -C "$(cd "$(dirname "$0")/.." && pwd)" --exclude=.git --exclude='.venv*' --exclude=out \
-    --exclude=.libtpu --exclude=__pycache__ .
+    --exclude=.libtpu --exclude=.cudaplan --exclude=__pycache__ --exclude=.pytest_cache --exclude='*.egg-info' .
   run gcloud compute tpus tpu-vm scp "$archive" "$name:dflash_jax.tar.gz" "${where[@]}" --worker=all
   run rm -f "$archive"
   on_workers all "mkdir -p $REMOTE_DIR && tar -xzf dflash_jax.tar.gz -C $REMOTE_DIR && $REMOTE_DIR/launch/install.sh tpu"

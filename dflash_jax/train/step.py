@@ -98,7 +98,7 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
     # The drafted slots of a row as the loss walks them in chunks: [b, R]; on a row split over context, whose
     # drafter attends by anchor on each shard (design §19), [b, C, R/C], each shard's slots its own, so that a
     # chunk never reaches into another shard's (slicing the split axis gathered every shard's slots).
-    context = mesh.shape[CONTEXT_AXIS]
+    context = mesh.shape.get(CONTEXT_AXIS, 1)
     shards = context if context > 1 and grid.num_anchors % context == 0 else 1
 
     def slot_rows(rows: int) -> tuple[int, ...]:
