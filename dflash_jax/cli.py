@@ -1,8 +1,5 @@
-"""The `dflash-jax` console script's entry (pyproject.toml): the command line is commands/cli.py, started by
-commands/entry.py."""
+"""The `dflash-jax` console script's entry (pyproject.toml): the command line is commands/cli.py."""
 
-from dflash_jax.commands import entry
+from dflash_jax.commands.cli import main
 
-
-def main() -> None:
-    entry.run()
+__all__ = ["main"]

@@ -1,6 +1,6 @@
 """`python -m dflash_jax.convert`: the `convert` command (commands/convert.py)."""
 
-from dflash_jax.commands import entry
+from dflash_jax.commands import cli
 
 if __name__ == "__main__":
-    entry.run("convert")
+    cli.run_module("convert")

@@ -1,6 +1,6 @@
 """`python -m dflash_jax.evaluate`: the `evaluate` command (commands/evaluate.py)."""
 
-from dflash_jax.commands import entry
+from dflash_jax.commands import cli
 
 if __name__ == "__main__":
-    entry.run("evaluate")
+    cli.run_module("evaluate")

@@ -1,6 +1,6 @@
 """`python -m dflash_jax.export`: the `export` command (commands/export.py)."""
 
-from dflash_jax.commands import entry
+from dflash_jax.commands import cli
 
 if __name__ == "__main__":
-    entry.run("export")
+    cli.run_module("export")

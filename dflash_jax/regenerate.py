@@ -1,6 +1,6 @@
 """`python -m dflash_jax.regenerate`: the `regenerate` command (commands/regenerate.py)."""
 
-from dflash_jax.commands import entry
+from dflash_jax.commands import cli
 
 if __name__ == "__main__":
-    entry.run("regenerate")
+    cli.run_module("regenerate")

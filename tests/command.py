@@ -12,12 +12,10 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("dflash-jax")  # installed by `pip install -e .` ([project.scripts])
 
 
-def dflash_jax(*args: str, devices: int = 1, timeout: float = 1800,
-               environment: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`dflash-jax *args` from the repository root on `devices` CPU devices (with `environment`'s variables
-    added); stdout and stderr as text."""
+def dflash_jax(*args: str, devices: int = 1, timeout: float = 1800) -> subprocess.CompletedProcess:
+    """`dflash-jax *args` from the repository root on `devices` CPU devices; stdout and stderr as text."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_DISABLE_MOST_OPTIMIZATIONS="1", **(environment or {}))  # small models: compile time dominates
+               JAX_DISABLE_MOST_OPTIMIZATIONS="1")  # small models: compile time dominates
     return subprocess.run([str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

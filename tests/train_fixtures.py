@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from ml_collections import ConfigDict
 from transformers import AutoTokenizer
 
+from configs import tiny
 from dflash_jax.data import BatchLoader
 from dflash_jax.models.drafter import DrafterConfig
 from dflash_jax.ops.backends import resolve_attention_impl
@@ -32,7 +33,6 @@ from dflash_jax.train.state import StateSpec, TrainState, init_train_state, stat
 from dflash_jax.train.step import StepFunctions, make_step, put_batch
 from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE, drafter_from_torch_layout
 
-from tests.config_fixtures import tiny_config
 from tests.drafter_fixtures import CONFIGS, make_config, random_weights
 from tests.hf_fixtures import (QWEN3_5_MOE_TEXT_CONFIG, qwen3_config, randomize_parameters, randomize_qwen3_5,
                                save_qwen3)
@@ -108,6 +108,30 @@ def write_corpus(path: Path, count: int = 200, seed: int = 0) -> Path:
             completion = " ".join([phrase] * rng.randint(2, 6))
             f.write(json.dumps({"prompt": prompt, "completion": " " + completion}) + "\n")
     return path
+
+
+def tiny_config(target_dir: Path, train_file: Path, **overrides) -> ConfigDict:
+    """configs/tiny.py on 64-token rows (8 anchors of 8 slots), fp32 everywhere so results are exact."""
+    config = tiny.get_config()
+    config.target_dir = str(target_dir)
+    config.data.train_files = (str(train_file),)
+    config.target_dtype = "float32"
+    config.compute_dtype = "float32"
+    config.data.seq_len = 64
+    config.data.anchor_stride = 8
+    config.drafter.block_size = 8
+    config.drafter.sliding_window = 24
+    config.loss.row_chunk = 24  # not a divisor of N*B = 64: exercises the padded last chunk
+    config.loss.vocab_chunk = 200  # not a divisor of V = 640: exercises the remainder chunk
+    config.mesh = ConfigDict(dict(data=1, fsdp=1, tensor=1))
+    config.target_layout = "fsdp"  # `build` makes the step itself, without the plan that settles "auto"
+    for key, value in overrides.items():
+        target = config
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            target = target[parent]
+        target[leaf] = value
+    return config
 
 
 def losses(workdir: Path) -> dict[int, float]:

@@ -2,8 +2,7 @@
 
 Each command is a module of commands/ with its own absl flags (`FLAGS = flags.FlagValues()`, so that importing
 several commands never clashes) and a `main()`; `dflash-jax train ...` and `python -m dflash_jax.train ...` (an
-entry shim that calls `run_module` through commands/entry.py) are the same command. `run` gives every command
-the same conventions:
+entry shim that calls `run_module`) are the same command. `run` gives every command the same conventions:
 
 - `--help` prints the command's usage, where its config fields are listed, and its flags (exit 0);
 - a command with a training config takes `--config FILE` (or the name of a packaged recipe, `--config qwen27b`

@@ -1,5 +1,5 @@
 """`python -m dflash_jax.plan`: the `plan` command (commands/plan.py)."""
 
-from dflash_jax.commands import entry
+from dflash_jax.commands import cli
 
-entry.run("plan")
+cli.run_module("plan")

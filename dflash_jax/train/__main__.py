@@ -1,5 +1,5 @@
 """`python -m dflash_jax.train`: the `train` command (commands/train.py)."""
 
-from dflash_jax.commands import entry
+from dflash_jax.commands import cli
 
-entry.run("train")
+cli.run_module("train")

@@ -186,7 +186,7 @@ def test_stopped_and_killed_jobs_resume_to_every_record_exactly_once(tmp_path):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", records)
     config = tiny_config(target_dir, prompts)
     config_file = tmp_path / "config.py"
-    config_file.write_text("from tests.config_fixtures import tiny_config\n\n\ndef get_config():\n"
+    config_file.write_text("from tests.train_fixtures import tiny_config\n\n\ndef get_config():\n"
                            f"    return tiny_config({str(target_dir)!r}, {str(prompts)!r})\n")
     out = tmp_path / "out.jsonl"
     args = [f"--config={config_file}", f"--prompts={prompts}", f"--out={out}", "--batch_size=2",
@@ -262,7 +262,7 @@ def test_two_processes_write_every_record_once_as_one_process(tmp_path):
     records = [{"prompt": f"Hello world number {i} " + "please " * (i % 5), "i": i} for i in range(11)] + RECORDS
     prompts = write_jsonl(tmp_path / "prompts.jsonl", records)
     config_file = tmp_path / "config.py"
-    config_file.write_text("from tests.config_fixtures import tiny_config\n\n\ndef get_config():\n"
+    config_file.write_text("from tests.train_fixtures import tiny_config\n\n\ndef get_config():\n"
                            f"    return tiny_config({str(target_dir)!r}, {str(prompts)!r})\n")
     args = [f"--config={config_file}", f"--prompts={prompts}", "--batch_size=4", f"--max_new_tokens={MAX_NEW}",
             "--quiet"]

@@ -120,7 +120,7 @@ def test_a_stop_on_one_process_stops_every_process_after_the_same_window_and_a_r
     records = [{"prompt": f"Hello world number {i} " + "please " * (i % 3), "i": i} for i in range(10 * window)]
     prompts = write_jsonl(tmp_path / "prompts.jsonl", records)
     config_file = tmp_path / "config.py"
-    config_file.write_text("from tests.config_fixtures import tiny_config\n\n\ndef get_config():\n"
+    config_file.write_text("from tests.train_fixtures import tiny_config\n\n\ndef get_config():\n"
                            f"    return tiny_config({str(make_target(tmp_path / 'target', num_layers=2))!r}, "
                            f"{str(prompts)!r})\n")
     command = [sys.executable, "-m", "dflash_jax.regenerate", f"--config={config_file}", f"--prompts={prompts}",
@@ -168,7 +168,7 @@ def test_a_stop_on_one_process_stops_every_process_after_the_same_window_and_a_r
 
 # `regenerate`, uploading the output at every append (as a long job's appends all are, each past UPLOAD_EVERY_S).
 EVERY_APPEND_UPLOADED = ("from dflash_jax.regeneration import output; output.UPLOAD_EVERY_S = 0.0; "
-                         "from dflash_jax.commands import entry; entry.run('regenerate')")
+                         "from dflash_jax.commands import cli; cli.run_module('regenerate')")
 # The uploads a kill lands in: the output's (its progress not yet sent), or its progress file's (the output sent).
 UPLOADS = {"output upload": '"name": "out.jsonl"', "progress upload": f'"name": "out.jsonl{PROGRESS_SUFFIX}"'}
 

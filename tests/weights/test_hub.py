@@ -54,7 +54,7 @@ def test_a_target_named_by_repo_id_resolves_from_the_cache_offline(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "Hello world"}) + "\n")
     config = tmp_path / "config.py"
-    config.write_text("from tests.config_fixtures import tiny_config\n\n\ndef get_config():\n"
+    config.write_text("from tests.train_fixtures import tiny_config\n\n\ndef get_config():\n"
                       f"    return tiny_config('tiny-org/tiny-qwen3', {str(prompts)!r})\n")
     common = [f"--config={config}", f"--prompts={prompts}", "--max_new_tokens=6", "--batch_size=1", "--quiet"]
     by_id = regenerate([*common, f"--out={tmp_path / 'by_id.jsonl'}"], cache)
