@@ -13,6 +13,8 @@ activations of the whole global batch (design §13).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 from flax import nnx
@@ -175,6 +177,13 @@ def active_rules() -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
     """The rules in force: those of an enclosing `nnx.logical_axis_rules(layout_rules(...))` (the train step
     traces the target's forward under its layout's), else LOGICAL_RULES."""
     return tuple(spmd.get_logical_axis_rules()) or LOGICAL_RULES
+
+
+def row_split_axes(mesh, rows: int) -> tuple[str, ...]:
+    """The batch axes of `mesh` (concrete or abstract) that `rows` rows split over inside a shard_map: all of them
+    where they divide the rows evenly, else none (e.g. evaluation's single row: every shard takes them all)."""
+    axes = tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
+    return axes if rows % math.prod(mesh.shape[axis] for axis in axes) == 0 else ()
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

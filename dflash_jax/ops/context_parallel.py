@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec
 
 from dflash_jax.ops.attention import default_query_chunk, tiled_causal_attention, to_head_major
 from dflash_jax.ops.gated_delta import chunked_gated_delta_rule
-from dflash_jax.sharding import BATCH_AXES, CONTEXT_AXIS
+from dflash_jax.sharding import CONTEXT_AXIS, row_split_axes
 
 
 def on_row_shards(function, *arrays: jax.Array) -> jax.Array:
@@ -36,10 +36,7 @@ def on_row_shards(function, *arrays: jax.Array) -> jax.Array:
     [B/(data·fsdp), T/N, ...] joined back into rows. The batch axes are manual too: left to the partitioner, it
     gathered every row onto each device of a data group before the shard_map (the whole batch's attention on
     every device). The heads' split over tensor stays the partitioner's."""
-    sizes = jax.sharding.get_abstract_mesh().shape
-    batch = tuple(axis for axis in BATCH_AXES if sizes.get(axis, 1) > 1)
-    if arrays[0].shape[0] % math.prod(sizes[axis] for axis in batch):
-        batch = ()
+    batch = row_split_axes(jax.sharding.get_abstract_mesh(), arrays[0].shape[0])
     row = PartitionSpec(batch or None, CONTEXT_AXIS)
     return jax.shard_map(function, in_specs=(row,) * len(arrays), out_specs=row,
                          axis_names={CONTEXT_AXIS, *batch})(*arrays)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +41,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from dflash_jax.ops.anchors import AnchorGrid
 from dflash_jax.ops.mask import block_rule, context_rule, tile_fraction, validate_window
-from dflash_jax.sharding import BATCH_AXES
+from dflash_jax.sharding import row_split_axes
 
 log = logging.getLogger(__name__)
 
@@ -238,8 +237,7 @@ def _on_mesh(attend, mesh: Mesh | None, rows: int, num_kv_heads: int):
     heads divide evenly (else every tensor shard computes all heads). Without a mesh: unchanged."""
     if mesh is None or mesh.empty:
         return attend
-    batch_axes = tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
-    row_axes = batch_axes if rows % math.prod(mesh.shape[axis] for axis in batch_axes) == 0 else None
+    row_axes = row_split_axes(mesh, rows) or None
     tensor = mesh.shape.get("tensor", 1)
     head_axis = "tensor" if tensor > 1 and num_kv_heads % tensor == 0 else None
     heads, row_spec = PartitionSpec(row_axes, head_axis), PartitionSpec(row_axes)

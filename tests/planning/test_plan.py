@@ -429,8 +429,9 @@ def _libtpu_or_skip():
 @pytest.mark.tpu_plan
 def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the_layouts():
     """A 27B-shaped step (one period of 4 target layers with the 27B's attention heads at a narrower width and
-    vocabulary, T = 1024, 64 anchors, one row per chip) on v5p slices of 8 and 32 chips: with the activations pinned to their rows, a chip's temporaries
-    are its own rows' activations plus one layer's gathered weights, whatever the number of chips. On 32 chips
+    vocabulary, T = 1024, 64 anchors, one row per chip) on v5p slices of 8 and 32 chips: with the activations
+    pinned to their rows, a chip's temporaries are its own rows' activations plus one layer's gathered weights,
+    whatever the number of chips. On 32 chips
     `plan --compare` (fsdp and tensor layouts, fsdp = 32) ranks both by predicted time per token: the fsdp layout
     all-gathers the target's weights over ICI every step on top of the drafter's, the tensor layout (a whole copy
     per chip at tensor = 1) only the drafter's; nothing crosses DCN on one slice."""
@@ -485,8 +486,8 @@ def test_deviceless_tpu_temporaries_do_not_grow_with_chips_and_compare_ranks_the
 @pytest.mark.tpu_plan
 def test_deviceless_tpu7x_plans_per_device_with_ironwoods_peaks():
     """`--topology tpu7x-8` (4 Ironwood chips, two devices each) compiles a 27B-shaped step (its first 2 target
-    layers, narrowed, T = 512) deviceless: 8 devices named TPU7x, each held to half a chip's HBM, and a roofline from the
-    chip table's TPU7x peaks."""
+    layers, narrowed, T = 512) deviceless: 8 devices named TPU7x, each held to half a chip's HBM, and a roofline
+    from the chip table's TPU7x peaks."""
     _libtpu_or_skip()
     config, target_config = narrowed(*qwen27b_layers(2))
     config.drafter.target_layer_ids, config.drafter.num_feature_layers = (0, 1), 2
