@@ -48,7 +48,7 @@ def compile_seconds(chunk_blocks: int, target_layers: int = 4) -> float:
     from dflash_jax.models.qwen3_5 import Qwen3_5
     from dflash_jax.sharding import batch_sharding, make_mesh, state_shardings
     from dflash_jax.train.state import state_spec
-    from dflash_jax.train.step import BATCH_KEYS, make_step
+    from dflash_jax.train.step import BATCH_KEYS, abstract_schedule_length, make_step
     from dflash_jax.train.validate import dtype_of, resolve_drafter_config, validate_config
 
     spec = importlib.util.spec_from_file_location("qwen27b", ROOT / "configs" / "qwen27b.py")
@@ -78,7 +78,7 @@ def compile_seconds(chunk_blocks: int, target_layers: int = 4) -> float:
     target_abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), target_state,
                                    target_shardings)
     start = time.perf_counter()
-    step.train_step.lower(state.abstract, target_abstract, batch).compile()
+    step.train_step.lower(state.abstract, target_abstract, batch, abstract_schedule_length(mesh)).compile()
     return time.perf_counter() - start
 
 

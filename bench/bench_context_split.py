@@ -35,7 +35,7 @@ def measure(files: dict, length: int, context: int, rounds: int) -> tuple[float,
         "data.seq_len": length, "data.batch_size": 1, "mesh.context": context, "loss.row_chunk": 256})
     setup = build(config, mesh_of(context=context))
     batch = put_batch(next(setup.loader), setup.mesh)
-    compiled = setup.step.train_step.lower(setup.state, setup.target_state, batch).compile()
+    compiled = setup.step.train_step.lower(setup.state, setup.target_state, batch, setup.total_steps).compile()
     memory = compiled.memory_analysis()
     state, times = setup.state, []
     for round_ in range(rounds + 1 if rounds else 0):

@@ -28,7 +28,7 @@ from flax import nnx
 from dflash_jax.models.qwen3_5 import Qwen3_5
 from dflash_jax.sharding import batch_sharding, make_mesh, state_shardings
 from dflash_jax.train.state import state_spec
-from dflash_jax.train.step import BATCH_KEYS, make_step
+from dflash_jax.train.step import BATCH_KEYS, abstract_schedule_length, make_step
 from dflash_jax.train.validate import dtype_of, resolve_drafter_config, validate_config
 
 HEADING = "## Train step temporary memory (XLA memory analysis)"
@@ -73,7 +73,8 @@ def measure(module, stride: int, target_layers: int, vocab_divisor: int = 1) -> 
     batch = {key: jax.ShapeDtypeStruct((config.data.batch_size, config.data.seq_len), jnp.int32, sharding=batch_sharding(mesh))
              for key in BATCH_KEYS}
     start = time.perf_counter()
-    compiled = step.train_step.lower(spec.abstract, with_shardings(target_state, target_shardings), batch).compile()
+    compiled = step.train_step.lower(spec.abstract, with_shardings(target_state, target_shardings), batch,
+                                     abstract_schedule_length(mesh)).compile()
     memory = compiled.memory_analysis()
     anchors = config.data.seq_len // stride
     return {

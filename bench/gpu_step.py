@@ -36,7 +36,7 @@ from dflash_jax.sharding import auto_target_layout, make_mesh, state_shardings
 from dflash_jax.train import flops, validate
 from dflash_jax.train.config import base_config
 from dflash_jax.train.state import init_train_state, state_spec
-from dflash_jax.train.step import BATCH_KEYS, make_step, put_batch
+from dflash_jax.train.step import make_step, put_batch, schedule_length
 
 # Qwen3-8B's architecture (its config.json on the Hugging Face Hub).
 QWEN3_8B = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -102,12 +102,13 @@ def run(tiny: bool, steps: int, warmup: int, remat: str, peak_tflops: float | No
     batch = put_batch(random_rows(config, target_config.vocab_size), mesh)
 
     started = time.perf_counter()
-    compiled = step.lower(state, target_state, batch).compile()
+    total_steps = schedule_length(config.total_steps, mesh)
+    compiled = step.lower(state, target_state, batch, total_steps).compile()
     compile_s = time.perf_counter() - started
     times = []
     for index in range(warmup + steps):
         started = time.perf_counter()
-        state, metrics = compiled(state, target_state, batch)
+        state, metrics = compiled(state, target_state, batch, total_steps)
         jax.block_until_ready((state, metrics))
         if index >= warmup:
             times.append(time.perf_counter() - started)

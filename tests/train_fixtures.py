@@ -30,7 +30,7 @@ from dflash_jax.train import validate
 from dflash_jax.train.checkpoint import Checkpointer
 from dflash_jax.train.startup import load_config_target
 from dflash_jax.train.state import StateSpec, TrainState, init_train_state, state_spec
-from dflash_jax.train.step import StepFunctions, make_step, put_batch
+from dflash_jax.train.step import StepFunctions, make_step, put_batch, schedule_length
 from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE, drafter_from_torch_layout
 
 from tests.drafter_fixtures import CONFIGS, make_config, random_weights
@@ -163,6 +163,7 @@ class Setup(NamedTuple):
     state: TrainState
     step: StepFunctions
     loader: BatchLoader
+    total_steps: jax.Array  # the step's schedule-length argument
 
 
 def build(config: ConfigDict, mesh: Mesh) -> Setup:
@@ -180,7 +181,8 @@ def build(config: ConfigDict, mesh: Mesh) -> Setup:
                      state_shardings(target_state, mesh, config.target_layout), mesh)
     loader = BatchLoader(config.data.train_files, tokenizer, seq_len=config.data.seq_len, anchor_stride=config.data.anchor_stride,
                          batch_size=config.data.batch_size, seed=config.data.shuffle_seed)
-    return Setup(config, mesh, target, target_state, drafter_config, spec, state, step, loader)
+    return Setup(config, mesh, target, target_state, drafter_config, spec, state, step, loader,
+                 schedule_length(config.total_steps, mesh))
 
 
 def one_step(config: ConfigDict, mesh: Mesh, steps: int = 2) -> list[dict]:
@@ -188,7 +190,8 @@ def one_step(config: ConfigDict, mesh: Mesh, steps: int = 2) -> list[dict]:
     setup = build(config, mesh)
     state, history = setup.state, []
     for _ in range(steps):
-        state, metrics = setup.step.train_step(state, setup.target_state, put_batch(next(setup.loader), mesh))
+        state, metrics = setup.step.train_step(state, setup.target_state, put_batch(next(setup.loader), mesh),
+                                               setup.total_steps)
         history.append(jax.tree.map(np.asarray, jax.device_get(metrics)))
     return history
 

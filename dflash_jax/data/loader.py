@@ -117,7 +117,7 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
         log.info("rows %s of each batch of %d: %d records of %s (%s)", _spans(self.rows), batch_size,
                  self.num_records, names, _sizes(sources))
         if state is not None:
-            self._restore(state)
+            self.restore(state)
 
     @property
     def num_records(self) -> int:
@@ -138,7 +138,9 @@ class BatchLoader(Iterator[dict[str, np.ndarray]]):
                 "sources": self._sources, "seed": self.seed, "seq_len": self.seq_len, "anchor_stride": self.anchor_stride,
                 "batches": self._batches, "rows": {str(s.row): s.position() for s in self.streams}}
 
-    def _restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue at `state` (from `state()` or `merge_states`); before the first batch. DataError when it was
+        saved for other data or another row layout."""
         now = self.state()
         if state.get("version") == _SAME_AS_ONE_FILE and len(self._sources) == 1 and self._sources[0][1] == 1:
             state = {**state, "version": STATE_VERSION, "sources": self._sources}

@@ -34,7 +34,6 @@ import logging
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 from jax.sharding import Mesh, PartitionSpec

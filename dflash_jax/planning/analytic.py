@@ -97,7 +97,8 @@ def predict_candidates(config: ConfigDict, target_config, devices: list, granule
     for sizes in candidate_meshes(len(devices), granules, tensor_sizes, context_sizes):
         shards = sizes["data"] * sizes["dcn_data"] * sizes["fsdp"]
         # data.rows_per_device: each candidate's batch is that many rows per (data, fsdp) shard of its own.
-        candidate = ConfigDict(validate.resolve_batch_size(config, shards).to_dict())
+        candidate = ConfigDict(config.to_dict())
+        candidate.data.batch_size = validate.batch_size(config, shards)
         candidate.mesh.update(sizes)
         micro_batch = candidate.data.batch_size // candidate.grad_accum_steps
         if micro_batch % shards:

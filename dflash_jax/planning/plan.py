@@ -39,7 +39,7 @@ from dflash_jax.planning.roofline import Roofline, format_roofline, roofline
 from dflash_jax.sharding import TARGET_LAYOUTS, auto_target_layout, state_shardings, token_sharding
 from dflash_jax.train import epochs, flops, validate
 from dflash_jax.train.state import state_spec
-from dflash_jax.train.step import BATCH_KEYS, make_step
+from dflash_jax.train.step import BATCH_KEYS, abstract_schedule_length, make_step
 from dflash_jax.weights.families import family_of, resolve
 from dflash_jax.weights.hub import local_dir
 from dflash_jax.weights.safetensors_dir import read_config
@@ -69,10 +69,9 @@ class Plan(NamedTuple):
     roofline: Roofline | None  # the predicted step time, where the chip's peaks are known (chips.py)
     largest: tuple[LargeArray, ...]  # the biggest arrays the program holds, largest first
     hbm_bytes: int | None  # the budget, if known
-    # The compiled step itself (jax.stages.Compiled) and the config it was compiled for (ConfigDict.to_dict()):
-    # a run whose settled config is that one calls this executable instead of compiling the step again.
+    # The compiled step itself (jax.stages.Compiled): a run that planned its step calls this executable instead of
+    # compiling the step again (train/startup.py).
     executable: Any = None
-    planned_config: dict | None = None
 
 
 def slice_topology(name: str) -> str:
@@ -213,10 +212,9 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
     epoch_tokens: the corpus's tokens an epoch, which give config.epochs its steps (train/epochs.py)."""
     platform = mesh.devices.flat[0].platform
     attention_impl = resolve_attention_impl(config.attention_impl, platform)
-    config = validate.resolve_batch_size(config, mesh.shape["data"] * mesh.shape["fsdp"])  # rows_per_device
-    validate.validate_batch_layout(config, mesh.shape["data"] * mesh.shape["fsdp"])
+    config = abstract_config(config)  # the batch and the layout are settled below
+    validate.settle_batch_size(config, mesh.shape["data"] * mesh.shape["fsdp"])  # rows_per_device
     validate.validate_target_layout(config)
-    config = abstract_config(config)  # the layout may be settled below
     drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer=None)
     target = family_of(target_config).abstract_model(target_config, param_dtype=validate.dtype_of(config.target_dtype),
                                    attention_impl=attention_impl, mesh=mesh,
@@ -235,7 +233,7 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
     shape = (config.data.batch_size, config.data.seq_len)
     batch = {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=token_sharding(mesh)) for key in BATCH_KEYS}
     target_abstract = _abstract(target_state, target_shardings)
-    lowered = step.train_step.lower(spec.abstract, target_abstract, batch)
+    lowered = step.train_step.lower(spec.abstract, target_abstract, batch, abstract_schedule_length(mesh))
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as error:  # the TPU compiler refuses a program larger than a device's HBM
@@ -275,8 +273,7 @@ def plan_train_step(config: ConfigDict, target_config, mesh, hbm_gib: float | No
         argument_bytes=memory.argument_size_in_bytes, temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes, total_bytes=total,
         xla_flops=float(analysis.get("flops", 0.0)) if analysis else 0.0, model_flops=model_flops, cost=cost,
         roofline=line, largest=cost.largest,
-        hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB), executable=compiled,
-        planned_config=config.to_dict())
+        hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB), executable=compiled)
 
 
 def _size(n: float) -> str:

@@ -39,20 +39,18 @@ def steps_for_epochs(epochs: float, corpus_tokens: int, step_tokens: int) -> int
     return max(1, math.ceil(epochs * corpus_tokens / step_tokens))
 
 
-def resolve_total_steps(config: ConfigDict, workdir: epath.Path, loader: BatchLoader, main: bool) -> ConfigDict:
-    """`config` itself when it gives total_steps (which takes precedence); else, with config.epochs, a copy whose
-    total_steps is the derived count (the warmup ratio and the cosine then follow it). Every process calls it
-    (it may gather counts)."""
+def total_steps(config: ConfigDict, workdir: epath.Path, loader: BatchLoader, main: bool) -> int:
+    """config.total_steps when given (it takes precedence); else, with config.epochs, the steps of that many
+    passes over the loader's corpus (the warmup ratio and the cosine then follow it). Every process calls it (it
+    may gather counts); before the loader's first batch."""
     if config.total_steps is not None:
-        return config
+        return config.total_steps
     tokens = _corpus_tokens(workdir, loader, main)
     step_tokens = tokens_per_step(config)
     steps = steps_for_epochs(config.epochs, tokens, step_tokens)
     log.info("config.epochs = %g over %d corpus tokens at %d tokens a step: total_steps = %d", config.epochs,
              tokens, step_tokens, steps)
-    resolved = config.copy_and_resolve_references()
-    resolved.total_steps = steps
-    return resolved
+    return steps
 
 
 def _corpus_tokens(workdir: epath.Path, loader: BatchLoader, main: bool) -> int:

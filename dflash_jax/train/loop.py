@@ -58,13 +58,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, evaluate: EvaluateFn |
     workdir = as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     with workdir_held(workdir):
-        return _train(given, config, workdir, evaluate)
-
-
-def _train(given: ConfigDict, config: ConfigDict, workdir: epath.Path, evaluate: EvaluateFn | None
-           ) -> dict[str, Any]:
-    config, mesh, report = startup.settle(config)
-    return run_loop(startup.setup(given, config, mesh, report, workdir), evaluate)
+        return run_loop(startup.setup(given, startup.settle(config, workdir), workdir), evaluate)
 
 
 def run_loop(run: startup.TrainingRun, evaluate: EvaluateFn | None) -> dict[str, Any]:
@@ -87,7 +81,7 @@ def run_loop(run: startup.TrainingRun, evaluate: EvaluateFn | None) -> dict[str,
                 batch, data_position = next(run.batches)
                 profile.before(step + 1)
                 batch = put_batch(batch, run.mesh, run.rows, config.data.batch_size)
-                state, metrics = run.step_fns.train_step(state, run.target_state, batch)
+                state, metrics = run.step_fns.train_step(state, run.target_state, batch, run.total_steps)
                 step += 1
                 profile.after(step, metrics)
                 interval_steps += 1

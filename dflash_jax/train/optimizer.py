@@ -46,31 +46,49 @@ LAYERS_AXIS = "layers"  # logical axis of weights stacked over layers: one matri
 VOCAB_AXIS = "vocab"
 
 
-def learning_rate_schedule(config: ConfigDict, peak: float | None = None) -> optax.Schedule:
-    """Linear warmup over `warmup_ratio` of the steps from 0 to the peak (default optim.learning_rate), then
-    cosine to 0 at total_steps."""
-    # total_steps is None only while config.epochs awaits the corpus count (train/epochs.py), when nothing but an
-    # ahead-of-time plan compiles the step: the schedule's length changes none of its shapes.
-    total_steps = 1 if config.total_steps is None else config.total_steps
-    warmup_steps = int(round(config.optim.warmup_ratio * total_steps))
+def learning_rate_schedule(config: ConfigDict, total_steps: int | jax.Array,
+                           peak: float | None = None) -> optax.Schedule:
+    """Linear warmup over `warmup_ratio` of `total_steps` from 0 to the peak (default optim.learning_rate), then
+    cosine to 0 at `total_steps`: optax.warmup_cosine_decay_schedule(0, peak, round(ratio * total), total, 0),
+    written with array arithmetic so that `total_steps` may be a traced scalar. The train step takes the
+    schedule's length as an argument rather than a constant of its program: config.epochs gives it only once the
+    corpus is counted, after the step is compiled (design §13.1)."""
     peak = config.optim.learning_rate if peak is None else peak
-    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup_steps=warmup_steps, decay_steps=total_steps,
-                                              end_value=0.0)
+    ratio = config.optim.warmup_ratio
+
+    def schedule(count: jax.Array) -> jax.Array:
+        total = jnp.asarray(total_steps, jnp.float32)
+        warmup = jnp.round(ratio * total)  # half to even, as Python's round
+        count = jnp.asarray(count, jnp.float32)
+        warming = peak * count / jnp.maximum(warmup, 1.0)
+        done = jnp.clip((count - warmup) / jnp.maximum(total - warmup, 1.0), 0.0, 1.0)
+        return jnp.where(count < warmup, warming, peak * 0.5 * (1.0 + jnp.cos(jnp.pi * done)))
+
+    return schedule
 
 
-def make_optimizer(config: ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(config: ConfigDict, total_steps: int | jax.Array) -> optax.GradientTransformation:
+    """The optimizer of config.optim over a schedule of `total_steps` (an int or a traced scalar; `init` reads
+    none of it)."""
     optim = config.optim
-    adamw = optax.adamw(learning_rate_schedule(config), b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay,
+    adamw = optax.adamw(learning_rate_schedule(config, total_steps), b1=optim.b1, b2=optim.b2,
+                        weight_decay=optim.weight_decay,
                         mask=lambda params: jax.tree.map(lambda p: p.replace(is_matrix(p)), params, is_leaf=_is_param))
     if optim.name == "adamw":
         return optax.chain(optax.clip_by_global_norm(optim.clip_grad_norm), adamw)
     if optim.name == "muon":
         peak = optim.learning_rate if optim.muon_learning_rate is None else optim.muon_learning_rate
         return optax.chain(optax.clip_by_global_norm(optim.clip_grad_norm),
-                           muon(learning_rate_schedule(config, peak), adamw, momentum=optim.muon_momentum,
-                                nesterov=optim.muon_nesterov, ns_steps=optim.muon_ns_steps,
-                                weight_decay=optim.muon_weight_decay, ns_dtype=jnp.dtype(optim.muon_ns_dtype)))
+                           muon(learning_rate_schedule(config, total_steps, peak), adamw,
+                                momentum=optim.muon_momentum, nesterov=optim.muon_nesterov,
+                                ns_steps=optim.muon_ns_steps, weight_decay=optim.muon_weight_decay,
+                                ns_dtype=jnp.dtype(optim.muon_ns_dtype)))
     raise ValueError(f"config.optim.name={optim.name!r}: unknown optimizer; choose 'adamw' or 'muon'")
+
+
+def init_optimizer_state(config: ConfigDict, params: nnx.State) -> optax.OptState:
+    """The optimizer's state before its first update (no schedule is read)."""
+    return make_optimizer(config, total_steps=1).init(params)
 
 
 def _is_param(x) -> bool:

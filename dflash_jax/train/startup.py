@@ -33,7 +33,7 @@ from dflash_jax.train import epochs, flops, validate
 from dflash_jax.train.checkpoint import Checkpointer
 from dflash_jax.train.config import anchor_grid
 from dflash_jax.train.state import StateSpec, TrainState, init_train_state, state_spec
-from dflash_jax.train.step import StepFunctions, make_step, process_rows
+from dflash_jax.train.step import StepFunctions, make_step, process_rows, schedule_length
 from dflash_jax.weights.drafter_files import DRAFTER_CONFIG_FILE
 from dflash_jax.weights.hub import pretrained_dir
 from dflash_jax.weights.targets import load_target
@@ -41,11 +41,23 @@ from dflash_jax.weights.targets import load_target
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """What a start decides before any weight is read (`settle`): the run's config with every derived field
+    filled in, read-only from here, and what settling it built."""
+
+    config: FrozenConfigDict  # mesh, batch size, target layout, mask token, total steps: all settled
+    mesh: Mesh
+    plan: plan.Plan | None  # where there was a memory budget: its executable is the run's step
+    rows: list[int]  # this process's rows of every batch
+    loader: BatchLoader  # the corpus indexed, not yet positioned (a resume positions it: `setup`)
+
+
 @dataclasses.dataclass
 class TrainingRun:
     """Everything the steps of a run need, built by `setup`."""
 
-    config: FrozenConfigDict  # settled (mesh, batch size, target layout, total steps) and read-only
+    config: FrozenConfigDict  # Settled.config
     workdir: epath.Path
     main: bool  # of several processes (runtime/distributed.py), the one that writes the run files
     mesh: Mesh
@@ -58,34 +70,35 @@ class TrainingRun:
     target: nnx.Module  # the frozen target, for the evaluation hook
     target_state: nnx.State  # its arrays, the step's separate argument
     step_fns: StepFunctions
+    total_steps: jax.Array  # config.total_steps as the step's schedule-length argument
     predicted: tuple[float, float] | None  # the roofline's (perfect overlap, no overlap) step time, if planned
     step_flops: float
     peak_tflops: float | None
     first_slot: int  # the first drafted slot (design §18)
 
 
-def settle(config: ConfigDict) -> tuple[ConfigDict, Mesh, plan.Plan | None]:
-    """The config with its mesh, batch size and target layout settled, the mesh, and the step's plan where one
-    ran. `config` is already the run's own copy."""
+def settle(config: ConfigDict, workdir: epath.Path) -> Settled:
+    """The run's config settled in one place, in order: the mask token (from the tokenizer, read once), the mesh
+    (chosen where left at its defaults on accelerators), the batch size, the target layout (the plan's), the rows
+    this process reads and the schedule's length (config.epochs: from the corpus). `config` is the run's own copy
+    (validate.run_config); it is filled in here and frozen."""
     budget = config.hbm_gib or plan.device_memory_gib(jax.local_devices()[0])
     report = None
     target_config = plan.target_architecture(config)  # config.json alone: no weights are read here
-    # The mask token is a constant of the compiled step: taken from the tokenizer now, so that the step the plan
-    # compiles is the run's own, which the loop then calls (one compile a start: design §13.1).
-    if config.drafter.mask_token_id is None:
-        tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
-        config.drafter.mask_token_id = validate.resolve_mask_token_id(
-            config, tokenizer, target_config.vocab_size)
+    tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
+    # The mask token is a constant of the compiled step: settled now, so that the step the plan compiles is the
+    # run's own, which the loop then calls (one compile a start: design §13.1).
+    config.drafter.mask_token_id = validate.resolve_mask_token_id(config, tokenizer, target_config.vocab_size)
     chip = chip_of_kind(jax.devices()[0].device_kind)  # the published peaks a predicted step time needs
     if budget and chip and jax.device_count() > 1 and plan_compare.chooses_mesh(config):
         # A mesh left at its defaults on accelerators: the candidates predicted without compiling, the best
         # compiled (design §13.1), so that a start or a resume compiles one step.
-        config, report, choice = plan_compare.choose_mesh(config, target_config, jax.devices(), budget, chip)
+        chosen, report, choice = plan_compare.choose_mesh(config, target_config, jax.devices(), budget, chip)
+        config.mesh.update(chosen.mesh)
         log.info("config.mesh left at its defaults: %s", choice)
     mesh = validate.mesh_from_config(config)
     batch_shards = int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
-    config = validate.resolve_batch_size(config, batch_shards)
-    validate.validate_batch_layout(config, batch_shards)
+    validate.settle_batch_size(config, batch_shards)
 
     # The step compiled from abstract arrays first (dflash_jax/planning/plan.py), where there is a budget to hold
     # it to: a run that cannot fit stops before any weight is read.
@@ -93,10 +106,20 @@ def settle(config: ConfigDict) -> tuple[ConfigDict, Mesh, plan.Plan | None]:
         report = report or plan.plan_train_step(config, target_config, mesh, budget)
         log.info("plan:\n%s", plan.format_plan(report))
         plan.check_budget(report)
-        config.target_layout = report.target_layout  # "auto" settled by the plan
-    if config.target_layout == "auto":  # no plan ran: the devices report no memory (sharding.auto_target_layout)
-        config.target_layout = auto_target_layout({}, None)
-    return config, mesh, report
+    # "auto" settled by the plan, else as when the devices report no memory (sharding.auto_target_layout).
+    config.target_layout = report.target_layout if report else auto_target_layout({}, None)
+
+    # This process's rows of every batch, each row's share of the corpus indexed (data/loader.py). The
+    # schedule's length is an argument of the step, not a constant of its program: counting the corpus for
+    # config.epochs changes nothing the plan compiled.
+    rows = process_rows(mesh, config.data.batch_size)
+    loader = _agreed(lambda: BatchLoader(
+        config.data.train_files, tokenizer, seq_len=config.data.seq_len, anchor_stride=anchor_grid(config).stride,
+        batch_size=config.data.batch_size, rows=rows, seed=config.data.shuffle_seed,
+        pad_id=tokenizer.pad_token_id or 0, max_positions=target_config.max_position_embeddings,
+        bad_records=config.data.bad_records, chat_template_kwargs=config.data.chat_template_kwargs))
+    config.total_steps = epochs.total_steps(config, workdir, loader, jax.process_index() == 0)
+    return Settled(FrozenConfigDict(config.to_dict()), mesh, report, rows, loader)
 
 
 def load_config_target(config: ConfigDict, mesh: Mesh, target_layout: str, attention_impl: str = "xla"):
@@ -109,78 +132,52 @@ def load_config_target(config: ConfigDict, mesh: Mesh, target_layout: str, atten
                        delta_rule_dtype=config.target_matmul_dtype)
 
 
-def setup(given: ConfigDict, config: ConfigDict, mesh: Mesh, report: plan.Plan | None,
-          workdir: epath.Path) -> TrainingRun:
-    """The run's pieces, from the config `settle` returned; `given` is the config as the user gave it, for the
-    workdir's history. A refused start (data, or a resume that does not fit the workdir) writes no run files."""
+def setup(given: ConfigDict, settled: Settled, workdir: epath.Path) -> TrainingRun:
+    """The run's pieces, from what `settle` decided; `given` is the config as the user gave it, for the workdir's
+    history. A refused start (a resume that does not fit the workdir) writes no run files."""
+    config, mesh = settled.config, settled.mesh
     main = jax.process_index() == 0
-    # The frozen target and its tokenizer; the drafter's architecture follows from them and the config. One
-    # attention backend for both models' full-sequence attention.
+    # The frozen target; the drafter's architecture follows from it and the config (its mask token settled).
+    # One attention backend for both models' full-sequence attention.
     attention_impl = resolve_attention_impl(config.attention_impl)
     log.info("loading target %s onto mesh %s (layout: %s, attention: %s)", config.target_dir, dict(mesh.shape),
              config.target_layout, attention_impl)
     target, target_config = load_config_target(config, mesh, config.target_layout, attention_impl)
-    tokenizer = AutoTokenizer.from_pretrained(pretrained_dir(config.tokenizer_dir or config.target_dir))
-    drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer)
+    drafter_config = validate.resolve_drafter_config(config, target_config, tokenizer=None)
     _check_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)
     log.info("drafter: %s (attention: %s)", drafter_config, attention_impl)
 
-    # Train state: restored from the newest checkpoint, else freshly initialised.
+    # Train state: restored from the newest checkpoint, else freshly initialised; the loader continues where
+    # the checkpoint's data position says.
     spec = state_spec(drafter_config, config, attention_impl, mesh)
     checkpointer = Checkpointer(workdir, config.keep_checkpoints)
     restored = checkpointer.restore_latest(spec.abstract)  # the newest readable one (checkpoint.py)
     if restored is None:
-        state, data_state = init_train_state(drafter_config, config, attention_impl, spec), None
-        start_step = 0
+        state, start_step = init_train_state(drafter_config, config, attention_impl, spec), 0
     else:
         start_step, state, data_state = restored
+        settled.loader.restore(data_state)
         log.info("resuming from %s at step %d", workdir / "checkpoints", start_step)
-
-    # This process's rows of every batch, built in a background thread (data/loader.py, data/prefetch.py).
-    data = config.data
-    rows = process_rows(mesh, data.batch_size)
-    loader = _agreed(lambda: BatchLoader(
-        data.train_files, tokenizer, seq_len=data.seq_len, anchor_stride=anchor_grid(config).stride,
-        batch_size=data.batch_size, rows=rows, seed=data.shuffle_seed, pad_id=tokenizer.pad_token_id or 0,
-        max_positions=target_config.max_position_embeddings,
-        bad_records=data.bad_records, chat_template_kwargs=data.chat_template_kwargs, state=data_state))
-    config = epochs.resolve_total_steps(config, workdir, loader, main)  # before the loader's thread reads
     if main:  # the start is accepted: record it, and forget the metrics of steps the resume repeats
         _write_drafter_config(workdir / DRAFTER_CONFIG_FILE, drafter_config)
         append_config_history(workdir, given, start_step)
         drop_metrics_after(workdir, start_step)
-    batches = Prefetcher(loader)
+    batches = Prefetcher(settled.loader)  # batches built in a background thread (data/prefetch.py)
 
     target_graphdef, target_state = nnx.split(target)
     target_shardings = state_shardings(target_state, mesh, config.target_layout)
     step_fns = make_step(config, drafter_config, spec, target_graphdef, target_shardings, mesh)
+    report = settled.plan
     if report is not None and report.executable is not None:
-        if report.planned_config == config.to_dict():
-            step_fns = step_fns._replace(train_step=report.executable)  # the plan's compile is the run's
-        else:  # config.epochs: the schedule's step count was known only once the corpus was counted
-            changed = sorted(_changed_fields(report.planned_config, config.to_dict()))
-            log.info("the step compiles again: its config changed since the plan (%s)", ", ".join(changed))
+        step_fns = step_fns._replace(train_step=report.executable)  # the plan's compile is the run's
     predicted = report.roofline.step_seconds if report is not None and report.roofline is not None else None
-    step_flops = flops.train_step_flops(config, target_config, drafter_config)
-    peak_tflops = flops.peak_tflops(config, jax.devices()[0])
-    first_slot = drafter_config.drafter_method.first_slot
-    # The settled config, read-only from here: the loop reads it alone (design §7).
-    return TrainingRun(config=FrozenConfigDict(config.to_dict()), workdir=workdir, main=main, mesh=mesh, rows=rows,
-                       spec=spec, state=state, start_step=start_step, checkpointer=checkpointer, batches=batches,
-                       target=target, target_state=target_state, step_fns=step_fns, predicted=predicted,
-                       step_flops=step_flops, peak_tflops=peak_tflops, first_slot=first_slot)
-
-
-def _changed_fields(before: dict, after: dict, prefix: str = "") -> list[str]:
-    """The dotted names of the fields whose values differ between two ConfigDict.to_dict() trees."""
-    changed = []
-    for key in sorted(set(before) | set(after), key=str):
-        old, new = before.get(key), after.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            changed += _changed_fields(old, new, f"{prefix}{key}.")
-        elif old != new:
-            changed.append(f"{prefix}{key}")
-    return changed
+    return TrainingRun(config=config, workdir=workdir, main=main, mesh=mesh, rows=settled.rows, spec=spec,
+                       state=state, start_step=start_step, checkpointer=checkpointer, batches=batches,
+                       target=target, target_state=target_state, step_fns=step_fns,
+                       total_steps=schedule_length(config.total_steps, mesh), predicted=predicted,
+                       step_flops=flops.train_step_flops(config, target_config, drafter_config),
+                       peak_tflops=flops.peak_tflops(config, jax.devices()[0]),
+                       first_slot=drafter_config.drafter_method.first_slot)
 
 
 def _agreed(build: Callable[[], BatchLoader]) -> BatchLoader:

@@ -20,7 +20,7 @@ from ml_collections import ConfigDict
 from dflash_jax.runtime.errors import CheckpointError, ConfigError
 from dflash_jax.models.drafter import Drafter, DrafterConfig
 from dflash_jax.sharding import state_shardings
-from dflash_jax.train.optimizer import make_optimizer
+from dflash_jax.train.optimizer import init_optimizer_state
 from dflash_jax.train.validate import dtype_of
 from dflash_jax.weights.drafter_files import read_warm_start
 
@@ -63,7 +63,7 @@ def init_train_state(drafter_config: DrafterConfig, config: ConfigDict, attentio
     state = jax.jit(lambda: _init(drafter_config, config, attention_impl), out_shardings=spec.shardings)()
     if config.drafter.init_from:
         state = state._replace(params=_load_params(config.drafter.init_from, drafter_config, spec, state.params))
-        state = state._replace(opt_state=jax.jit(make_optimizer(config).init,
+        state = state._replace(opt_state=jax.jit(lambda params: init_optimizer_state(config, params),
                                                  out_shardings=spec.shardings.opt_state)(state.params))
     return state
 
@@ -73,7 +73,7 @@ def _init(drafter_config: DrafterConfig, config: ConfigDict, attention_impl: str
     params = nnx.state(drafter, nnx.Param)
     # The noise stream is seeded apart from the weight init (fold_in), so changing one leaves the other.
     rng = jax.random.key_data(jax.random.fold_in(jax.random.key(config.seed), 1))
-    return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(config).init(params), rng)
+    return TrainState(jnp.zeros((), jnp.int32), params, init_optimizer_state(config, params), rng)
 
 
 def _load_params(directory: str, drafter_config: DrafterConfig, spec: StateSpec, initial: nnx.State) -> nnx.State:

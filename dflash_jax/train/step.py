@@ -74,7 +74,9 @@ class MicroStepTotals(NamedTuple):
 class StepFunctions(NamedTuple):
     teacher: Callable  # (target_state, batch) -> TargetContext
     drafter_loss: Callable  # (params, teacher, batch, noise_key, normaliser) -> (loss, LossAux)
-    train_step: Callable  # jitted (TrainState, target_state, batch) -> (TrainState, metrics)
+    # jitted (TrainState, target_state, batch, total_steps) -> (TrainState, metrics); total_steps, the learning-rate
+    # schedule's length (an int32 scalar), is an argument so that the program is the same for any length
+    train_step: Callable
 
 
 def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec, target_graphdef: nnx.GraphDef,
@@ -169,19 +171,17 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
             loss = loss + confidence_alpha * confidence
         return loss, LossAux(teacher.labels, out.slot_correct, out.slot_count, confidence, selector)
 
-    tx = make_optimizer(config)
-    schedule = learning_rate_schedule(config)
     accum = config.grad_accum_steps
     micro_sharding = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, None))
 
-    def train_step(state: TrainState, target_state: nnx.State, batch: dict[str, jax.Array]
+    def train_step(state: TrainState, target_state: nnx.State, batch: dict[str, jax.Array], total_steps: jax.Array
                    ) -> tuple[TrainState, dict[str, jax.Array]]:
         # The activations' sharding constraints (dflash_jax.sharding.constrain) read the mesh from the trace
         # context.
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return sharded_step(state, target_state, batch)
+            return sharded_step(state, target_state, batch, total_steps)
 
-    def sharded_step(state: TrainState, target_state: nnx.State, batch: dict[str, jax.Array]
+    def sharded_step(state: TrainState, target_state: nnx.State, batch: dict[str, jax.Array], total_steps: jax.Array
                      ) -> tuple[TrainState, dict[str, jax.Array]]:
         normaliser = trained_slot_count(trained_slots(batch))
         rng, step_key = jax.random.split(jax.random.wrap_key_data(state.rng))
@@ -209,14 +209,14 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
                 for key, value in batch.items()}
             totals, _ = jax.lax.scan(
                 accumulate, zeros, (micro_batches, jax.random.split(step_key, accum)))
-        updates, opt_state = tx.update(totals.grads, state.opt_state, state.params)
+        updates, opt_state = make_optimizer(config, total_steps).update(totals.grads, state.opt_state, state.params)
         metrics = {
             "loss": totals.loss,
             "slot_correct": totals.slot_correct,
             "slot_count": totals.slot_count,
             "anchor_utilisation": anchor_utilisation(anchor_validity(batch["loss_mask"], anchors)),
             "grad_norm": optax.tree.norm(totals.grads),  # before clipping
-            "learning_rate": schedule(state.step),
+            "learning_rate": learning_rate_schedule(config, total_steps)(state.step),
         }
         if confidence_alpha > 0:
             metrics["confidence_loss"] = totals.confidence_loss  # unweighted; `loss` holds it times confidence_alpha
@@ -227,9 +227,19 @@ def make_step(config: ConfigDict, drafter_config: DrafterConfig, spec: StateSpec
         return new_state, metrics
 
     batch_shardings = {key: token_sharding(mesh) for key in BATCH_KEYS}
-    jitted = jax.jit(train_step, in_shardings=(spec.shardings, target_shardings, batch_shardings),
+    jitted = jax.jit(train_step, in_shardings=(spec.shardings, target_shardings, batch_shardings, replicated(mesh)),
                      out_shardings=(spec.shardings, replicated(mesh)), donate_argnums=0)
     return StepFunctions(teacher, drafter_loss, jitted)
+
+
+def schedule_length(total_steps: int, mesh: Mesh) -> jax.Array:
+    """config.total_steps as the step's `total_steps` argument: an int32 scalar on every device of `mesh`."""
+    return jax.device_put(np.int32(total_steps), replicated(mesh))
+
+
+def abstract_schedule_length(mesh: Mesh) -> jax.ShapeDtypeStruct:
+    """The step's `total_steps` argument as an ahead-of-time compile sees it."""
+    return jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(mesh))
 
 
 def process_rows(mesh: Mesh, batch_size: int) -> list[int]:

@@ -300,19 +300,17 @@ def rows_per_device(config: ConfigDict) -> int:
     return 1 if config.data.rows_per_device is None else config.data.rows_per_device
 
 
-def resolve_batch_size(config: ConfigDict, num_batch_shards: int) -> ConfigDict:
-    """`config` itself when it gives data.batch_size; else a copy whose batch_size is data.rows_per_device (one
-    when unset) rows for each of the mesh's `num_batch_shards` (data x fsdp) devices."""
-    if config.data.batch_size is not None:
-        return config
-    resolved = config.copy_and_resolve_references()
-    resolved.data.batch_size = rows_per_device(config) * num_batch_shards
-    resolved.data.rows_per_device = None
-    return resolved
+def batch_size(config: ConfigDict, num_batch_shards: int) -> int:
+    """data.batch_size when given; else data.rows_per_device (one when unset) rows for each of the mesh's
+    `num_batch_shards` (data x fsdp) devices."""
+    return config.data.batch_size or rows_per_device(config) * num_batch_shards
 
 
-def validate_batch_layout(config: ConfigDict, num_batch_shards: int) -> None:
-    """Each micro-batch must split evenly over the mesh's batch axes (data x fsdp)."""
+def settle_batch_size(config: ConfigDict, num_batch_shards: int) -> None:
+    """data.batch_size settled in `config` (the run's, or a plan's copy) as `batch_size` gives it, rows_per_device
+    then unset; each micro-batch must split evenly over the mesh's `num_batch_shards` (data x fsdp) devices."""
+    config.data.batch_size = batch_size(config, num_batch_shards)
+    config.data.rows_per_device = None
     micro_batch = config.data.batch_size // config.grad_accum_steps
     _require(micro_batch % num_batch_shards == 0,
              f"config.data.batch_size / config.grad_accum_steps = {micro_batch} rows per micro-batch must be a "

@@ -21,7 +21,7 @@ from absl import flags
 from dflash_jax.commands.cli import COMMANDS as CLI_COMMANDS, define_config_flag, packaged_config_path
 from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.sharding import BATCH_AXES
-from dflash_jax.train.validate import resolve_batch_size, validate_batch_layout, validate_config
+from dflash_jax.train.validate import settle_batch_size, validate_config
 
 REPO = Path(__file__).resolve().parents[2]
 GPUS_PER_HOST = 8  # a GPU host of the README's commands; launch/slurm.sbatch asks Slurm for as many per node
@@ -115,7 +115,7 @@ def check(command: str) -> None:
     elif known != devices:
         raise ConfigError(f"config.mesh {sizes} uses {known} of the {devices} devices")
     batch_shards = int(np.prod([sizes[axis] for axis in BATCH_AXES]))
-    validate_batch_layout(resolve_batch_size(config, batch_shards), batch_shards)
+    settle_batch_size(config, batch_shards)
 
 
 def test_the_readme_has_training_and_launch_commands():

@@ -53,7 +53,7 @@ def test_bf16_step_holds_no_fp32_copy_of_a_weight_and_matches_fp32(files):
     target_shapes = weight_shapes(greedy.target_state)
     assert not target_shapes & weight_shapes(greedy.state.params)
     assert {jnp.dtype(x.dtype) for x in jax.tree.leaves(greedy.target_state)} == {jnp.dtype(jnp.bfloat16)}
-    program = greedy.step.train_step.lower(greedy.state, greedy.target_state, batch).as_text()
+    program = greedy.step.train_step.lower(greedy.state, greedy.target_state, batch, greedy.total_steps).as_text()
     fp32_shapes = {tuple(int(d) for d in dims.rstrip("x").split("x")) for dims in _F32_TENSOR.findall(program)}
     assert (64, 80) in fp32_shapes  # the drafter's masters and their gradients are fp32: the reading works
     copies = sorted(fp32_shapes & target_shapes)

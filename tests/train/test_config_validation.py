@@ -18,7 +18,7 @@ from configs import qwen3_8b, qwen27b, qwen27b_dflash2, qwen27b_dspark, tiny
 from dflash_jax.runtime.errors import ConfigError
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.qwen3 import Qwen3Config
-from dflash_jax.train.validate import (check_overrides, resolve_drafter_config, run_config, validate_batch_layout,
+from dflash_jax.train.validate import (check_overrides, resolve_drafter_config, run_config, settle_batch_size,
                                       validate_config, validate_eval_files)
 from tests.tokenizer_fixture import make_chat_tokenizer
 
@@ -146,9 +146,9 @@ def test_evaluation_during_training_needs_eval_files():
 
 
 def test_batch_must_split_over_the_batch_mesh_axes():
-    validate_batch_layout(config(grad_accum_steps=2, **{"data.batch_size": 8}), 4)
+    settle_batch_size(config(grad_accum_steps=2, **{"data.batch_size": 8}), 4)
     with pytest.raises(ConfigError, match=r"4 rows per micro-batch must be a multiple of the mesh's data x fsdp"):
-        validate_batch_layout(config(grad_accum_steps=2, **{"data.batch_size": 8}), 8)
+        settle_batch_size(config(grad_accum_steps=2, **{"data.batch_size": 8}), 8)
 
 
 def test_mask_token_defaults_to_the_tokenizers_then_the_first_unused_row():
@@ -199,17 +199,15 @@ def test_shipped_configs_validate():
 def test_the_qwen_recipes_run_on_any_slice_without_a_batch_override(devices):
     """Rows per device (SpecForge's per-GPU batch: 4 for the 8B, 1 for the 27B): the README's commands need no
     --config.data.batch_size on a slice of any size."""
-    from dflash_jax.train.validate import resolve_batch_size, validate_batch_layout
-
     for module in (qwen3_8b, qwen27b):
         c = module.get_config()
         c.target_dir, c.data.train_files = "/ckpt/target", ("train.jsonl",)
         validate_config(c)
         # the recipes' mesh: fsdp over every device (-1)
         assert dict(c.mesh) == {"data": 1, "fsdp": -1, "tensor": 1, "dcn_data": 1, "context": 1}
-        resolved = resolve_batch_size(c, devices)
-        assert resolved.data.batch_size == c.data.rows_per_device * devices and c.data.batch_size is None
-        validate_batch_layout(resolved, devices)
+        rows_per_device = c.data.rows_per_device
+        settle_batch_size(c, devices)
+        assert (c.data.batch_size, c.data.rows_per_device) == (rows_per_device * devices, None)
         assert (c.data.seq_len // c.data.anchor_stride, c.epochs, c.optim.b2) == (512, 6, 0.999)
     for module, (seq_len, rows_per_device) in ((qwen3_8b, (3072, 4)), (qwen27b, (4096, 1))):
         data = module.get_config().data
@@ -220,13 +218,12 @@ def test_a_batch_left_unset_is_one_row_per_device():
     """The base config gives neither data.batch_size nor data.rows_per_device: a step takes one row per (data,
     fsdp) device, with no warning of precedence."""
     from dflash_jax.train.config import base_config
-    from dflash_jax.train.validate import resolve_batch_size
-
     c = base_config()
     c.target_dir, c.data.train_files, c.total_steps = "/ckpt/target", ("train.jsonl",), 10
     validate_config(c)
     assert (c.data.batch_size, c.data.rows_per_device) == (None, None)
-    assert resolve_batch_size(c, 16).data.batch_size == 16
+    settle_batch_size(c, 16)
+    assert c.data.batch_size == 16
 
 
 def test_qwen27b_drafter_is_the_spec_one():

@@ -15,7 +15,7 @@ from configs import qwen3_30b_a3b, qwen36_35b_a3b
 from dflash_jax.models.qwen3 import Qwen3, Qwen3Config
 from dflash_jax.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from dflash_jax.runtime.errors import ConfigError
-from dflash_jax.train.validate import resolve_batch_size, resolve_drafter_config, validate_config
+from dflash_jax.train.validate import batch_size, resolve_drafter_config, validate_config
 
 # The published config.json values of the targets (the transformers defaults where they agree).
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
@@ -39,7 +39,7 @@ def test_recipe_validates_on_any_slice(name):
     config = module.get_config()
     config.target_dir, config.data.train_files = "/ckpt/target", ("train.jsonl",)
     validate_config(config)
-    assert resolve_batch_size(config, 32).data.batch_size == 32  # one row per device
+    assert batch_size(config, 32) == 32  # one row per device
     assert (config.data.seq_len // config.data.anchor_stride, config.epochs, config.optim.b2) == (512, 6, 0.999)
 
 

@@ -44,7 +44,8 @@ def one_step(files, kind, mesh_shape, target_layout="fsdp", method="dflash"):
     """Metrics of one step and the parameters it updated, on the host. mesh_shape: (data, fsdp, tensor[, context])."""
     config = config_for(files, kind, *mesh_shape[:3], *mesh_shape[3:], target_layout=target_layout, method=method)
     setup = build(config, mesh_of(*mesh_shape))
-    state, metrics = setup.step.train_step(setup.state, setup.target_state, put_batch(next(setup.loader), setup.mesh))
+    state, metrics = setup.step.train_step(setup.state, setup.target_state, put_batch(next(setup.loader), setup.mesh),
+                                           setup.total_steps)
     return jax.device_get(metrics), jax.device_get(state.params), setup.target_state
 
 
@@ -168,7 +169,7 @@ def test_no_collective_moves_a_global_batch_of_activations(files, kind, mesh_sha
     floats: `models/layers.py`.) mesh_shape: (data, fsdp, tensor[, context])."""
     setup = build(config_for(files, kind, *mesh_shape, target_layout=target_layout), mesh_of(*mesh_shape))
     batch = put_batch(next(setup.loader), setup.mesh)
-    hlo = setup.step.train_step.lower(setup.state, setup.target_state, batch).compile().as_text()
+    hlo = setup.step.train_step.lower(setup.state, setup.target_state, batch, setup.total_steps).compile().as_text()
     collectives = float_collectives(hlo)
     assert any(op == "all-gather" for op, _ in collectives), "expected FSDP weight all-gathers in the step"
     tokens = ROWS * setup.config.data.seq_len  # a mixture of experts' dispatch sees rows as [tokens (x k), H]
@@ -218,7 +219,8 @@ def test_a_checkpoint_written_on_one_mesh_restores_on_another(files, tmp_path):
     """Orbax writes each array whole (from its shards) and reads it onto whatever shardings the restore target
     carries: a run saved on fsdp = 8 resumes on (2, 2, 2) with identical values."""
     setup = build(config_for(files, "qwen3_5", 1, 8, 1), mesh_of(1, 8, 1))
-    state, _ = setup.step.train_step(setup.state, setup.target_state, put_batch(next(setup.loader), setup.mesh))
+    state, _ = setup.step.train_step(setup.state, setup.target_state, put_batch(next(setup.loader), setup.mesh),
+                                     setup.total_steps)
     saved = jax.device_get(state)
     writer = Checkpointer(tmp_path, keep=1)
     writer.save(1, state, {"cursor": [3]})

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.anchors import DrafterInputs, anchor_validity, slot_mask, slot_tokens
 from dflash_jax.sharding import state_shardings
 from dflash_jax.train.loss import draft_logits, trained_slot_count

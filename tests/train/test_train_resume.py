@@ -51,7 +51,7 @@ def test_stop_at_step_10_and_rerun_matches_a_straight_run(files, tmp_path, optim
         return {}
 
     preempted: list[int] = []
-    straight = train(config, tmp_path / "straight", evaluate=lambda step, drafter, target: {})
+    train(config, tmp_path / "straight", evaluate=lambda step, drafter, target: {})
     first = train(config, tmp_path / "resumed", evaluate=preempt_once)
     second = train(config, tmp_path / "resumed", evaluate=preempt_once)
 

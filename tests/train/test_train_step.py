@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -102,7 +103,7 @@ def test_step_loss_equals_dense_numpy_loss(files, hybrid_target, target_kind, la
                                                        "loss.dpace_alpha": 0.3, "loss.terms": terms}), mesh_of())
     batch = next(setup.loader)
     params = jax.tree.map(jnp.copy, setup.state.params)  # the step donates the state it is given
-    _, metrics = setup.step.train_step(setup.state, setup.target_state, put_batch(batch, setup.mesh))
+    _, metrics = setup.step.train_step(setup.state, setup.target_state, put_batch(batch, setup.mesh), setup.total_steps)
 
     loss, slot_correct, slot_count = reference_loss(setup, params, batch)
     assert slot_count.sum() > 50  # the batch trains a fair number of slots
@@ -127,7 +128,8 @@ def test_noise_never_touches_labels_and_only_the_drafter_trains(files):
     initial = to_numpy(noisy.state.params)
     state = noisy.state
     for _ in range(4):
-        state, _ = noisy.step.train_step(state, noisy.target_state, put_batch(next(noisy.loader), noisy.mesh))
+        state, _ = noisy.step.train_step(state, noisy.target_state, put_batch(next(noisy.loader), noisy.mesh),
+                                         noisy.total_steps)
     jax.tree.map(np.testing.assert_array_equal, to_numpy(noisy.target_state), target_before)
     before = jax.tree_util.tree_flatten_with_path(initial)[0]
     after = jax.tree.leaves(to_numpy(state.params))
@@ -162,11 +164,24 @@ def test_gradient_accumulation_matches_the_full_batch(files, hybrid_target, targ
 
 def test_schedule_warms_up_linearly_then_decays_to_zero(files):
     config = tiny_config(*files, total_steps=100, **{"optim.warmup_ratio": 0.04, "optim.learning_rate": 1e-3})
-    schedule = learning_rate_schedule(config)
+    schedule = learning_rate_schedule(config, 100)
     assert float(schedule(0)) == 0.0
     np.testing.assert_allclose(float(schedule(2)), 5e-4, rtol=1e-6)
     np.testing.assert_allclose(float(schedule(4)), 1e-3, rtol=1e-6)
     assert float(schedule(52)) < 1e-3 and abs(float(schedule(100))) < 1e-12
+
+
+@pytest.mark.parametrize("total_steps, warmup_ratio", [(100, 0.04), (1467, 0.04), (7, 0.1), (3, 0.0), (1, 0.04)])
+def test_schedule_of_a_traced_length_is_optaxs_warmup_cosine(total_steps, warmup_ratio):
+    """The step takes the schedule's length as an argument (one program for any length): its schedule, traced,
+    equals optax.warmup_cosine_decay_schedule at every step, past the end included."""
+    config = tiny_config("/unused", "unused.jsonl", **{"optim.warmup_ratio": warmup_ratio,
+                                                        "optim.learning_rate": 6e-4})
+    reference = optax.warmup_cosine_decay_schedule(0.0, 6e-4, warmup_steps=int(round(warmup_ratio * total_steps)),
+                                                   decay_steps=total_steps, end_value=0.0)
+    counts = jnp.arange(total_steps + 3)
+    traced = jax.jit(lambda total: jax.vmap(learning_rate_schedule(config, total))(counts))(jnp.int32(total_steps))
+    np.testing.assert_allclose(traced, jax.vmap(reference)(counts), rtol=1e-5, atol=1e-10)  # fp32 rounding
 
 
 @pytest.mark.parametrize("window", [None, 5])

@@ -51,7 +51,6 @@ def assert_same_model(restored, direct):
 def qwen3_dirs(tmp_path_factory):
     """A random HF Qwen3 (untied) and a tied one, each with its Orbax conversion (fp32 and bf16)."""
     root = tmp_path_factory.mktemp("qwen3")
-    dirs = {}
     for name, tied in (("untied", False), ("tied", True)):
         save_qwen3(root / name, qwen3_config(tie_word_embeddings=tied), seed=1)
         (root / name / "tokenizer.json").write_text("{}")  # stands in for the tokenizer files
