@@ -106,8 +106,9 @@ def settle(config: ConfigDict, workdir: epath.Path) -> Settled:
         report = report or plan.plan_train_step(config, target_config, mesh, budget)
         log.info("plan:\n%s", plan.format_plan(report))
         plan.check_budget(report)
-    # "auto" settled by the plan, else as when the devices report no memory (sharding.auto_target_layout).
-    config.target_layout = report.target_layout if report else auto_target_layout({}, None)
+        config.target_layout = report.target_layout  # "auto" settled by the plan
+    elif config.target_layout == "auto":  # as when the devices report no memory (sharding.auto_target_layout)
+        config.target_layout = auto_target_layout({}, None)
 
     # This process's rows of every batch, each row's share of the corpus indexed (data/loader.py). The
     # schedule's length is an argument of the step, not a constant of its program: counting the corpus for
