@@ -303,7 +303,9 @@ def rows_per_device(config: ConfigDict) -> int:
 def batch_size(config: ConfigDict, num_batch_shards: int) -> int:
     """data.batch_size when given; else data.rows_per_device (one when unset) rows for each of the mesh's
     `num_batch_shards` (data x fsdp) devices."""
-    return config.data.batch_size or rows_per_device(config) * num_batch_shards
+    if config.data.batch_size is not None:
+        return config.data.batch_size
+    return rows_per_device(config) * num_batch_shards
 
 
 def settle_batch_size(config: ConfigDict, num_batch_shards: int) -> None:
